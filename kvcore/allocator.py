@@ -1,0 +1,113 @@
+"""Page bookkeeping: refcounts, the free queue and the LRU of evictable pages.
+
+Every page of a pool is in exactly one of three states::
+
+    state       refcount  indexed (prefix.py)  kept in
+    free        0         no                   _free       FIFO queue
+    evictable   0         yes                  _evictable  LRU order, least recent first
+    held        > 0       either               (block tables of live sequences)
+
+    free + evictable + held == num_pages       (the conservation law)
+
+:meth:`take` serves free pages first and evicts the least recently released
+evictable page only when the free queue is empty. Every operation is O(1) per
+page; nothing scans the pool (``check_integrity`` does, and is for tests).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import NewType
+
+PageId = NewType("PageId", int)
+
+
+class PageAllocator:
+    """Refcounts and the two queues of unreferenced pages of one pool."""
+
+    __slots__ = ("_evictable", "_free", "_refcount", "num_held", "num_pages")
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.num_held = 0  # pages with refcount > 0
+        self._refcount = [0] * num_pages
+        self._free: deque[PageId] = deque(PageId(p) for p in range(num_pages))
+        self._evictable: OrderedDict[PageId, None] = OrderedDict()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def refcount(self, page: PageId) -> int:
+        return self._refcount[page]
+
+    def is_evictable(self, page: PageId) -> bool:
+        return page in self._evictable
+
+    def take(self, num: int, evict: Callable[[PageId], None]) -> list[PageId]:
+        """``num`` pages at refcount 1: free pages first, then LRU evictions.
+
+        ``evict(page)`` is called for each evicted page (to drop it from the
+        index). The caller has checked ``num <= num_free + num_evictable``.
+        """
+        assert num <= len(self._free) + len(self._evictable), "take() beyond capacity"
+        pages: list[PageId] = []
+        for _ in range(num):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                evict(page)
+            self._refcount[page] = 1
+            pages.append(page)
+        self.num_held += num
+        return pages
+
+    def retain(self, page: PageId) -> None:
+        """One more reference; an evictable page becomes held (a prefix hit)."""
+        if self._refcount[page] == 0:
+            assert page in self._evictable, f"retain() of free page {page}"
+            del self._evictable[page]
+            self.num_held += 1
+        self._refcount[page] += 1
+
+    def release(self, page: PageId, cached: bool) -> None:
+        """One reference less; at zero the page becomes evictable if ``cached``, else free."""
+        count = self._refcount[page]
+        assert count > 0, f"release() of unreferenced page {page}"
+        self._refcount[page] = count - 1
+        if count == 1:
+            self.num_held -= 1
+            if cached:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
+
+    def check_integrity(self, references: Mapping[PageId, int], indexed: Iterable[PageId]) -> None:
+        """Assert the conservation law and that refcounts equal ``references``.
+
+        ``references`` counts, per page, the block-table entries naming it;
+        ``indexed`` is every page the prefix index holds.
+        """
+        free, evictable, indexed_set = set(self._free), set(self._evictable), set(indexed)
+        assert len(free) == len(self._free), "a page is twice in the free queue"
+        assert not free & evictable, f"pages both free and evictable: {free & evictable}"
+        held = {p for p in range(self.num_pages) if self._refcount[p] > 0}
+        assert len(held) == self.num_held, f"num_held {self.num_held} != {len(held)}"
+        assert len(free) + len(evictable) + len(held) == self.num_pages, (
+            f"free {len(free)} + evictable {len(evictable)} + held {len(held)} "
+            f"!= total {self.num_pages}"
+        )
+        assert not held & (free | evictable), "a referenced page is free or evictable"
+        assert not free & indexed_set, f"free pages still indexed: {free & indexed_set}"
+        assert evictable <= indexed_set, f"evictable pages not indexed: {evictable - indexed_set}"
+        for page in range(self.num_pages):
+            expected = references.get(PageId(page), 0)
+            assert self._refcount[page] == expected, (
+                f"page {page}: refcount {self._refcount[page]} != {expected} block-table entries"
+            )

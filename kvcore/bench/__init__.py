@@ -1,0 +1,76 @@
+"""``kvcore bench NAME``: one module per benchmark, each with ``add_arguments``
+and ``run(args) -> dict`` (a flat-ish JSON object of figures).
+
+``--json`` prints that object; otherwise it is shown as a table. Ratios are
+measured against a baseline run in the same process, never against a number
+recorded elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any
+
+BENCHMARKS: dict[str, str] = {
+    "capacity": "pool capacity: contiguous vs paged vs paged + shared prefix cache",
+    "ops": "in-process Manager throughput on the capacity trace",
+    "rpc": "daemon round-trip latency against a raw ZeroMQ echo",
+    "kernels": "paged decode/prefill time and bandwidth per backend",
+    "e2e": "transformers generate() with the kvcore cache vs DynamicCache",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for name, help_text in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(f"kvcore.bench.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"kvcore.bench.{name}":
+                continue  # not in this build yet
+            raise
+        bench = sub.add_parser(name, help=help_text, description=help_text)
+        bench.add_argument("--json", action="store_true", help="print one JSON object")
+        module.add_arguments(bench)
+        bench.set_defaults(_run=module.run)
+
+
+def main(args: argparse.Namespace) -> int:
+    result: dict[str, Any] = args._run(args)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=False))
+    else:
+        print_table(f"kvcore bench {args.benchmark}", result)
+    return 0
+
+
+def print_table(title: str, result: dict[str, Any]) -> None:
+    """Render a result object as a two-column table; nested objects get dotted keys."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in _flatten(result):
+        table.add_row(key, _fmt(value))
+    Console().print(table)
+
+
+def _flatten(obj: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for key, value in obj.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows.extend(_flatten(value, name + "."))
+        else:
+            rows.append((name, value))
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,148 @@
+"""KVLayout: the shape of one KV page pool.
+
+One pool is one allocation holding every layer, layer-major::
+
+    pool bytes = [num_layers][num_pages][2][page_size][num_kv_heads][head_dim]  (dtype)
+                  ^ one layer view: [num_pages, 2, page_size, num_kv_heads, head_dim]
+
+K and V of a page sit side by side (index 0 is K, 1 is V), the last dim is
+contiguous; this is FlashInfer's NHD paged layout and vLLM's Triton layout.
+Page ``p`` means the same page index in every layer. A slot is
+``page * page_size + offset`` (tokens); page ids and page counts are in pages,
+``page_size`` in tokens, byte counts in bytes.
+
+This module imports no torch: :meth:`KVLayout.layer_views` imports it on call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcore.errors import BadRequest
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+MAX_PAGES = 1 << 31  # page ids are int32 in block tables
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Geometry of one pool. Immutable; validated on construction (BadRequest)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int  # tokens per page
+    dtype: str  # one of DTYPE_SIZES
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise BadRequest(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.num_pages > MAX_PAGES:
+            raise BadRequest(f"KVLayout.num_pages must be <= {MAX_PAGES}, got {self.num_pages}")
+        if self.dtype not in DTYPE_SIZES:
+            raise BadRequest(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+
+    @property
+    def dtype_size(self) -> int:
+        """Bytes per element."""
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        """Shape of one page in one layer: [2, page_size, num_kv_heads, head_dim]."""
+        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's cache: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        return (self.num_pages, *self.page_shape)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers (the unit a byte budget buys)."""
+        return self.num_layers * self.page_bytes_per_layer
+
+    @property
+    def page_bytes_per_layer(self) -> int:
+        """Bytes of one page in one layer."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's cache."""
+        return self.num_pages * self.page_bytes_per_layer
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool (all layers, all pages)."""
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens the pool holds when every page is full."""
+        return self.num_pages * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
+        return -(-num_tokens // self.page_size)
+
+    @classmethod
+    def for_budget(
+        cls,
+        budget_bytes: int,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: str,
+    ) -> KVLayout:
+        """The largest pool that fits ``budget_bytes``; BadRequest if not even one page fits."""
+        probe = cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages=1)
+        num_pages = min(budget_bytes // probe.page_bytes, MAX_PAGES)
+        if num_pages < 1:
+            raise BadRequest(
+                f"a budget of {budget_bytes} bytes holds no page of {probe.page_bytes} bytes"
+            )
+        return cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "page_size": self.page_size,
+            "dtype": self.dtype,
+            "num_pages": self.num_pages,
+        }
+
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    def layer_views(self, pool: torch.Tensor) -> list[torch.Tensor]:
+        """Per-layer views of a pool tensor, zero-copy.
+
+        ``pool`` is any tensor over the pool's bytes: a flat uint8 tensor of
+        ``total_bytes`` bytes, or a tensor of this layout's dtype with
+        ``total_bytes / dtype_size`` elements. Each view has :attr:`layer_shape`.
+        """
+        import torch
+
+        flat = pool.reshape(-1)
+        if flat.dtype == torch.uint8:
+            flat = flat.view(self.torch_dtype())
+        if flat.dtype != self.torch_dtype() or flat.numel() * self.dtype_size != self.total_bytes:
+            raise BadRequest(
+                f"pool tensor ({flat.dtype}, {flat.numel()} elements) does not match {self}"
+            )
+        return list(flat.view(self.num_layers, *self.layer_shape).unbind(0))

@@ -1,0 +1,158 @@
+"""Prefix keys and the prefix index.
+
+A prefix key names the content of one full page *and everything before it* in
+one namespace (spec/hashing.md fixes the bytes)::
+
+    root(ns)      = SHA-256( b"kvcore/prefix/v1" || TLV(0x01, utf8(ns)) )
+    key(page i)   = SHA-256( key(page i-1) || TLV(0x02, tokens of page i as u32 LE)
+                             [|| TLV(0x03, extra)] )
+    TLV(tag, v)   = u8(tag) || u32 LE(len(v) in bytes) || v
+    key(page -1)  = root(ns)
+
+So equal keys mean equal namespace, equal extra inputs and equal tokens from the
+first token on, in every process, language and run; a cryptographic hash means
+nobody can force a collision into another tenant's cache.
+
+The index maps key <-> page for committed pages. A key is indexed at most once:
+if two sequences compute the same page independently, the first commit wins and
+the second page stays a private, unindexed page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+from kvcore.allocator import PageId
+from kvcore.errors import BadRequest
+
+PrefixKey = NewType("PrefixKey", bytes)
+
+DOMAIN = b"kvcore/prefix/v1"
+TAG_NAMESPACE = 0x01
+TAG_TOKENS = 0x02
+TAG_EXTRA = 0x03
+KEY_BYTES = 32
+MAX_NAMESPACE_BYTES = 256
+
+
+def _tlv(tag: int, value: bytes) -> bytes:
+    return struct.pack("<BI", tag, len(value)) + value
+
+
+def encode_tokens(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian u32 bytes; BadRequest if any is not an int in [0, 2**32)."""
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise BadRequest(f"tokens must be ints in [0, 2**32): {exc}") from None
+    assert packed.itemsize == 4, "array('I') is not 32-bit on this platform"
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def root_key(namespace: str) -> PrefixKey:
+    """The parent key of a namespace's first page."""
+    raw = namespace.encode("utf-8")
+    if len(raw) > MAX_NAMESPACE_BYTES:
+        raise BadRequest(f"namespace is {len(raw)} bytes; at most {MAX_NAMESPACE_BYTES}")
+    return PrefixKey(hashlib.sha256(DOMAIN + _tlv(TAG_NAMESPACE, raw)).digest())
+
+
+def page_key(parent: PrefixKey, page_tokens: bytes, extra: bytes = b"") -> PrefixKey:
+    """Key of one full page; ``page_tokens`` as :func:`encode_tokens` returns them."""
+    h = hashlib.sha256(parent)
+    h.update(_tlv(TAG_TOKENS, page_tokens))
+    if extra:
+        h.update(_tlv(TAG_EXTRA, extra))
+    return PrefixKey(h.digest())
+
+
+def chain_keys(
+    parent: PrefixKey, token_bytes: bytes, page_size: int, first_page: int = 0
+) -> Iterator[PrefixKey]:
+    """Keys of the full pages from ``first_page`` on, lazily (stop early to hash less).
+
+    ``token_bytes`` holds the sequence's tokens from token 0 (u32 LE); ``parent``
+    is the key of page ``first_page - 1`` (the namespace root for page 0).
+    """
+    stride = 4 * page_size
+    for page in range(first_page, len(token_bytes) // stride):
+        parent = page_key(parent, token_bytes[page * stride : (page + 1) * stride])
+        yield parent
+
+
+@dataclass(frozen=True, slots=True)
+class PageStored:
+    """A page became visible to prefix lookups (it was committed)."""
+
+    key: PrefixKey
+    parent_key: PrefixKey  # root(namespace) for the first page of a chain
+    page: PageId
+
+
+@dataclass(frozen=True, slots=True)
+class PageRemoved:
+    """A page left the index (it was evicted); its key no longer hits."""
+
+    key: PrefixKey
+    page: PageId
+
+
+PageEvent = PageStored | PageRemoved
+EventSink = Callable[[PageEvent], None]
+
+
+class PrefixIndex:
+    """Bijection key <-> page over committed pages; O(1) per key.
+
+    Invariant: ``len(_page_of) == len(_key_of)`` and the two maps are inverse.
+    """
+
+    __slots__ = ("_key_of", "_page_of", "_sink")
+
+    def __init__(self, sink: EventSink | None = None) -> None:
+        self._page_of: dict[PrefixKey, PageId] = {}
+        self._key_of: dict[PageId, PrefixKey] = {}
+        self._sink = sink
+
+    def __len__(self) -> int:
+        return len(self._page_of)
+
+    def get(self, key: PrefixKey) -> PageId | None:
+        return self._page_of.get(key)
+
+    def key_of(self, page: PageId) -> PrefixKey | None:
+        return self._key_of.get(page)
+
+    def is_indexed(self, page: PageId) -> bool:
+        return page in self._key_of
+
+    def insert(self, key: PrefixKey, parent_key: PrefixKey, page: PageId) -> bool:
+        """Index ``page`` under ``key``; False (and no change) if the key is already indexed."""
+        if key in self._page_of:
+            return False
+        assert page not in self._key_of, f"page {page} is indexed under another key"
+        self._page_of[key] = page
+        self._key_of[page] = key
+        if self._sink is not None:
+            self._sink(PageStored(key, parent_key, page))
+        return True
+
+    def remove(self, page: PageId) -> None:
+        """Drop an indexed page (eviction)."""
+        key = self._key_of.pop(page)
+        del self._page_of[key]
+        if self._sink is not None:
+            self._sink(PageRemoved(key, page))
+
+    def check_integrity(self) -> None:
+        assert len(self._page_of) == len(self._key_of), "index maps differ in size"
+        for key, page in self._page_of.items():
+            assert self._key_of.get(page) == key, f"index maps disagree on page {page}"
