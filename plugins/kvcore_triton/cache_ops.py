@@ -1,0 +1,165 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (Triton kernels: @triton.jit is untyped, and kernel arguments take no annotations.)
+"""Cache writes: scatter new K/V into slots (write_kv) and copy whole pages (copy_pages).
+
+Pure data movement, so values are stored bit for bit in the cache's dtype (no
+fp32 round trip is needed; a K/V of another float dtype is converted on store).
+
+* ``_write_kv_kernel``, grid ``(T,)``: token t writes its ``[Hkv, D]`` key and
+  value rows to page ``slot // PAGE_SIZE``, offset ``slot % PAGE_SIZE``; a
+  negative slot writes nothing (its address is clamped to slot 0 and the store
+  masked off, so no out-of-range address is ever formed).
+* ``_copy_pages_kernel``, grid ``(N, 2, PAGE_SIZE)``: program (i, kv, t) copies
+  the ``[Hkv, D]`` row of K or V at offset t of page ``src[i]`` to page
+  ``dst[i]``. dst pages are distinct and disjoint from src (copy-on-write
+  gives fresh pages), so programs never race.
+
+Both tiles are ``[BLOCK_H, BLOCK_D]`` (next powers of two of Hkv and D),
+masked to ``[Hkv, HEAD_DIM]``; with HEAD_DIM a constexpr the rows move in
+16-byte vectors. Offsets are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    kv_ptr,  # [num_pages, 2, PAGE_SIZE, Hkv, D] cache, last dim contiguous
+    key_ptr,  # [T, Hkv, D]
+    value_ptr,  # [T, Hkv, D]
+    slots_ptr,  # [T] int64: page * PAGE_SIZE + offset; < 0 means skip
+    num_kv_heads,
+    stride_key_t,
+    stride_key_h,
+    stride_value_t,
+    stride_value_h,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_tok,
+    stride_kv_head,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    # A skipped token masks every head: comparing against a head count of 0 (rather
+    # than and-ing a scalar into the mask, which the interpreter mistypes as int32).
+    heads_kept = tl.where(slot >= 0, num_kv_heads, 0)
+    slot = tl.where(slot >= 0, slot, 0)
+    page = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < heads_kept) & (offs_d[None, :] < HEAD_DIM)
+    heads = offs_h.to(tl.int64)[:, None]
+
+    key = tl.load(key_ptr + t * stride_key_t + heads * stride_key_h + offs_d[None, :], mask=mask)
+    value = tl.load(
+        value_ptr + t * stride_value_t + heads * stride_value_h + offs_d[None, :], mask=mask
+    )
+    dst = kv_ptr + page * stride_kv_page + offset * stride_kv_tok + heads * stride_kv_head
+    elem = kv_ptr.dtype.element_ty
+    tl.store(dst + offs_d[None, :], key.to(elem), mask=mask)
+    tl.store(dst + stride_kv_kv + offs_d[None, :], value.to(elem), mask=mask)
+
+
+@triton.jit
+def _copy_pages_kernel(
+    kv_ptr,  # [num_pages, 2, PAGE_SIZE, Hkv, D] cache, last dim contiguous
+    src_ptr,  # [N] int64 source pages
+    dst_ptr,  # [N] int64 destination pages
+    num_kv_heads,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_tok,
+    stride_kv_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i = tl.program_id(0)
+    kv = tl.program_id(1).to(tl.int64)
+    tok = tl.program_id(2).to(tl.int64)
+    src_page = tl.load(src_ptr + i).to(tl.int64)
+    dst_page = tl.load(dst_ptr + i).to(tl.int64)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    row = kv * stride_kv_kv + tok * stride_kv_tok
+    offs = row + offs_h.to(tl.int64)[:, None] * stride_kv_head + offs_d[None, :]
+    data = tl.load(kv_ptr + src_page * stride_kv_page + offs, mask=mask)
+    tl.store(kv_ptr + dst_page * stride_kv_page + offs, data, mask=mask)
+
+
+def _tile(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    return triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter key/value [T, Hkv, D] into ``slots`` [T] (int64, tokens); slot < 0 skipped.
+
+    Validated by the caller: every non-negative slot < num_pages * page_size,
+    distinct non-negative slots, last dims contiguous.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
+    block_h, block_d = _tile(num_kv_heads, head_dim)
+    _write_kv_kernel[(num_tokens,)](
+        kv_cache,
+        key,
+        value,
+        slots.to(torch.int64),
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        PAGE_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def copy_pages(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy page ``src[i]`` to page ``dst[i]`` (K and V, every slot) for each i.
+
+    Validated by the caller: pages in range, ``dst`` distinct and disjoint from ``src``.
+    """
+    num_copies = src.shape[0]
+    if num_copies == 0:
+        return
+    assert kv_cache.stride(4) == 1
+    _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+    block_h, block_d = _tile(num_kv_heads, head_dim)
+    _copy_pages_kernel[(num_copies, 2, page_size)](
+        kv_cache,
+        src.to(torch.int64),
+        dst.to(torch.int64),
+        num_kv_heads,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )

@@ -1,0 +1,330 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (Triton kernels: @triton.jit is untyped, and kernel arguments take no annotations.)
+"""Paged decode with split-KV (flash-decoding), GQA heads packed into one ``tl.dot`` tile.
+
+One query token per sequence attends that sequence's ``seq_lens[b]`` cached
+tokens. Two kernels:
+
+1. ``_decode_split_kernel``, grid ``(B, Hkv, num_splits)``: program (b, g, s)
+   takes the ``QUERY_GROUP = Hq / Hkv`` query heads that share KV head g as
+   the rows of one tile ``Q [BLOCK_H, BLOCK_D]`` (rows >= QUERY_GROUP are
+   zero padding; ``BLOCK_H >= 16`` because ``tl.dot`` needs M >= 16) and runs
+   an online softmax over tokens ``[s * tokens_per_split, (s + 1) *
+   tokens_per_split) ∩ [0, seq_len)`` in blocks of ``BLOCK_N`` tokens::
+
+       S   = Q Kᵀ          [BLOCK_H, BLOCK_D] x [BLOCK_D, BLOCK_N]   (scores, log2 units)
+       m_i = running row max,  l_i = running Σ 2^(S - m_i),  acc = Σ 2^(S - m_i) V
+
+   It writes the split's normalised output ``acc / l_i`` and its log-sum-exp
+   ``m_i + log2(l_i)`` (base 2) to fp32 scratch; an empty split writes
+   ``lse = -inf`` and a zero output.
+2. ``_decode_merge_kernel``, grid ``(B, Hq)``: ``out = Σ_s 2^(lse_s - M) o_s
+   / Σ_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
+
+Token t of sequence b lives in page ``block_table[b, t // PAGE_SIZE]`` at
+offset ``t % PAGE_SIZE``; each token's page is looked up on its own, so page
+sizes need not be powers of two and K/V need not be contiguous across pages.
+Only tokens < seq_len are loaded (masked loads), so unused slots of a page
+(possibly NaN) and unused block-table entries never matter. Offsets are
+int64; block tables int32; everything loaded is converted to fp32 at once
+(the interpreter's bf16 arithmetic is wrong, and fp32 accumulation is what we
+want on a GPU too). Scores are pre-scaled by ``scale * log2(e)`` so the
+softmax uses ``exp2``.
+
+Launch choices (for an H100/H200-class GPU, 132 SMs; decode is bound by
+reading K and V once, so every choice serves memory bandwidth):
+
+* ``PAGE_SIZE`` and ``HEAD_DIM`` are constexprs: ``t // PAGE_SIZE`` becomes a
+  shift or a multiply-high, and the D mask ``d < HEAD_DIM`` has known
+  constancy, so a row of K (HEAD_DIM contiguous elements) is read with 16-byte
+  vector loads even when HEAD_DIM (80, 96) is not a power of two.
+* ``BLOCK_N = 64`` tokens (32 for BLOCK_D = 256): a multiple of every
+  power-of-two page size up to 64 (and a divisor of 128), so a block reads
+  whole pages; 64 x 128 fp32 K and V tiles keep registers under ~128 per
+  thread at 4 warps, which leaves room for 4 CTAs per SM.
+* ``num_splits``: enough programs to put ~4 CTAs on every SM
+  (``ceil(4 * SMs / (B * Hkv))``), never more splits than token blocks nor
+  than ``MAX_SPLITS``. At B=64, Hkv=8 that is 2 splits of 2048 tokens (1024
+  CTAs, ~2 even waves); at B=1 it is up to 64 splits, which is what keeps a
+  single long sequence from running on 8 SMs. The split size comes from
+  ``block_table.shape[1] * page_size`` (an upper bound of seq_len), so
+  planning needs no device-to-host sync and the launch is graph-capturable.
+* ``num_warps = 4``, ``num_stages = 2``: one block of K/V in flight while the
+  previous one is reduced; more stages would trade occupancy for depth.
+* The merge reads ``num_splits x D`` fp32 per head, a few percent of the KV
+  bytes at the split counts above.
+
+Under ``TRITON_INTERPRET=1`` (CPU) the plan uses 16-token blocks and a small
+virtual SM count, so that small test shapes still run several splits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+MAX_SPLITS = 64  # bounds the merge tile (BLOCK_S) and the scratch buffer
+CTAS_PER_SM = 4  # resident CTAs per SM the split count aims for
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [B, Hq, D] query, any float dtype
+    kv_ptr,  # [num_pages, 2, PAGE_SIZE, Hkv, D] cache, last dim contiguous
+    block_table_ptr,  # [B, max_pages] int32
+    seq_lens_ptr,  # [B] int32, tokens
+    part_out_ptr,  # [B, Hq, num_splits, HEAD_DIM] fp32 scratch, contiguous
+    part_lse_ptr,  # [B, Hq, num_splits] fp32 scratch (base-2 log-sum-exp), contiguous
+    qk_scale,  # fp32: softmax scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_bt_b,
+    tokens_per_split,  # tokens, a multiple of BLOCK_N
+    num_splits,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (and >= 16)
+    QUERY_GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_H: tl.constexpr,  # next power of two >= QUERY_GROUP (and >= 16)
+    BLOCK_N: tl.constexpr,  # tokens per iteration
+):
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    tl.static_assert(BLOCK_H >= QUERY_GROUP)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * QUERY_GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < QUERY_GROUP
+    mask_d = offs_d < HEAD_DIM
+    q_head = (kv_head * QUERY_GROUP + offs_h).to(tl.int64)
+
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    q = q * qk_scale
+
+    # A finite floor instead of -inf keeps (m_i - m_new) free of inf - inf.
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+    v_base = k_base + stride_kv_kv
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + offs_n
+        mask_n = tok < end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = page * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        kv_offs = row[:, None] + offs_d[None, :]
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+
+        k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    # Empty split (start >= end): l_i == 0 -> lse = -inf, output 0; the merge weighs it 0.
+    nonempty = l_i > 0.0
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+
+    part_row = (b.to(tl.int64) * num_q_heads + q_head) * num_splits + split  # [BLOCK_H]
+    tl.store(part_lse_ptr + part_row, lse, mask=mask_h)
+    tl.store(
+        part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
+        o,
+        mask=mask_h[:, None] & mask_d[None, :],
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,  # [B, Hq, num_splits, HEAD_DIM] fp32
+    part_lse_ptr,  # [B, Hq, num_splits] fp32, base 2
+    out_ptr,  # [B, Hq, D] output, the query's dtype
+    stride_ob,
+    stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    num_q_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+
+    part_row = (b.to(tl.int64) * num_q_heads + head) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part_row, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): weights 0
+    w = tl.exp2(lse - m)  # [BLOCK_S]
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    acc = tl.sum(w[:, None] * o, 0)  # [BLOCK_D]
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    out_ptrs = out_ptr + b.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh + offs_d
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """Launch shape of one decode call; host-only arithmetic, no device sync."""
+
+    block_n: int  # tokens per loop iteration
+    num_splits: int  # splits per (sequence, KV head); <= MAX_SPLITS
+    tokens_per_split: int  # tokens, a multiple of block_n
+    num_warps: int
+    num_stages: int
+
+
+def plan_decode(
+    batch: int,
+    num_kv_heads: int,
+    max_tokens: int,
+    block_d: int,
+    device: torch.device,
+    interpreted: bool,
+    num_splits: int | None = None,
+) -> DecodePlan:
+    """Choose block size and split count (see the module docstring for the reasons).
+
+    ``max_tokens`` is an upper bound of every seq_len (max_pages * page_size);
+    ``num_splits`` forces a split count (clamped to 1..MAX_SPLITS and to the
+    number of token blocks).
+    """
+    if interpreted:
+        block_n, sm_count = 16, 2
+    else:
+        block_n = 32 if block_d >= 256 else 64
+        sm_count = _sm_count(device)
+    blocks = max(1, math.ceil(max_tokens / block_n))
+    if num_splits is None:
+        num_splits = math.ceil(CTAS_PER_SM * sm_count / max(1, batch * num_kv_heads))
+    num_splits = max(1, min(num_splits, blocks, MAX_SPLITS))
+    tokens_per_split = math.ceil(blocks / num_splits) * block_n
+    num_splits = max(1, math.ceil(max_tokens / tokens_per_split))  # drop splits left empty
+    return DecodePlan(block_n, num_splits, tokens_per_split, num_warps=4, num_stages=2)
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]
+
+
+def decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    interpreted: bool,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """out [B, Hq, D] (query's dtype) = softmax(q Kᵀ * scale) V over each sequence's pages.
+
+    Inputs are validated by the caller: query [B, Hq, D], kv_cache
+    [num_pages, 2, page_size, Hkv, D] with a contiguous last dim, block_table
+    [B, max_pages] int32 with in-range pages, seq_lens [B] int32 with
+    ``seq_lens[b] <= max_pages * page_size``; Hq a multiple of Hkv.
+    """
+    batch, num_q_heads, head_dim = query.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    assert kv_cache.stride(4) == 1 and query.stride(2) == 1, "last dims must be contiguous"
+    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(batch, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    plan = plan_decode(
+        batch,
+        num_kv_heads,
+        block_table.shape[1] * page_size,
+        block_d,
+        query.device,
+        interpreted,
+        num_splits,
+    )
+    part_out = torch.empty(
+        batch, num_q_heads, plan.num_splits, head_dim, dtype=torch.float32, device=query.device
+    )
+    part_lse = torch.empty(
+        batch, num_q_heads, plan.num_splits, dtype=torch.float32, device=query.device
+    )
+    _decode_split_kernel[(batch, num_kv_heads, plan.num_splits)](
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        part_out,
+        part_lse,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        plan.tokens_per_split,
+        plan.num_splits,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        QUERY_GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    _decode_merge_kernel[(batch, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        plan.num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(plan.num_splits),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,194 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (Triton kernels: @triton.jit is untyped, and kernel arguments take no annotations.)
+"""Paged prefill: varlen causal attention of new queries over a cached prefix.
+
+Sequence b has ``q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b]`` queries, which
+are its *last* q_len tokens of ``seq_len = seq_lens[b]`` (bottom-right
+aligned; their K/V are already written)::
+
+    tokens   0 ......................... seq_len - q_len ........ seq_len - 1
+             [ cached prefix (attended)  ][ the q_len new tokens        ]
+    query i attends tokens 0 .. pos(i),  pos(i) = seq_len - q_len + i
+
+One kernel, grid ``(cdiv(max q_len, BLOCK_Q), B, Hkv)``. Program (j, b, g)
+packs queries ``j*BLOCK_Q .. j*BLOCK_Q + BLOCK_Q - 1`` of sequence b times the
+``QUERY_GROUP`` query heads sharing KV head g into the rows of one tile::
+
+    row r  ->  query  j*BLOCK_Q + r // BLOCK_G,  head  g*QUERY_GROUP + r % BLOCK_G
+    BLOCK_M = BLOCK_Q * BLOCK_G rows   (rows with head >= QUERY_GROUP are padding)
+
+so each K/V block is read once per KV head rather than once per query head.
+It runs the online softmax (``m_i``, ``l_i``, ``acc``, exp2 with the scale
+folded into Q) over tokens ``0 .. pos(last query of the tile)`` in blocks of
+``BLOCK_N``, masking ``token > pos(row)``. Pages are looked up per token
+(any page size); only tokens < seq_len are loaded, so unused slots never
+matter; offsets are int64; loads are converted to fp32 at once.
+
+Launch choices: ``BLOCK_M = 64`` rows, ``BLOCK_N = 64`` tokens (32 at
+BLOCK_D = 256) keep the fp32 tiles within registers at 4 warps;
+``num_stages = 2`` overlaps the next K/V block's load with this block's math.
+The grid needs the longest q_len, one device-to-host read of cu_seqlens_q;
+prefill is not a graph-captured step, so the sync is accepted here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [total_q, Hq, D] queries, any float dtype
+    kv_ptr,  # [num_pages, 2, PAGE_SIZE, Hkv, D] cache, last dim contiguous
+    out_ptr,  # [total_q, Hq, D] output, the query's dtype
+    block_table_ptr,  # [B, max_pages] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32, query rows
+    seq_lens_ptr,  # [B] int32, tokens (cached prefix + new)
+    qk_scale,  # fp32: softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv_page,
+    stride_kv_kv,
+    stride_kv_tok,
+    stride_kv_head,
+    stride_bt_b,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM (and >= 16)
+    QUERY_GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # next power of two >= QUERY_GROUP
+    BLOCK_Q: tl.constexpr,  # queries per tile
+    BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q * BLOCK_G (>= 16)
+    BLOCK_N: tl.constexpr,  # tokens per iteration
+):
+    tl.static_assert(BLOCK_M == BLOCK_Q * BLOCK_G)
+    tl.static_assert(BLOCK_G >= QUERY_GROUP)
+    tl.static_assert(BLOCK_D >= HEAD_DIM)
+    q_block = tl.program_id(0)
+    b = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    first_q = q_block * BLOCK_Q
+    if first_q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len  # cached tokens before the first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_idx = first_q + offs_m // BLOCK_G  # query index within the sequence
+    group_idx = offs_m % BLOCK_G
+    mask_m = (q_idx < q_len) & (group_idx < QUERY_GROUP)
+    mask_d = offs_d < HEAD_DIM
+    pos = prefix + q_idx  # the last token each row attends
+    q_head = (kv_head * QUERY_GROUP + group_idx).to(tl.int64)
+    q_row = (q_start + q_idx).to(tl.int64)
+
+    q_ptrs = q_ptr + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_md, other=0.0).to(tl.float32)
+    q = q * qk_scale
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite floor: no inf - inf
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    kv_end = tl.minimum(seq_len, prefix + tl.minimum(first_q + BLOCK_Q, q_len))
+    k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
+    v_base = k_base + stride_kv_kv
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    for t0 in range(0, kv_end, BLOCK_N):
+        tok = t0 + offs_n
+        mask_n = tok < kv_end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = page * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        kv_offs = row[:, None] + offs_d[None, :]
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+
+        k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], log2 units
+        causal = mask_n[None, :] & (tok[None, :] <= pos[:, None])
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_md)
+
+
+def prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """out [total_q, Hq, D] (query's dtype): causal attention of each sequence's last
+    q_len tokens over its ``seq_lens[b]`` cached tokens.
+
+    Inputs are validated by the caller: cu_seqlens_q [B+1] int32 non-decreasing
+    from 0 to total_q, ``q_len <= seq_lens[b] <= max_pages * page_size``,
+    block_table [B, max_pages] int32 with in-range pages, Hq a multiple of Hkv.
+    """
+    total_q, num_q_heads, head_dim = query.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    assert kv_cache.stride(4) == 1 and query.stride(2) == 1, "last dims must be contiguous"
+    assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
+    batch = seq_lens.shape[0]
+    out = torch.empty(total_q, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    if total_q == 0 or batch == 0:
+        return out
+    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())  # host sync
+
+    group = num_q_heads // num_kv_heads
+    block_g = triton.next_power_of_2(group)
+    block_q = max(1, 64 // block_g)  # 64 rows, or one query of a group wider than 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_n = 32 if block_d >= 256 else 64
+    grid = (triton.cdiv(max_q_len, block_q), batch, num_kv_heads)
+    _prefill_kernel[grid](
+        query,
+        kv_cache,
+        out,
+        block_table,
+        cu_seqlens_q,
+        seq_lens,
+        scale * LOG2_E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        QUERY_GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * block_g,
+        BLOCK_N=block_n,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
