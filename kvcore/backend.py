@@ -55,17 +55,21 @@ class Capabilities:
         return (
             device in self.devices
             and dtype in self.dtypes
-            and (
-                head_dim in self.head_dims
-                if self.head_dims is not None
-                else 1 <= head_dim <= MAX_HEAD_DIM
-            )
-            and (
-                page_size in self.page_sizes
-                if self.page_sizes is not None
-                else 1 <= page_size <= MAX_PAGE_SIZE
-            )
+            and self.supports_head_dim(head_dim)
+            and self.supports_page_size(page_size)
         )
+
+    def supports_head_dim(self, head_dim: int) -> bool:
+        """Whether ``head_dim`` (elements) is declared."""
+        if self.head_dims is None:
+            return 1 <= head_dim <= MAX_HEAD_DIM
+        return head_dim in self.head_dims
+
+    def supports_page_size(self, page_size: int) -> bool:
+        """Whether ``page_size`` (tokens per page) is declared."""
+        if self.page_sizes is None:
+            return 1 <= page_size <= MAX_PAGE_SIZE
+        return page_size in self.page_sizes
 
 
 class Backend(abc.ABC):

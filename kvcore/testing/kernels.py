@@ -1,0 +1,384 @@
+"""The kernel conformance suite: hold any backend to the torch oracle.
+
+Each property below is a hypothesis test over :mod:`kvcore.testing.kernel_cases`
+(shapes from the backend's capabilities and the profile)::
+
+    from kvcore.testing.kernels import Suite
+    Suite("triton", device="cpu", profile="quick").run_all()   # {name: None | error}
+
+or one property at a time with ``Suite.run(name)``. ``kvcore conformance`` and
+the pytest plugin (:mod:`kvcore.testing.pytest_plugin`) are thin wrappers.
+
+Properties (all compare with the tolerance of ``kernel_cases.tolerance``):
+
+* decode / prefill equal the oracle, on NaN-poisoned caches (unused slots of
+  referenced pages, spare pages, padding of strided layouts) with distinct,
+  shared and repeated pages and garbage in the padding of the block table;
+* decode is invariant under a permutation of the pool's pages and under a
+  change of page size;
+* write_kv then prefill / decode equals dense causal attention (SDPA on
+  contiguous K/V, GQA by repeat_interleave); write_kv stores exactly and skips
+  negative slots;
+* copy_pages copies exactly and touches nothing else;
+* the last query of a prefill equals decode;
+* out-of-range pages and slots raise BadRequest; undeclared dtype / head dim /
+  page size raise Unsupported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcore import backend as registry
+from kvcore.backend import Backend
+from kvcore.errors import BadRequest, KVCoreError, Unsupported
+from kvcore.testing import kernel_cases as kc
+from kvcore.testing.kernel_cases import Case
+
+PROPERTIES: tuple[str, ...] = (
+    "decode_matches_oracle",
+    "prefill_matches_oracle",
+    "prefill_last_token_is_decode",
+    "decode_invariant_under_page_permutation",
+    "decode_invariant_under_page_size",
+    "write_then_attend_is_dense_attention",
+    "copy_pages_is_exact",
+    "out_of_range_pages_rejected",
+    "unsupported_raises",
+)
+
+
+def dense_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA on contiguous K/V of one sequence, bottom-right causal, fp32 out.
+
+    query [Lq, Hq, D], key/value [Lk, Hkv, D]; GQA by repeat_interleave of K/V heads.
+    """
+    lq, hq, _ = query.shape
+    lk, hkv, _ = key.shape
+    k = key.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    v = value.float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(lk - lq)
+    out = F.scaled_dot_product_attention(
+        query.float().transpose(0, 1), k, v, attn_mask=allowed, scale=scale
+    )
+    return out.transpose(0, 1)
+
+
+class Suite:
+    """The conformance properties for one backend on one device.
+
+    ``backend`` is a registered name or an instance; the oracle is always
+    :class:`kvcore_torch.TorchBackend` on the same device.
+    """
+
+    def __init__(
+        self, backend: str | Backend, device: str = "cpu", profile: str | None = None
+    ) -> None:
+        self.backend = registry.get(backend) if isinstance(backend, str) else backend
+        self.oracle = registry.get("torch")
+        self.device = torch.device(device)
+        self.profile = kc.profile(profile)
+        caps = self.backend.capabilities
+        if self.device.type not in caps.devices:
+            raise Unsupported(f"backend {self.backend.name!r} does not declare {self.device.type}")
+        if not kc.dtypes(caps):
+            raise Unsupported(f"backend {self.backend.name!r} declares none of {kc.DTYPES}")
+
+    # -- running ------------------------------------------------------------------
+
+    def run(self, name: str) -> None:
+        """Run one property; raises (AssertionError with the falsifying case) on failure."""
+        if name not in PROPERTIES:
+            raise ValueError(f"unknown property {name!r}; one of {PROPERTIES}")
+        method: Callable[[], None] = getattr(self, name)
+        method()
+
+    def run_all(self) -> dict[str, BaseException | None]:
+        """Every property; the error of each that failed, None for each that passed."""
+        results: dict[str, BaseException | None] = {}
+        for name in PROPERTIES:
+            try:
+                self.run(name)
+                results[name] = None
+            except Exception as exc:
+                results[name] = exc
+        return results
+
+    def _given(self, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> None:
+        """Run ``check`` on ``profile.examples`` draws of ``strategy`` (deadline off)."""
+        wrapped = settings(
+            max_examples=self.profile.examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=[
+                HealthCheck.too_slow,
+                HealthCheck.data_too_large,
+                HealthCheck.filter_too_much,
+                HealthCheck.large_base_example,
+            ],
+        )(given(strategy)(check))
+        wrapped()
+
+    def _cases(self, **kwargs: Any) -> st.SearchStrategy[Case]:
+        return kc.case_st(self.profile, self.backend.capabilities, **kwargs)
+
+    def _close(self, actual: torch.Tensor, expected: torch.Tensor, case: Case, what: str) -> None:
+        atol, rtol = kc.tolerance(self.backend.name, self.device.type, case.dtype)
+        torch.testing.assert_close(
+            actual.float(),
+            expected.float(),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"{self.backend.name}: {what} differs for {case}\n{m}",
+        )
+
+    # -- properties against the oracle ---------------------------------------------
+
+    def decode_matches_oracle(self) -> None:
+        def check(case: Case) -> None:
+            t = kc.build(case, self.device)
+            args = (t.decode_query, t.kv_cache, t.block_table, t.seq_lens, t.scale)
+            self._close(self.backend.decode(*args), self.oracle.decode(*args), case, "decode")
+
+        self._given(self._cases(), check)
+
+    def prefill_matches_oracle(self) -> None:
+        def check(case: Case) -> None:
+            t = kc.build(case, self.device)
+            args = (t.prefill_query, t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens, t.scale)
+            self._close(self.backend.prefill(*args), self.oracle.prefill(*args), case, "prefill")
+
+        self._given(self._cases(), check)
+
+    def prefill_last_token_is_decode(self) -> None:
+        def check(case: Case) -> None:
+            t = kc.build(case, self.device)
+            prefill = self.backend.prefill(
+                t.prefill_query, t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens, t.scale
+            )
+            last = t.cu_seqlens_q[1:].long() - 1
+            decode = self.backend.decode(
+                t.prefill_query[last], t.kv_cache, t.block_table, t.seq_lens, t.scale
+            )
+            self._close(prefill[last], decode, case, "prefill's last token vs decode")
+
+        self._given(self._cases(), check)
+
+    # -- invariances ----------------------------------------------------------------
+
+    def decode_invariant_under_page_permutation(self) -> None:
+        def check(case: Case) -> None:
+            t = kc.build(case, self.device)
+            num_pages = t.kv_cache.shape[0]
+            perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(case.seed))
+            perm = perm.to(self.device)
+            moved = torch.empty_like(t.kv_cache)
+            moved[perm] = t.kv_cache  # page p now lives at perm[p]
+            used = torch.arange(t.block_table.shape[1], device=self.device)[None, :] < (
+                (t.seq_lens[:, None].long() + case.page_size - 1) // case.page_size
+            )
+            table = torch.where(used, perm[t.block_table.long().clamp(0, num_pages - 1)], -1)
+            before = self.backend.decode(
+                t.decode_query, t.kv_cache, t.block_table, t.seq_lens, t.scale
+            )
+            after = self.backend.decode(
+                t.decode_query, moved, table.to(torch.int32), t.seq_lens, t.scale
+            )
+            self._close(after, before, case, "decode after a page permutation")
+
+        self._given(self._cases(), check)
+
+    def decode_invariant_under_page_size(self) -> None:
+        sizes = kc.page_sizes(self.profile, self.backend.capabilities)
+
+        @st.composite
+        def pair(draw: st.DrawFn) -> tuple[Case, int]:
+            case = draw(self._cases(table_modes=("distinct",)))
+            return case, draw(st.sampled_from(sizes))
+
+        def check(drawn: tuple[Case, int]) -> None:
+            case, other = drawn
+            gen = torch.Generator().manual_seed(case.seed)
+            dtype = getattr(torch, case.dtype)
+            h, d = case.num_kv_heads, case.head_dim
+            kvs = [torch.randn(n, 2, h, d, generator=gen).to(dtype) for n in case.seq_lens]
+            query = torch.randn(len(kvs), case.num_q_heads, d, generator=gen).to(dtype)
+            seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=self.device)
+            outs = []
+            for ps in (case.page_size, other):
+                paged = Case(**{**_fields(case), "page_size": ps})
+                table, num_pages = kc.block_table(paged, gen)
+                cache = kc.empty_cache(paged, num_pages, self.device)
+                for b, kv in enumerate(kvs):
+                    slots = kc.token_slots(table[b], kv.shape[0], ps).to(self.device)
+                    cache[slots // ps, :, slots % ps] = kv.to(self.device)
+                out = self.backend.decode(
+                    query.to(self.device), cache, table.to(self.device), seq_lens, d**-0.5
+                )
+                outs.append(out)
+            self._close(outs[1], outs[0], case, f"decode at page size {other}")
+
+        self._given(pair(), check)
+
+    # -- write, then attend ---------------------------------------------------------
+
+    def write_then_attend_is_dense_attention(self) -> None:
+        def check(case: Case) -> None:
+            gen = torch.Generator().manual_seed(case.seed)
+            dtype = getattr(torch, case.dtype)
+            table, num_pages = kc.block_table(case, gen)
+            cache = kc.empty_cache(case, num_pages, self.device)
+            h, d = case.num_kv_heads, case.head_dim
+            slots = kc.used_slots(case, table)
+            total = slots.numel()
+            key = torch.randn(total, h, d, generator=gen).to(dtype)
+            value = torch.randn(total, h, d, generator=gen).to(dtype)
+            # interleave skipped rows (slot -1, NaN payload) and shuffle the write order
+            skip = total // 3
+            all_slots = torch.cat([slots, torch.full((skip,), -1, dtype=torch.int64)])
+            nan = torch.full((skip, h, d), float("nan"), dtype=dtype)
+            order = torch.randperm(total + skip, generator=gen)
+            self.backend.write_kv(
+                cache,
+                torch.cat([key, nan])[order].to(self.device),
+                torch.cat([value, nan])[order].to(self.device),
+                all_slots[order].to(self.device),
+            )
+            page, off = (
+                (slots // case.page_size).to(self.device),
+                (slots % case.page_size).to(self.device),
+            )
+            assert torch.equal(cache[page, 0, off].cpu(), key), f"write_kv K differs for {case}"
+            assert torch.equal(cache[page, 1, off].cpu(), value), f"write_kv V differs for {case}"
+            written = 2 * total * h * d
+            assert int((~cache.isnan()).sum()) == written, f"write_kv wrote elsewhere: {case}"
+
+            seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=self.device)
+            queries, expected, start = [], [], 0
+            cu = [0]
+            for q_len, n in zip(case.q_lens, case.seq_lens, strict=True):
+                q = torch.randn(q_len, case.num_q_heads, d, generator=gen).to(dtype)
+                ref = dense_attention(q, key[start : start + n], value[start : start + n], d**-0.5)
+                queries.append(q)
+                expected.append(ref.to(dtype))
+                start += n
+                cu.append(cu[-1] + q_len)
+            query = torch.cat(queries).to(self.device)
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
+            table_d = table.to(self.device)
+            out = self.backend.prefill(query, cache, table_d, cu_t, seq_lens, d**-0.5)
+            self._close(out.cpu(), torch.cat(expected), case, "prefill vs dense SDPA")
+            last = cu_t[1:].long() - 1
+            dec = self.backend.decode(query[last], cache, table_d, seq_lens, d**-0.5)
+            self._close(dec.cpu(), torch.cat(expected)[last.cpu()], case, "decode vs dense SDPA")
+
+        # distinct pages: shared pages would make two sequences write one slot
+        self._given(self._cases(table_modes=("distinct",)), check)
+
+    def copy_pages_is_exact(self) -> None:
+        @st.composite
+        def copies(draw: st.DrawFn) -> tuple[Case, int, int]:
+            case = draw(self._cases())
+            num_pages = draw(st.integers(2, 24))
+            return case, num_pages, draw(st.integers(0, num_pages // 2))
+
+        def check(drawn: tuple[Case, int, int]) -> None:
+            case, num_pages, n = drawn
+            gen = torch.Generator().manual_seed(case.seed)
+            cache = kc.empty_cache(case, num_pages, self.device)
+            cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+            perm = torch.randperm(num_pages, generator=gen)
+            dst = perm[:n]
+            rest = perm[n:]
+            src = rest[torch.randint(0, rest.numel(), (n,), generator=gen)]  # may repeat
+            expected = cache.clone()
+            expected[dst.to(self.device)] = cache[src.to(self.device)]
+            self.backend.copy_pages(cache, src.to(self.device), dst.to(self.device))
+            assert torch.equal(cache, expected), f"copy_pages differs for {case} {src=} {dst=}"
+
+        self._given(copies(), check)
+
+    # -- errors ---------------------------------------------------------------------
+
+    def out_of_range_pages_rejected(self) -> None:
+        @st.composite
+        def bad(draw: st.DrawFn) -> tuple[Case, int, int]:
+            case = draw(self._cases())
+            b = draw(st.integers(0, len(case.seq_lens) - 1))
+            return case, b, draw(st.integers(0, case.pages_of(case.seq_lens[b]) - 1))
+
+        def check(drawn: tuple[Case, int, int]) -> None:
+            case, b, j = drawn
+            t = kc.build(case, self.device)
+            num_pages = t.kv_cache.shape[0]
+            for value in (-1, num_pages, 2**31 - 1):
+                table = t.block_table.clone()
+                table[b, j] = value
+                _expect(
+                    BadRequest,
+                    self.backend.decode,
+                    (t.decode_query, t.kv_cache, table, t.seq_lens, t.scale),
+                )
+                _expect(
+                    BadRequest,
+                    self.backend.prefill,
+                    (t.prefill_query, t.kv_cache, table, t.cu_seqlens_q, t.seq_lens, t.scale),
+                )
+            slots = torch.tensor([num_pages * case.page_size], device=self.device)
+            kv = t.kv_cache[:1, 0, :1].reshape(1, case.num_kv_heads, case.head_dim)
+            _expect(BadRequest, self.backend.write_kv, (t.kv_cache, kv, kv, slots))
+            pages = torch.tensor([num_pages], device=self.device)
+            zero = torch.tensor([0], device=self.device)
+            _expect(BadRequest, self.backend.copy_pages, (t.kv_cache, pages, zero))
+            _expect(BadRequest, self.backend.copy_pages, (t.kv_cache, zero, pages))
+
+        self._given(bad(), check)
+
+    def unsupported_raises(self) -> None:
+        caps = self.backend.capabilities
+        dtype, head_dim = kc.dtypes(caps)[0], kc.head_dims(self.profile, caps)[0]
+        page_size = kc.page_sizes(self.profile, caps)[0]
+        undeclared: list[tuple[str, int, int]] = []
+        if "float64" not in caps.dtypes:
+            undeclared.append(("float64", head_dim, page_size))
+        bad_d = [d for d in (24, 48, 72, 257) if not caps.supports_head_dim(d)]
+        bad_ps = [p for p in (6, 9, 129) if not caps.supports_page_size(p)]
+        undeclared += [(dtype, d, page_size) for d in bad_d[:1]]
+        undeclared += [(dtype, head_dim, p) for p in bad_ps[:1]]
+        for dt, d, ps in undeclared:
+            what = f"for dtype={dt} head_dim={d} page_size={ps}"
+            dev, torch_dtype = self.device, getattr(torch, dt)
+            cache = torch.zeros(2, 2, ps, 1, d, dtype=torch_dtype, device=dev)
+            q = torch.zeros(1, 1, d, dtype=torch_dtype, device=dev)
+            table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+            lens = torch.ones(1, dtype=torch.int32, device=dev)
+            cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+            slot = torch.zeros(1, dtype=torch.int64, device=dev)
+            backend = self.backend
+            _expect(Unsupported, backend.decode, (q, cache, table, lens, 1.0), what)
+            _expect(Unsupported, backend.prefill, (q, cache, table, cu, lens, 1.0), what)
+            _expect(Unsupported, backend.write_kv, (cache, q, q, slot), what)
+            _expect(Unsupported, backend.copy_pages, (cache, slot, slot + 1), what)
+
+
+def _expect(
+    error: type[KVCoreError], call: Callable[..., object], args: tuple[Any, ...], what: str = ""
+) -> None:
+    """Assert that ``call(*args)`` raises ``error``."""
+    try:
+        call(*args)
+    except error:
+        return
+    raise AssertionError(f"expected {error.__name__} {what}".rstrip())
+
+
+def _fields(case: Case) -> dict[str, Any]:
+    return {name: getattr(case, name) for name in Case.__dataclass_fields__}
