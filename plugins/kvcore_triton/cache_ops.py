@@ -99,6 +99,11 @@ def _copy_pages_kernel(
     tl.store(kv_ptr + dst_page * stride_kv_page + offs, data, mask=mask)
 
 
+def _unit_last_dim(t: torch.Tensor) -> bool:
+    """The kernels index the last dim with unit stride (any stride is fine for size 1)."""
+    return t.shape[-1] == 1 or t.stride(-1) == 1
+
+
 def _tile(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
 
@@ -114,7 +119,7 @@ def write_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride(2) == 1 and value.stride(2) == 1 and kv_cache.stride(4) == 1
+    assert all(_unit_last_dim(t) for t in (key, value, kv_cache)), "last dims must be contiguous"
     block_h, block_d = _tile(num_kv_heads, head_dim)
     _write_kv_kernel[(num_tokens,)](
         kv_cache,
@@ -146,7 +151,7 @@ def copy_pages(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> 
     num_copies = src.shape[0]
     if num_copies == 0:
         return
-    assert kv_cache.stride(4) == 1
+    assert _unit_last_dim(kv_cache), "last dim must be contiguous"
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     block_h, block_d = _tile(num_kv_heads, head_dim)
     _copy_pages_kernel[(num_copies, 2, page_size)](

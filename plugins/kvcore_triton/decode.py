@@ -267,7 +267,7 @@ def decode(
     """
     batch, num_q_heads, head_dim = query.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
-    assert kv_cache.stride(4) == 1 and query.stride(2) == 1, "last dims must be contiguous"
+    assert kv_cache.stride(4) == 1 or kv_cache.shape[4] == 1, "last dim must be contiguous"
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     group = num_q_heads // num_kv_heads
     out = torch.empty(batch, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
