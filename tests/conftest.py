@@ -1,4 +1,4 @@
-"""Shared test set-up: hypothesis profiles.
+"""Shared test set-up: hypothesis profiles; Triton's interpreter on CPU-only machines.
 
 ``pytest --hypothesis-profile=long`` runs the property suites with many more
 examples (minutes); the default profile keeps the whole suite fast on 2 cores.
@@ -6,7 +6,25 @@ examples (minutes); the default profile keeps the whole suite fast on 2 cores.
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import HealthCheck, settings
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+# Triton kernels run interpreted on a machine without CUDA. Triton reads
+# TRITON_INTERPRET when @triton.jit decorates, i.e. when kvcore_triton is
+# imported, so it is set here, before any test module imports a plugin.
+# (An explicit TRITON_INTERPRET=0 in the environment wins.)
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile(
     "default",
