@@ -70,6 +70,7 @@ import triton.language as tl
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the merge tile (BLOCK_S) and the scratch buffer
 CTAS_PER_SM = 4  # resident CTAs per SM the split count aims for
+INTERPRETER_SMS = 2  # virtual SMs under TRITON_INTERPRET (programs run one by one anyway)
 
 
 @triton.jit
@@ -202,40 +203,76 @@ def _decode_merge_kernel(
 class DecodePlan:
     """Launch shape of one decode call; host-only arithmetic, no device sync."""
 
+    page_size: int  # tokens per page (constexpr PAGE_SIZE)
+    head_dim: int  # elements (constexpr HEAD_DIM)
+    block_d: int  # next power of two >= head_dim, >= 16
+    group: int  # query heads per KV head (constexpr QUERY_GROUP)
+    block_h: int  # next power of two >= group, >= 16 (tl.dot needs M >= 16)
     block_n: int  # tokens per loop iteration
-    num_splits: int  # splits per (sequence, KV head); <= MAX_SPLITS
+    num_splits: int  # splits per (sequence, KV head); 1..MAX_SPLITS
     tokens_per_split: int  # tokens, a multiple of block_n
     num_warps: int
     num_stages: int
 
+    def split_constexprs(self) -> dict[str, int]:
+        """The constexpr arguments of ``_decode_split_kernel``."""
+        return {
+            "PAGE_SIZE": self.page_size,
+            "HEAD_DIM": self.head_dim,
+            "BLOCK_D": self.block_d,
+            "QUERY_GROUP": self.group,
+            "BLOCK_H": self.block_h,
+            "BLOCK_N": self.block_n,
+        }
+
+    def merge_constexprs(self) -> dict[str, int]:
+        """The constexpr arguments of ``_decode_merge_kernel``."""
+        return {
+            "HEAD_DIM": self.head_dim,
+            "BLOCK_D": self.block_d,
+            "BLOCK_S": triton.next_power_of_2(self.num_splits),
+        }
+
 
 def plan_decode(
+    *,
     batch: int,
     num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    page_size: int,
     max_tokens: int,
-    block_d: int,
-    device: torch.device,
+    sm_count: int,
     interpreted: bool,
     num_splits: int | None = None,
 ) -> DecodePlan:
-    """Choose block size and split count (see the module docstring for the reasons).
+    """Choose tiles and the split count (the module docstring gives the reasons).
 
-    ``max_tokens`` is an upper bound of every seq_len (max_pages * page_size);
-    ``num_splits`` forces a split count (clamped to 1..MAX_SPLITS and to the
-    number of token blocks).
+    ``max_tokens`` is an upper bound of every seq_len (max_pages * page_size,
+    tokens); ``sm_count`` the device's multiprocessors; ``num_splits`` forces a
+    split count (clamped to 1..MAX_SPLITS and to the number of token blocks).
     """
-    if interpreted:
-        block_n, sm_count = 16, 2
-    else:
-        block_n = 32 if block_d >= 256 else 64
-        sm_count = _sm_count(device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # Interpreted: 16-token blocks, so tiny test shapes still run several splits.
+    block_n = 16 if interpreted else (32 if block_d >= 256 else 64)
     blocks = max(1, math.ceil(max_tokens / block_n))
     if num_splits is None:
         num_splits = math.ceil(CTAS_PER_SM * sm_count / max(1, batch * num_kv_heads))
     num_splits = max(1, min(num_splits, blocks, MAX_SPLITS))
     tokens_per_split = math.ceil(blocks / num_splits) * block_n
     num_splits = max(1, math.ceil(max_tokens / tokens_per_split))  # drop splits left empty
-    return DecodePlan(block_n, num_splits, tokens_per_split, num_warps=4, num_stages=2)
+    return DecodePlan(
+        page_size=page_size,
+        head_dim=head_dim,
+        block_d=block_d,
+        group=group,
+        block_h=max(16, triton.next_power_of_2(group)),
+        block_n=block_n,
+        num_splits=num_splits,
+        tokens_per_split=tokens_per_split,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 _SM_COUNTS: dict[int, int] = {}
@@ -269,19 +306,19 @@ def decode(
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     assert kv_cache.stride(4) == 1 or kv_cache.shape[4] == 1, "last dim must be contiguous"
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
-    group = num_q_heads // num_kv_heads
     out = torch.empty(batch, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    block_d = max(16, triton.next_power_of_2(head_dim))
     plan = plan_decode(
-        batch,
-        num_kv_heads,
-        block_table.shape[1] * page_size,
-        block_d,
-        query.device,
-        interpreted,
-        num_splits,
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        group=num_q_heads // num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        max_tokens=block_table.shape[1] * page_size,
+        sm_count=INTERPRETER_SMS if interpreted else _sm_count(query.device),
+        interpreted=interpreted,
+        num_splits=num_splits,
     )
     part_out = torch.empty(
         batch, num_q_heads, plan.num_splits, head_dim, dtype=torch.float32, device=query.device
@@ -306,12 +343,7 @@ def decode(
         block_table.stride(0),
         plan.tokens_per_split,
         plan.num_splits,
-        PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        QUERY_GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=plan.block_n,
+        **plan.split_constexprs(),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
@@ -322,9 +354,7 @@ def decode(
         out.stride(0),
         out.stride(1),
         plan.num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(plan.num_splits),
+        **plan.merge_constexprs(),
         num_warps=4,
     )
     return out

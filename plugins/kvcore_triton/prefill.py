@@ -33,6 +33,8 @@ prefill is not a graph-captured step, so the sync is accepted here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -132,6 +134,48 @@ def _prefill_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_md)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """Tiles of one prefill launch (the constexprs of ``_prefill_kernel``) and its warps."""
+
+    page_size: int  # tokens per page
+    head_dim: int  # elements
+    block_d: int  # next power of two >= head_dim, >= 16
+    group: int  # query heads per KV head
+    block_g: int  # next power of two >= group
+    block_q: int  # queries per tile; block_q * block_g rows (64, or block_g if wider)
+    block_n: int  # tokens per loop iteration
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def constexprs(self) -> dict[str, int]:
+        return {
+            "PAGE_SIZE": self.page_size,
+            "HEAD_DIM": self.head_dim,
+            "BLOCK_D": self.block_d,
+            "QUERY_GROUP": self.group,
+            "BLOCK_G": self.block_g,
+            "BLOCK_Q": self.block_q,
+            "BLOCK_M": self.block_q * self.block_g,
+            "BLOCK_N": self.block_n,
+        }
+
+
+def plan_prefill(*, group: int, head_dim: int, page_size: int) -> PrefillPlan:
+    """Tiles for a GQA group of ``group`` query heads (the module docstring gives the reasons)."""
+    block_g = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return PrefillPlan(
+        page_size=page_size,
+        head_dim=head_dim,
+        block_d=block_d,
+        group=group,
+        block_g=block_g,
+        block_q=max(1, 64 // block_g),
+        block_n=32 if block_d >= 256 else 64,
+    )
+
+
 def prefill(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -157,12 +201,8 @@ def prefill(
         return out
     max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())  # host sync
 
-    group = num_q_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
-    block_q = max(1, 64 // block_g)  # 64 rows, or one query of a group wider than 64
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 32 if block_d >= 256 else 64
-    grid = (triton.cdiv(max_q_len, block_q), batch, num_kv_heads)
+    plan = plan_prefill(group=num_q_heads // num_kv_heads, head_dim=head_dim, page_size=page_size)
+    grid = (triton.cdiv(max_q_len, plan.block_q), batch, num_kv_heads)
     _prefill_kernel[grid](
         query,
         kv_cache,
@@ -180,15 +220,8 @@ def prefill(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
-        PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        QUERY_GROUP=group,
-        BLOCK_G=block_g,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_q * block_g,
-        BLOCK_N=block_n,
-        num_warps=4,
-        num_stages=2,
+        **plan.constexprs(),
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     return out
