@@ -1,0 +1,71 @@
+"""The PUB stream of page-stored / page-removed events, for KV-aware routers.
+
+Each event is two frames: ``[topic, payload]``; the topic is the pool name
+(UTF-8), so a subscriber filters by pool with ZeroMQ's prefix subscription,
+and the payload is one msgpack map (:data:`~kvcore_ipc.messages.Event`, tag
+field ``kind``). ``seq_no`` counts a pool's events from 1 without gaps within
+one epoch: a gap tells a subscriber it lost events (PUB drops on a slow
+subscriber) and should rebuild its view from the daemon's current state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import msgspec
+import zmq
+
+from kvcore_ipc.messages import Event
+
+
+class EventPublisher:
+    """A PUB socket; publishing never blocks (a slow subscriber loses events)."""
+
+    __slots__ = ("_encoder", "_socket", "endpoint")
+
+    def __init__(self, endpoint: str) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind(endpoint)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._socket = sock
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def publish(self, event: Event) -> None:
+        payload = self._encoder.encode(event)
+        with contextlib.suppress(zmq.Again):  # dropped: the subscriber sees a seq_no gap
+            self._socket.send_multipart((event.pool.encode(), payload), zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+class EventSubscriber:
+    """A SUB socket on a daemon's event endpoint, optionally filtered to one pool."""
+
+    __slots__ = ("_decoder", "_socket")
+
+    def __init__(self, endpoint: str, pool: str | None = None) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else pool.encode())
+        self._socket = sock
+        self._decoder = msgspec.msgpack.Decoder(Event)
+
+    def recv(self, timeout_ms: int) -> Event | None:
+        """The next event, or None after ``timeout_ms``."""
+        if not self._socket.poll(timeout_ms):
+            return None
+        _topic, payload = self._socket.recv_multipart()
+        event: Event = self._decoder.decode(payload)
+        return event
+
+    def drain(self, timeout_ms: int = 0) -> Iterator[Event]:
+        while (event := self.recv(timeout_ms)) is not None:
+            yield event
+
+    def close(self) -> None:
+        self._socket.close(linger=0)

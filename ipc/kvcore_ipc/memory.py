@@ -1,0 +1,193 @@
+"""Export and import of one memory region: POSIX shared memory (host) or CUDA IPC (GPU).
+
+The daemon *exports* (creates and owns) a region and describes it with a
+message (:class:`~kvcore_ipc.messages.HostMemory` or
+:class:`~kvcore_ipc.messages.CudaMemory`); a client *imports* it from that
+description and sees the very same bytes, zero-copy. Sizes and offsets are in
+bytes. The exporter must outlive every importer's use of the region; a host
+segment is unlinked by the exporter on close, after which existing mappings
+stay valid until they are unmapped.
+
+torch is imported only on the CUDA path and by :meth:`HostRegion.as_tensor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import sys
+from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING, Any
+
+from kvcore_ipc.messages import CudaMemory, HostMemory
+
+if TYPE_CHECKING:
+    import torch
+
+
+class HostRegion:
+    """A POSIX shm segment; ``owner`` regions unlink it on :meth:`close`."""
+
+    __slots__ = ("_shm", "owner", "size")
+
+    def __init__(self, shm: shared_memory.SharedMemory, size: int, owner: bool) -> None:
+        self._shm: shared_memory.SharedMemory | None = shm
+        self.size = size
+        self.owner = owner
+
+    @classmethod
+    def create(cls, size: int, prefix: str = "kvcore") -> HostRegion:
+        """A new zero-filled segment of ``size`` bytes under a fresh random name."""
+        name = f"{prefix}-{secrets.token_hex(6)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+        return cls(shm, size, owner=True)
+
+    @classmethod
+    def attach(cls, memory: HostMemory) -> HostRegion:
+        """Map an exported segment. The importer never unlinks it, even at exit."""
+        if sys.version_info >= (3, 13):
+            shm = shared_memory.SharedMemory(name=memory.name, track=False)
+        else:  # attaching registers the segment with the resource tracker: undo that
+            shm = shared_memory.SharedMemory(name=memory.name)
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if shm.size < memory.offset + memory.size:
+            shm.close()
+            raise ValueError(
+                f"segment {memory.name} has {shm.size} bytes; need {memory.offset + memory.size}"
+            )
+        return cls(shm, memory.size, owner=False)
+
+    @property
+    def name(self) -> str:
+        assert self._shm is not None, "region is closed"
+        return self._shm.name.lstrip("/")
+
+    def describe(self) -> HostMemory:
+        return HostMemory(name=self.name, size=self.size)
+
+    def buffer(self) -> memoryview:
+        assert self._shm is not None, "region is closed"
+        buf = self._shm.buf
+        assert buf is not None
+        return buf[: self.size]
+
+    def as_tensor(self) -> torch.Tensor:
+        """A flat uint8 CPU tensor over the region (zero-copy)."""
+        import torch
+
+        with warnings_suppressed():
+            return torch.frombuffer(self.buffer(), dtype=torch.uint8, count=self.size)
+
+    def close(self) -> None:
+        """Unmap (and unlink, if owner). Mappings still exported by tensors stay valid:
+        the segment is then unmapped when the last of them is collected."""
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+        with contextlib.suppress(BufferError):
+            shm.close()
+
+
+@contextlib.contextmanager
+def warnings_suppressed() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns that shm is writable: it must be
+        yield
+
+
+class CudaRegion:
+    """A CUDA allocation shared through CUDA IPC (torch's storage sharing).
+
+    The exporter keeps ``tensor`` alive for the daemon's life; importers open the
+    handle on the GPU with the same UUID, which may have another index there.
+    """
+
+    __slots__ = ("size", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, size: int) -> None:
+        self.tensor = tensor
+        self.size = size
+
+    @classmethod
+    def create(cls, size: int, device: str) -> CudaRegion:
+        import torch
+
+        tensor = torch.zeros(size, dtype=torch.uint8, device=device)
+        return cls(tensor, size)
+
+    def describe(self) -> CudaMemory:
+        import torch
+
+        storage = self.tensor.untyped_storage()
+        (
+            _device,
+            handle,
+            storage_bytes,
+            storage_offset,  # bytes from the cudaMalloc block's base (the handle) to the storage
+            ref_counter_handle,
+            ref_counter_offset,
+            event_handle,
+            event_sync_required,
+        ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+        assert self.tensor.storage_offset() == 0 and int(storage_bytes) == self.size, (
+            "a CUDA pool is a whole storage"
+        )
+        uuid = str(torch.cuda.get_device_properties(self.tensor.device).uuid)
+        return CudaMemory(
+            device_uuid=_uuid_string(uuid),
+            handle=bytes(handle),
+            size=self.size,
+            offset=int(storage_offset),
+            ref_counter_handle=bytes(ref_counter_handle),
+            ref_counter_offset=int(ref_counter_offset),
+            event_handle=bytes(event_handle or b""),
+            event_sync_required=bool(event_sync_required),
+        )
+
+    @classmethod
+    def attach(cls, memory: CudaMemory) -> CudaRegion:
+        """Open the handle on the local GPU whose UUID matches; ValueError if none does."""
+        import torch
+
+        index = cuda_index_of(memory.device_uuid)
+        with torch.cuda.device(index):
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index,
+                memory.handle,
+                memory.size,
+                memory.offset,
+                memory.ref_counter_handle,
+                memory.ref_counter_offset,
+                memory.event_handle or None,
+                memory.event_sync_required,
+            )
+            tensor = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+            tensor.set_(storage, 0, (memory.size,), (1,))
+        return cls(tensor, memory.size)
+
+    def as_tensor(self) -> torch.Tensor:
+        return self.tensor
+
+    def close(self) -> None:
+        del self.tensor
+
+
+def cuda_index_of(device_uuid: str) -> int:
+    """Local index of the GPU named by ``device_uuid`` ("GPU-..." or the bare UUID)."""
+    import torch
+
+    want = _uuid_string(device_uuid)
+    for index in range(torch.cuda.device_count()):
+        if _uuid_string(str(torch.cuda.get_device_properties(index).uuid)) == want:
+            return index
+    raise ValueError(f"no local GPU has UUID {device_uuid}")
+
+
+def _uuid_string(uuid: str) -> str:
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"

@@ -1,0 +1,119 @@
+"""The daemon's ROUTER loop: framing, socket security, and a clean stop.
+
+Framing (spec/protocol.md, "Framing"): a DEALER peer sends one frame, the
+msgpack request; the ROUTER sees ``[identity, request]`` and answers
+``[identity, reply]``. A REQ peer's empty delimiter frame is accepted and
+echoed (``[identity, b"", request]``). Any other shape cannot be answered
+safely: it is dropped and counted in :attr:`RouterServer.dropped_frames`.
+
+Security: an ``ipc://`` socket file is created under umask 077 and chmod 0600
+(its directory should be 0700); ``tcp://`` requires a CURVE secret key unless
+``insecure=True``. Frames larger than ``hard_limit_bytes`` make libzmq drop the
+connection (ZMQ_MAXMSGSIZE); smaller oversized frames reach the handler, which
+answers them with an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+
+import zmq
+
+Handler = Callable[[bytes], bytes]
+
+
+class InsecureEndpoint(ValueError):
+    """A tcp:// endpoint without CURVE keys and without the insecure opt-out."""
+
+
+class RouterServer:
+    """Serve ``handler(request bytes) -> reply bytes`` on a ROUTER socket, one at a time."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        handler: Handler,
+        *,
+        curve_secret_key: bytes | None = None,
+        insecure: bool = False,
+        hard_limit_bytes: int = 64 << 20,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        if endpoint.startswith("tcp://") and curve_secret_key is None and not insecure:
+            raise InsecureEndpoint(
+                f"{endpoint}: tcp:// needs a CURVE secret key (or the insecure opt-out)"
+            )
+        self.endpoint = endpoint
+        self.dropped_frames = 0
+        self._handler = handler
+        self._stop = False
+        self._context = context or zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, hard_limit_bytes)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if curve_secret_key is not None:
+            self._socket.curve_server = True
+            self._socket.curve_secretkey = curve_secret_key
+        self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+        self._bind()
+
+    def _bind(self) -> None:
+        if self._ipc_path is None:
+            self._socket.bind(self.endpoint)
+            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            return
+        old = os.umask(0o077)
+        try:
+            self._socket.bind(self.endpoint)
+        finally:
+            os.umask(old)
+        os.chmod(self._ipc_path, 0o600)
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the current request (signal-handler safe)."""
+        self._stop = True
+
+    def serve(self, tick: Callable[[], None], tick_ms: int = 50) -> None:
+        """Answer requests until :meth:`stop`; call ``tick()`` at least every ``tick_ms``."""
+        sock = self._socket
+        handler = self._handler
+        sock.setsockopt(zmq.RCVTIMEO, tick_ms)  # a blocking recv, as lean as a raw echo loop
+        while not self._stop:
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
+                tick()
+                continue
+            except InterruptedError:
+                continue
+            if len(frames) == 2:
+                sock.send_multipart((frames[0], handler(frames[1])))
+            elif len(frames) == 3 and not frames[1]:
+                sock.send_multipart((frames[0], b"", handler(frames[2])))
+            else:
+                self.dropped_frames += 1
+            tick()
+
+    def close(self) -> None:
+        """Close the socket and remove an ipc:// socket file."""
+        self._socket.close(linger=0)
+        if self._ipc_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
+
+
+def endpoint_in_use(endpoint: str, probe: bytes, timeout_ms: int = 300) -> bool:
+    """True if something answers ``probe`` at ``endpoint`` (a live daemon owns it)."""
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        return False
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(probe)
+        return bool(sock.poll(timeout_ms))
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,354 @@
+"""Client: the engine side of the daemon; the Manager's operations over the wire.
+
+``Client.connect()`` attaches a session to a pool of a running ``kvcore serve``
+and maps the pool's memory zero-copy: ``client.kv_caches[layer]`` is a tensor
+of ``KVLayout.layer_shape`` over the daemon's shared memory (torch is imported
+only to build those views). Operations have the Manager's names, arguments and
+results (Allocation, Extension, Stats) and raise the same typed errors,
+rebuilt from the error code of the reply.
+
+A background thread heartbeats on its own socket every third of the lease, so
+an idle but live engine keeps its sequences; a dead one loses them when the
+lease runs out. After a daemon restart every call raises StaleEpoch:
+:meth:`Client.reconnect` attaches again (old sequences are gone; the new pool
+is empty). A Client is not thread-safe: one engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
+from kvcore_ipc import messages as msg
+from kvcore_ipc.channel import ChannelTimeout, DealerChannel
+from kvcore_ipc.codec import ClientCodec
+from kvcore_ipc.memory import CudaRegion, HostRegion
+
+from kvcore.config import default_endpoint
+from kvcore.errors import BadRequest, InternalError, KVCoreError, Timeout, error_from_code
+from kvcore.layout import KVLayout
+from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Stats
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+class Client:
+    """One session on one pool of a daemon. Use :meth:`connect`; close (or ``with``) to detach."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        pool: str,
+        namespace: str,
+        *,
+        layout: KVLayout | None = None,
+        timeout_s: float = 10.0,
+        map_memory: bool = True,
+        heartbeat: bool = True,
+        ephemeral: bool = False,
+        curve_server_key: bytes | None = None,
+        name: str = "",
+    ) -> None:
+        self.endpoint = endpoint
+        self.pool = pool
+        self.namespace = namespace
+        self.session = 0
+        self.epoch = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self._expected = layout
+        self._timeout_s = timeout_s
+        self._map_memory = map_memory
+        self._ephemeral = ephemeral
+        self._curve = curve_server_key
+        self._name = name
+        self._codec = ClientCodec()
+        self._next_id = 0
+        self._region: HostRegion | CudaRegion | None = None
+        self._channel = DealerChannel(endpoint, timeout_s=timeout_s, curve_server_key=curve_server_key)
+        self._beat: _Heartbeat | None = None
+        if map_memory:
+            import torch  # noqa: F401  (seconds on a cold start: before the lease starts)
+        self._attach()
+        if heartbeat:
+            self._beat = _Heartbeat(self)
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: str | None = None,
+        pool: str = "default",
+        namespace: str = DEFAULT_NAMESPACE,
+        **options: Any,
+    ) -> Client:
+        """Attach to ``pool`` of the daemon at ``endpoint`` (None: the default daemon).
+
+        Options: ``layout`` (expected KVLayout; num_pages 0 = any), ``timeout_s``,
+        ``map_memory``, ``heartbeat``, ``ephemeral`` (a fresh private pool of
+        ``layout``; the daemon must allow it), ``curve_server_key``, ``name``.
+        """
+        return cls(endpoint or default_endpoint(), pool, namespace, **options)
+
+    # -- session ------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        expected = None if self._expected is None else msg.PoolLayout(**self._expected.to_dict())
+        body = msg.Attach(
+            version=msg.PROTOCOL_VERSION, pool=self.pool, namespace=self.namespace,
+            layout=expected, ephemeral=self._ephemeral, pid=os.getpid(), name=self._name,
+        )  # fmt: skip
+        ok = self._call(body, msg.AttachOk)
+        self.session, self.epoch = ok.session, ok.epoch
+        self.attach_info = ok
+        self.layout = KVLayout(**msgspec.structs.asdict(ok.layout))
+        self.lease_s = ok.lease_ms / 1000
+        self._unmap()
+        if self._map_memory:
+            self._map(ok.memory)
+
+    def _map(self, memory: msg.HostMemory | msg.CudaMemory) -> None:
+        if isinstance(memory, msg.HostMemory):
+            self._region = HostRegion.attach(memory)
+        else:
+            self._region = CudaRegion.attach(memory)
+        self.kv_caches = self.layout.layer_views(self._region.as_tensor())
+
+    def _unmap(self) -> None:
+        self.kv_caches = []
+        region, self._region = self._region, None
+        if region is not None:
+            region.close()
+
+    def reconnect(self) -> None:
+        """Attach again (after StaleEpoch or NotAttached): a new session, the pool remapped."""
+        self.session = self.epoch = 0
+        self._attach()
+
+    def heartbeat(self) -> None:
+        self._call(msg.Heartbeat(), msg.Empty)
+
+    def close(self) -> None:
+        """Detach (the daemon frees this session's sequences) and unmap the pool."""
+        if self._beat is not None:
+            self._beat.stop()
+            self._beat = None
+        if self.session:
+            with contextlib.suppress(KVCoreError):  # the daemon is gone or restarted
+                self._call(msg.Detach(), msg.Empty, timeout_s=min(self._timeout_s, 2.0))
+            self.session = 0
+        self._unmap()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the Manager's operations ---------------------------------------------------------
+
+    def allocate(
+        self, seq_id: int, tokens: Sequence[int], *, namespace: str | None = None
+    ) -> Allocation:
+        ok = self._call(msg.Allocate(seq_id, _tokens(tokens), namespace), msg.AllocateOk)
+        return Allocation(ok.pages, ok.num_cached_tokens)
+
+    def extend(self, seq_id: int, num_tokens: int) -> Extension:
+        ok = self._call(msg.Extend(seq_id, num_tokens), msg.ExtendOk)
+        return Extension(ok.new_pages, ok.copies)
+
+    def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
+        return self._call(msg.Commit(seq_id, _tokens(tokens)), msg.CommitOk).num_committed
+
+    def fork(self, parent_id: int, child_id: int) -> list[int]:
+        return self._call(msg.Fork(parent_id, child_id), msg.PagesOk).pages
+
+    def free(self, seq_id: int) -> None:
+        self._call(msg.Free(seq_id), msg.Empty)
+
+    def lookup(self, tokens: Sequence[int], *, namespace: str | None = None) -> int:
+        return self._call(msg.Lookup(_tokens(tokens), namespace), msg.LookupOk).num_cached_tokens
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self._call(msg.BlockTable(seq_id), msg.PagesOk).pages
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self._call(msg.NumTokens(seq_id), msg.NumTokensOk).num_tokens
+
+    def stats(self) -> Stats:
+        """This pool's figures, as Manager.stats() returns them."""
+        for p in self.daemon_stats().pools:
+            if p.name == self.pool:
+                return Stats(p.total_pages, p.free_pages, p.evictable_pages, p.held_pages,
+                             p.cached_pages, p.num_sequences, p.query_tokens, p.hit_tokens,
+                             p.evictions)  # fmt: skip
+        raise error_from_code("unknown_pool", f"the daemon no longer serves {self.pool!r}")
+
+    def daemon_stats(self) -> msg.StatsOk:
+        """Every pool, session and counter of the daemon (what `kvcore stats` shows)."""
+        return self._call(msg.GetStats(), msg.StatsOk)
+
+    def check_integrity(self) -> None:
+        """Run the pool's integrity check in the daemon; InternalError if it fails."""
+        self._call(msg.Check(), msg.Empty)
+
+    def batch(self) -> Batch:
+        """Collect operations and send them in one round trip (see :class:`Batch`)."""
+        return Batch(self)
+
+    # -- the wire ------------------------------------------------------------------
+
+    def _call(self, body: msg.Op, result_type: type[T], timeout_s: float | None = None) -> T:
+        """One round trip: the typed result, or the typed error of the reply."""
+        self._next_id += 1
+        request_id = self._next_id
+        try:
+            frame = self._codec.encode(msg.Request(request_id, body, self.session, self.epoch))
+        except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            raise BadRequest(f"cannot encode {type(body).__name__}: {exc}") from None
+        self._channel.send(frame)
+        timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
+        while True:
+            try:
+                reply = self._codec.decode_reply(self._channel.recv(timeout_ms), result_type)
+            except ChannelTimeout as exc:
+                raise Timeout(f"{type(body).__name__}: {exc}") from None
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise InternalError(f"undecodable reply to {type(body).__name__}: {exc}") from None
+            if reply.id == request_id or reply.id == 0:
+                break  # other ids answer earlier requests that timed out
+        if reply.error is not None:
+            raise error_from_code(reply.error.code, reply.error.message)
+        if reply.result is None:
+            raise InternalError(f"reply to {type(body).__name__} has neither result nor error")
+        return reply.result
+
+
+class Batch:
+    """Operations collected for one round trip; ``run()`` (or leaving ``with``) sends them.
+
+    Not atomic (spec/protocol.md): the ops run in order and the first failing op
+    stops the batch. Then run() raises that op's typed error, with
+    ``error.batch_results`` (the results of the ops before it) and
+    ``error.batch_index`` (its index) set; the failing op changed nothing.
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._ops: list[msg.BatchOp] = []
+        self.results: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def allocate(self, seq_id: int, tokens: Sequence[int], *, namespace: str | None = None) -> None:
+        self._ops.append(msg.Allocate(seq_id, _tokens(tokens), namespace))
+
+    def extend(self, seq_id: int, num_tokens: int) -> None:
+        self._ops.append(msg.Extend(seq_id, num_tokens))
+
+    def commit(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self._ops.append(msg.Commit(seq_id, _tokens(tokens)))
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self._ops.append(msg.Fork(parent_id, child_id))
+
+    def free(self, seq_id: int) -> None:
+        self._ops.append(msg.Free(seq_id))
+
+    def lookup(self, tokens: Sequence[int], *, namespace: str | None = None) -> None:
+        self._ops.append(msg.Lookup(_tokens(tokens), namespace))
+
+    def block_table(self, seq_id: int) -> None:
+        self._ops.append(msg.BlockTable(seq_id))
+
+    def num_tokens(self, seq_id: int) -> None:
+        self._ops.append(msg.NumTokens(seq_id))
+
+    def run(self) -> list[Any]:
+        """Send the ops; the list of their results (the Manager's result types)."""
+        ops, self._ops = self._ops, []
+        codec = self._client._codec
+        reply = self._client._call(msg.Batch(ops), msg.RawBatchOk)
+        self.results = [
+            _convert(op, codec.decode_result(r, _RESULT_TYPES[type(op)]))
+            for op, r in zip(ops, reply.results, strict=False)
+        ]
+        if reply.error is not None:
+            error = error_from_code(reply.error.code, reply.error.message)
+            error.batch_results = self.results  # type: ignore[attr-defined]
+            error.batch_index = len(self.results)  # type: ignore[attr-defined]
+            raise error
+        return self.results
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.run()
+
+
+_RESULT_TYPES: dict[type, type] = {
+    msg.Allocate: msg.AllocateOk, msg.Extend: msg.ExtendOk, msg.Commit: msg.CommitOk,
+    msg.Fork: msg.PagesOk, msg.Free: msg.Empty, msg.Lookup: msg.LookupOk,
+    msg.BlockTable: msg.PagesOk, msg.NumTokens: msg.NumTokensOk,
+}  # fmt: skip
+
+
+def _convert(op: msg.BatchOp, result: Any) -> Any:
+    """A wire result as the Manager's method returns it."""
+    match result:
+        case msg.AllocateOk(pages=pages, num_cached_tokens=cached):
+            return Allocation(pages, cached)
+        case msg.ExtendOk(new_pages=new_pages, copies=copies):
+            return Extension(new_pages, copies)
+        case msg.CommitOk(num_committed=n) | msg.LookupOk(num_cached_tokens=n):
+            return n
+        case msg.NumTokensOk(num_tokens=n):
+            return n
+        case msg.PagesOk(pages=pages):
+            return pages
+    return None
+
+
+def _tokens(tokens: Sequence[int]) -> list[int]:
+    return tokens if isinstance(tokens, list) else list(tokens)
+
+
+class _Heartbeat:
+    """Renews the client's lease from a thread with its own socket."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvcore-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        client = self._client
+        channel = DealerChannel(client.endpoint, timeout_s=client._timeout_s,
+                                curve_server_key=client._curve)  # fmt: skip
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while not self._stopped.wait(max(client.lease_s / 3, 0.01)):
+                if not client.session:
+                    continue
+                request = msg.Request(1, msg.Heartbeat(), client.session, client.epoch)
+                channel.send(encoder.encode(request))
+                try:
+                    channel.recv()
+                except ChannelTimeout:
+                    continue  # the daemon is busy or gone; the next beat tries again
+        finally:
+            channel.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)

@@ -1,0 +1,98 @@
+"""``kvcore stats``: a running daemon's pools, sessions and cache figures.
+
+Sends one ``stats`` request (no session needed) and prints tables, or the
+reply as JSON with ``--json``. Page counts are in pages; hit rate is hit
+tokens / query tokens of successful allocations since the daemon started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--endpoint", help="daemon endpoint (default: the default daemon)")
+    parser.add_argument("--json", action="store_true", help="print the stats reply as JSON")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+
+
+def fetch(endpoint: str, timeout_s: float) -> Any:
+    """The daemon's StatsOk (kvcore_ipc.messages), over a channel of its own."""
+    import msgspec
+    from kvcore_ipc import messages as msg
+    from kvcore_ipc.channel import DealerChannel
+    from kvcore_ipc.codec import ClientCodec
+
+    from kvcore.errors import error_from_code
+
+    codec = ClientCodec()
+    channel = DealerChannel(endpoint, timeout_s=timeout_s)
+    try:
+        channel.send(codec.encode(msg.Request(id=1, body=msg.GetStats())))
+        reply = codec.decode_reply(channel.recv(), msg.StatsOk)
+    finally:
+        channel.close()
+    if reply.error is not None:
+        raise error_from_code(reply.error.code, reply.error.message)
+    assert reply.result is not None, "stats reply without a result"
+    return msgspec.to_builtins(reply.result)
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvcore_ipc.channel import ChannelTimeout
+
+    from kvcore.config import default_endpoint
+    from kvcore.errors import KVCoreError
+
+    endpoint = args.endpoint or default_endpoint()
+    try:
+        stats = fetch(endpoint, args.timeout)
+    except ChannelTimeout:
+        print(f"kvcore stats: no daemon answers on {endpoint}", file=sys.stderr)
+        return 1
+    except KVCoreError as exc:
+        print(f"kvcore stats: {exc.code}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        render(endpoint, stats)
+    return 0
+
+
+def render(endpoint: str, stats: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = stats["counters"]
+    console = Console(width=max(Console().width, 120))
+    console.print(
+        f"kvcore daemon on {endpoint}: protocol v{c['version']}, epoch {c['epoch']:x}, "
+        f"up {c['uptime_s']:.0f} s, {c['requests']} requests, {c['errors']} errors, "
+        f"{c['dropped_frames']} dropped frames, {c['expired_sessions']} expired sessions"
+    )
+    pools = Table(title="pools (pages; layout = layers x kv heads x head dim, page size in tokens)")
+    for column in ("pool", "device", "layout", "total", "free", "evictable", "held", "cached",
+                   "seqs", "sessions", "hit rate", "evictions"):  # fmt: skip
+        pools.add_column(column, justify="left" if column in ("pool", "device", "layout") else "right")
+    for p in stats["pools"]:
+        lay = p["layout"]
+        shape = (f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
+                 f"p{lay['page_size']} {lay['dtype']}")  # fmt: skip
+        hit_rate = p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0
+        pools.add_row(
+            p["name"], p["device"], shape, str(p["total_pages"]), str(p["free_pages"]),
+            str(p["evictable_pages"]), str(p["held_pages"]), str(p["cached_pages"]),
+            str(p["num_sequences"]), str(p["num_sessions"]), f"{hit_rate:.1%}", str(p["evictions"]),
+        )  # fmt: skip
+    console.print(pools)
+    sessions = Table(title="sessions")
+    for column in ("pool", "namespace", "pid", "name", "sequences", "idle ms"):
+        sessions.add_column(column)
+    for s in stats["sessions"]:
+        sessions.add_row(s["pool"], s["namespace"], str(s["pid"]), s["name"],
+                         str(s["num_sequences"]), str(s["idle_ms"]))  # fmt: skip
+    console.print(sessions)
