@@ -1,0 +1,369 @@
+"""Boundary validation of kvcore.backend: every check raises its typed error with a
+clear message, and whatever the input, a kernel (the ``_`` method) only ever sees
+inputs that satisfy the contract."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvcore_torch import TorchBackend
+
+from kvcore.errors import BadRequest, KVCoreError, Unsupported
+
+I32, I64 = torch.int32, torch.int64
+NUM_PAGES, PAGE, HKV, D = 4, 4, 2, 8
+
+
+def cache(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.zeros(NUM_PAGES, 2, PAGE, HKV, D, dtype=dtype)
+
+
+def t32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32)
+
+
+def t64(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=I64)
+
+
+def decode(**override: Any) -> torch.Tensor:
+    args: dict[str, Any] = {
+        "query": torch.zeros(2, 4, D),
+        "kv_cache": cache(),
+        "block_table": t32(0, 1, 2, 3).reshape(2, 2),
+        "seq_lens": t32(5, 8),
+        "scale": 0.5,
+    }
+    return TorchBackend().decode(**{**args, **override})
+
+
+def prefill(**override: Any) -> torch.Tensor:
+    args: dict[str, Any] = {
+        "query": torch.zeros(5, 4, D),
+        "kv_cache": cache(),
+        "block_table": t32(0, 1, 2, 3).reshape(2, 2),
+        "cu_seqlens_q": t32(0, 2, 5),
+        "seq_lens": t32(5, 8),
+        "scale": 0.5,
+    }
+    return TorchBackend().prefill(**{**args, **override})
+
+
+def write_kv(**override: Any) -> None:
+    args: dict[str, Any] = {
+        "kv_cache": cache(),
+        "key": torch.zeros(3, HKV, D),
+        "value": torch.zeros(3, HKV, D),
+        "slots": t64(0, -1, 15),
+    }
+    TorchBackend().write_kv(**{**args, **override})
+
+
+def copy_pages(**override: Any) -> None:
+    args: dict[str, Any] = {"kv_cache": cache(), "src": t64(0, 0), "dst": t64(1, 2)}
+    TorchBackend().copy_pages(**{**args, **override})
+
+
+def test_valid_calls_pass() -> None:
+    assert decode().shape == (2, 4, D)
+    assert prefill().shape == (5, 4, D)
+    write_kv()
+    copy_pages()
+
+
+def test_padding_past_the_used_pages_may_hold_anything() -> None:
+    table = torch.tensor([[0, -7], [2, 3]], dtype=I32)  # sequence 0 uses only page 0
+    decode(block_table=table, seq_lens=t32(4, 8))
+    prefill(block_table=table, seq_lens=t32(4, 8), cu_seqlens_q=t32(0, 2, 5))
+
+
+def test_empty_batches_return_empty() -> None:
+    empty_table = torch.zeros(0, 2, dtype=I32)
+    out = decode(query=torch.zeros(0, 4, D), block_table=empty_table, seq_lens=t32())
+    assert out.shape == (0, 4, D)
+    out = prefill(query=torch.zeros(0, 4, D), cu_seqlens_q=t32(0, 0, 0))
+    assert out.shape == (0, 4, D)
+    write_kv(key=torch.zeros(0, HKV, D), value=torch.zeros(0, HKV, D), slots=t64())
+    copy_pages(src=t64(), dst=t64())
+
+
+BAD_CACHES = [
+    ("not a tensor", [[0.0]], "kv_cache must be a torch.Tensor"),
+    ("rank 4", torch.zeros(4, 2, 4, 8), "kv_cache must have shape"),
+    ("no K/V pair", torch.zeros(4, 3, 4, 2, 8), "kv_cache must have shape"),
+    ("no pages", torch.zeros(0, 2, 4, 2, 8), "kv_cache must have shape"),
+    ("strided last dim", torch.zeros(4, 2, 4, 2, 16)[..., ::2], "contiguous last dim"),
+]
+
+
+@pytest.mark.parametrize(("what", "bad", "message"), BAD_CACHES, ids=[c[0] for c in BAD_CACHES])
+def test_bad_cache_rejected_by_every_operation(what: str, bad: Any, message: str) -> None:
+    for op in (decode, prefill, write_kv, copy_pages):
+        with pytest.raises(BadRequest, match=message):
+            op(kv_cache=bad)
+
+
+DECODE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("query rank", {"query": torch.zeros(2, 4)}, r"query must have shape \[\*, \*, 8\]"),
+    ("query head dim", {"query": torch.zeros(2, 4, 4)}, r"query must have shape"),
+    ("query dtype", {"query": torch.zeros(2, 4, D, dtype=torch.float16)}, "query has dtype"),
+    ("query device", {"query": torch.zeros(2, 4, D, device="meta")}, "query is on meta"),
+    ("query strided", {"query": torch.zeros(2, 4, 2 * D)[..., ::2]}, "query must have a contig"),
+    ("gqa", {"query": torch.zeros(2, 3, D)}, r"query heads \(3\) must be a positive multiple"),
+    ("no heads", {"query": torch.zeros(2, 0, D)}, "positive multiple"),
+    (
+        "table dtype",
+        {"block_table": torch.zeros(2, 2, dtype=I64)},
+        "block_table must be torch.int32",
+    ),
+    ("table rank", {"block_table": t32(0, 1)}, r"block_table must have shape \[2, \*\]"),
+    ("table rows", {"block_table": torch.zeros(3, 2, dtype=I32)}, "block_table must have shape"),
+    ("lens dtype", {"seq_lens": t64(5, 8)}, "seq_lens must be torch.int32"),
+    ("lens rows", {"seq_lens": t32(5)}, r"seq_lens must have shape \[2\]"),
+    ("lens zero", {"seq_lens": t32(0, 8)}, "seq_lens must be >= 1"),
+    ("lens too long", {"seq_lens": t32(5, 9)}, "seq_lens must be <= max_pages"),
+    ("page -1", {"block_table": t32(0, -1, 2, 3).reshape(2, 2)}, r"block_table\[0, 1\] = -1"),
+    ("page past", {"block_table": t32(0, 1, 4, 3).reshape(2, 2)}, r"block_table\[1, 0\] = 4"),
+    ("page huge", {"block_table": t32(0, 1, 2, 2**31 - 1).reshape(2, 2)}, "is not a page"),
+    ("scale nan", {"scale": float("nan")}, "scale must be a finite float"),
+    ("scale inf", {"scale": float("inf")}, "scale must be a finite float"),
+    ("scale str", {"scale": "0.5"}, "scale must be a finite float"),
+    ("scale bool", {"scale": True}, "scale must be a finite float"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "bad", "message"), DECODE_ERRORS, ids=[c[0] for c in DECODE_ERRORS]
+)
+def test_decode_errors(what: str, bad: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        decode(**bad)
+
+
+def test_prefill_shares_the_decode_checks() -> None:
+    with pytest.raises(BadRequest, match=r"block_table\[0, 1\] = -1"):
+        prefill(block_table=t32(0, -1, 2, 3).reshape(2, 2))
+    with pytest.raises(BadRequest, match="query heads"):
+        prefill(query=torch.zeros(5, 3, D))
+
+
+PREFILL_ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("cu dtype", {"cu_seqlens_q": t64(0, 2, 5)}, "cu_seqlens_q must be torch.int32"),
+    ("cu rank", {"cu_seqlens_q": t32(0, 2, 5).reshape(1, 3)}, r"cu_seqlens_q must have shape"),
+    ("cu empty", {"cu_seqlens_q": t32()}, "B \\+ 1 >= 1"),
+    ("cu start", {"cu_seqlens_q": t32(1, 2, 5)}, r"cu_seqlens_q\[0\] must be 0"),
+    ("cu end", {"cu_seqlens_q": t32(0, 2, 4)}, r"must equal total_q = 5"),
+    (
+        "cu decreasing",
+        {"cu_seqlens_q": t32(0, 6, 5), "query": torch.zeros(5, 4, D)},
+        "must not decrease",
+    ),
+    (
+        "q_len > seq_len",
+        {"cu_seqlens_q": t32(0, 5, 5), "seq_lens": t32(4, 8)},
+        r"q_len .* must be <= seq_lens\[b\]; first bad b = 0",
+    ),
+    ("batch mismatch", {"cu_seqlens_q": t32(0, 5)}, r"block_table must have shape \[1, \*\]"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "bad", "message"), PREFILL_ERRORS, ids=[c[0] for c in PREFILL_ERRORS]
+)
+def test_prefill_errors(what: str, bad: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        prefill(**bad)
+
+
+WRITE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("key heads", {"key": torch.zeros(3, 1, D)}, r"key must have shape \[\*, 2, 8\]"),
+    ("key dtype", {"key": torch.zeros(3, HKV, D, dtype=torch.bfloat16)}, "key has dtype"),
+    ("value shape", {"value": torch.zeros(2, HKV, D)}, r"value must have shape \[3, 2, 8\]"),
+    ("value strided", {"value": torch.zeros(3, HKV, 2 * D)[..., ::2]}, "value must have a contig"),
+    ("slots dtype", {"slots": t32(0, 1, 2)}, "slots must be torch.int64"),
+    ("slots length", {"slots": t64(0, 1)}, r"slots must have shape \[3\]"),
+    ("slot past", {"slots": t64(0, 16, 1)}, "slots must be < num_pages \\* page_size = 16; got 16"),
+    ("slot repeated", {"slots": t64(3, -1, 3)}, "must not repeat"),
+    ("slots device", {"slots": torch.zeros(3, dtype=I64, device="meta")}, "slots is on meta"),
+]
+
+
+@pytest.mark.parametrize(("what", "bad", "message"), WRITE_ERRORS, ids=[c[0] for c in WRITE_ERRORS])
+def test_write_kv_errors(what: str, bad: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        write_kv(**bad)
+
+
+def test_write_kv_allows_repeated_negative_slots() -> None:
+    write_kv(slots=t64(-1, -1, -5))
+
+
+COPY_ERRORS: list[tuple[str, dict[str, Any], str]] = [
+    ("src dtype", {"src": t32(0, 0)}, "src must be torch.int64"),
+    ("length", {"dst": t64(1)}, r"dst must have shape \[2\]"),
+    ("src past", {"src": t64(0, 4)}, r"src pages must lie in \[0, 4\): entry 1 is 4"),
+    ("src negative", {"src": t64(-1, 0)}, "entry 0 is -1"),
+    ("dst past", {"dst": t64(1, 9)}, r"dst pages must lie in \[0, 4\)"),
+    ("dst repeated", {"dst": t64(2, 2)}, "dst must not repeat"),
+    ("dst is a src", {"src": t64(0, 1), "dst": t64(1, 2)}, "dst must not name a page that src"),
+]
+
+
+@pytest.mark.parametrize(("what", "bad", "message"), COPY_ERRORS, ids=[c[0] for c in COPY_ERRORS])
+def test_copy_pages_errors(what: str, bad: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        copy_pages(**bad)
+
+
+def test_undeclared_configurations_are_unsupported() -> None:
+    with pytest.raises(Unsupported, match="dtype=float64"):
+        decode(query=torch.zeros(2, 4, D, dtype=torch.float64), kv_cache=cache(torch.float64))
+    big = torch.zeros(1, 2, 1, 1, 264)
+    with pytest.raises(Unsupported, match="head_dim=264"):
+        TorchBackend().copy_pages(big, t64(), t64())
+    with pytest.raises(Unsupported, match="page_size=129"):
+        TorchBackend().copy_pages(torch.zeros(1, 2, 129, 1, 4), t64(), t64())
+
+
+# -- fuzz: bad input never crashes and never reaches a kernel ---------------------------
+
+
+class Guarded(TorchBackend):
+    """Asserts, inside each kernel entry, the contract validation promises."""
+
+    name = "guarded"
+
+    def _decode(
+        self, query: Any, kv_cache: Any, block_table: Any, seq_lens: Any, scale: float
+    ) -> Any:
+        _assert_table(kv_cache, block_table, seq_lens)
+        return super()._decode(query, kv_cache, block_table, seq_lens, scale)
+
+    def _prefill(
+        self, query: Any, kv_cache: Any, block_table: Any, cu: Any, seq_lens: Any, scale: float
+    ) -> Any:
+        _assert_table(kv_cache, block_table, seq_lens)
+        q_lens = cu[1:] - cu[:-1]
+        assert int(cu[0]) == 0 and int(cu[-1]) == query.shape[0]
+        assert bool(((q_lens >= 0) & (q_lens <= seq_lens)).all())
+        return super()._prefill(query, kv_cache, block_table, cu, seq_lens, scale)
+
+    def _write_kv(self, kv_cache: Any, key: Any, value: Any, slots: Any) -> None:
+        assert slots.dtype == I64 and bool((slots < kv_cache.shape[0] * kv_cache.shape[2]).all())
+        super()._write_kv(kv_cache, key, value, slots)
+
+    def _copy_pages(self, kv_cache: Any, src: Any, dst: Any) -> None:
+        n = kv_cache.shape[0]
+        assert bool(((src >= 0) & (src < n) & (dst >= 0) & (dst < n)).all())
+        super()._copy_pages(kv_cache, src, dst)
+
+
+def _assert_table(kv_cache: Any, table: Any, seq_lens: Any) -> None:
+    n, ps = kv_cache.shape[0], kv_cache.shape[2]
+    assert table.dtype == I32 and seq_lens.dtype == I32
+    for b, length in enumerate(seq_lens.tolist()):
+        assert 1 <= length <= table.shape[1] * ps
+        used = table[b, : -(-length // ps)]
+        assert bool(((used >= 0) & (used < n)).all()), "an out-of-range page reached a kernel"
+
+
+@st.composite
+def valid_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid call of one operation on a small random configuration."""
+    ps, hkv, d = draw(st.integers(1, 3)), draw(st.integers(1, 2)), draw(st.sampled_from([2, 4]))
+    num_pages, batch, max_pages = (draw(st.integers(1, 5)) for _ in range(3))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    kv = torch.zeros(num_pages, 2, ps, hkv, d)
+    lens = torch.randint(1, max_pages * ps + 1, (batch,), generator=g)
+    table = torch.randint(-3, num_pages + 4, (batch, max_pages), generator=g)  # padding: anything
+    for b in range(batch):
+        used = -(-int(lens[b]) // ps)
+        table[b, :used] = torch.randint(0, num_pages, (used,), generator=g)
+    q_lens = [int(torch.randint(0, int(n) + 1, (), generator=g)) for n in lens]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
+    hq = hkv * draw(st.integers(1, 2))
+    op = draw(st.sampled_from(["decode", "prefill", "write_kv", "copy_pages"]))
+    if op == "decode":
+        q = torch.zeros(batch, hq, d)
+        return op, {
+            "query": q,
+            "kv_cache": kv,
+            "block_table": table.to(I32),
+            "seq_lens": lens.to(I32),
+            "scale": 0.5,
+        }
+    if op == "prefill":
+        q = torch.zeros(int(cu[-1]), hq, d)
+        return op, {
+            "query": q,
+            "kv_cache": kv,
+            "block_table": table.to(I32),
+            "cu_seqlens_q": cu,
+            "seq_lens": lens.to(I32),
+            "scale": 0.5,
+        }
+    if op == "write_kv":
+        n = int(torch.randint(0, num_pages * ps + 1, (), generator=g))
+        slots = torch.randperm(num_pages * ps, generator=g)[:n]
+        slots[torch.rand(n, generator=g) < 0.3] = -1
+        k = torch.zeros(n, hkv, d)
+        return op, {"kv_cache": kv, "key": k, "value": k, "slots": slots}
+    perm = torch.randperm(num_pages, generator=g)
+    n = int(torch.randint(0, num_pages // 2 + 1, (), generator=g))
+    src = perm[n:][torch.randint(0, num_pages - n, (n,), generator=g)]
+    return op, {"kv_cache": kv, "src": src, "dst": perm[:n]}
+
+
+@st.composite
+def fuzz_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    """A valid call with up to three of its arguments damaged: an entry set to an
+    arbitrary value, a dtype changed, a dim grown or cut, a device or stride changed."""
+    op, kwargs = draw(valid_call())
+    for _ in range(draw(st.integers(0, 3))):
+        name = draw(st.sampled_from(sorted(kwargs)))
+        arg = kwargs[name]
+        if not isinstance(arg, torch.Tensor):
+            kwargs[name] = draw(st.sampled_from([float("nan"), -1.0, "x", None]))
+            continue
+        how = draw(st.sampled_from(["entry", "entry", "dtype", "shape", "device", "stride"]))
+        if how == "entry" and arg.numel() > 0:
+            flat = arg.clone().reshape(-1)
+            value = torch.tensor(draw(st.integers(-(2**31), 2**31 - 1))).to(arg.dtype)  # may wrap
+            flat[draw(st.integers(0, flat.numel() - 1))] = value
+            kwargs[name] = flat.reshape(arg.shape)
+        elif how == "dtype":
+            dtype = draw(st.sampled_from([I32, I64, torch.float16, torch.float64, torch.uint8]))
+            kwargs[name] = arg.to(dtype)
+        elif how == "shape" and arg.dim() > 0:
+            dim = draw(st.integers(0, arg.dim() - 1))
+            size = draw(st.integers(0, arg.shape[dim] + 2))
+            new_shape = list(arg.shape)
+            new_shape[dim] = size
+            kwargs[name] = torch.zeros(new_shape, dtype=arg.dtype)
+        elif how == "device":
+            kwargs[name] = arg.to("meta")
+        elif how == "stride" and arg.dim() > 0:
+            kwargs[name] = torch.cat([arg, arg], dim=-1)[..., ::2]
+    return op, kwargs
+
+
+@settings(max_examples=400, deadline=None)
+@given(fuzz_call())
+def test_bad_input_raises_typed_errors_and_never_reaches_a_kernel(
+    call: tuple[str, dict[str, Any]],
+) -> None:
+    op, kwargs = call
+    with contextlib.suppress(KVCoreError):  # BadRequest or Unsupported, never a crash
+        getattr(Guarded(), op)(**kwargs)
+
+
+@settings(max_examples=50, deadline=None)
+@given(valid_call())
+def test_valid_random_calls_pass(call: tuple[str, dict[str, Any]]) -> None:
+    op, kwargs = call
+    getattr(Guarded(), op)(**kwargs)
