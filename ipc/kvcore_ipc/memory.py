@@ -14,9 +14,10 @@ torch is imported only on the CUDA path and by :meth:`HostRegion.as_tensor`.
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
 import secrets
-import sys
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import TYPE_CHECKING, Any
 
 from kvcore_ipc.messages import CudaMemory, HostMemory
@@ -26,51 +27,59 @@ if TYPE_CHECKING:
 
 
 class HostRegion:
-    """A POSIX shm segment; ``owner`` regions unlink it on :meth:`close`."""
+    """A POSIX shm segment. The exporter (``create``) owns and unlinks it; an importer
+    (``attach``) maps it without telling the resource tracker, so the importer's exit
+    never unlinks the daemon's pool."""
 
-    __slots__ = ("_shm", "owner", "size")
+    __slots__ = ("_map", "_name", "_shm", "owner", "size")
 
-    def __init__(self, shm: shared_memory.SharedMemory, size: int, owner: bool) -> None:
-        self._shm: shared_memory.SharedMemory | None = shm
+    def __init__(
+        self, name: str, size: int, shm: shared_memory.SharedMemory | None, mm: mmap.mmap | None
+    ) -> None:
+        self._name = name
+        self._shm = shm  # set for the owner
+        self._map = mm  # set for an importer
         self.size = size
-        self.owner = owner
+        self.owner = shm is not None
 
     @classmethod
     def create(cls, size: int, prefix: str = "kvcore") -> HostRegion:
         """A new zero-filled segment of ``size`` bytes under a fresh random name."""
         name = f"{prefix}-{secrets.token_hex(6)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-        return cls(shm, size, owner=True)
+        return cls(name, size, shm, None)
 
     @classmethod
     def attach(cls, memory: HostMemory) -> HostRegion:
-        """Map an exported segment. The importer never unlinks it, even at exit."""
-        if sys.version_info >= (3, 13):
-            shm = shared_memory.SharedMemory(name=memory.name, track=False)
-        else:  # attaching registers the segment with the resource tracker: undo that
-            shm = shared_memory.SharedMemory(name=memory.name)
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if shm.size < memory.offset + memory.size:
-            shm.close()
-            raise ValueError(
-                f"segment {memory.name} has {shm.size} bytes; need {memory.offset + memory.size}"
-            )
-        return cls(shm, memory.size, owner=False)
+        """Map an exported segment read-write; FileNotFoundError if it is gone."""
+        import _posixshmem  # type: ignore[import-not-found]  # CPython shm_open, as shared_memory uses
+
+        fd = _posixshmem.shm_open("/" + memory.name, os.O_RDWR, mode=0o600)
+        try:
+            total = os.fstat(fd).st_size
+            if total < memory.offset + memory.size:
+                raise ValueError(
+                    f"segment {memory.name} has {total} bytes; need {memory.offset + memory.size}"
+                )
+            mm = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        return cls(memory.name, memory.size, None, mm)
 
     @property
     def name(self) -> str:
-        assert self._shm is not None, "region is closed"
-        return self._shm.name.lstrip("/")
+        return self._name
 
     def describe(self) -> HostMemory:
-        return HostMemory(name=self.name, size=self.size)
+        return HostMemory(name=self._name, size=self.size)
 
     def buffer(self) -> memoryview:
-        assert self._shm is not None, "region is closed"
-        buf = self._shm.buf
-        assert buf is not None
-        return buf[: self.size]
+        if self._shm is not None:
+            buf = self._shm.buf
+            assert buf is not None, "region is closed"
+            return buf[: self.size]
+        assert self._map is not None, "region is closed"
+        return memoryview(self._map)[: self.size]
 
     def as_tensor(self) -> torch.Tensor:
         """A flat uint8 CPU tensor over the region (zero-copy)."""
@@ -82,14 +91,15 @@ class HostRegion:
     def close(self) -> None:
         """Unmap (and unlink, if owner). Mappings still exported by tensors stay valid:
         the segment is then unmapped when the last of them is collected."""
-        shm, self._shm = self._shm, None
-        if shm is None:
-            return
-        if self.owner:
+        shm, mm, self._shm, self._map = self._shm, self._map, None, None
+        if shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 shm.unlink()
-        with contextlib.suppress(BufferError):
-            shm.close()
+            with contextlib.suppress(BufferError):
+                shm.close()
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
 
 
 @contextlib.contextmanager

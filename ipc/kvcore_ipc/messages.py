@@ -389,3 +389,9 @@ class RawBatchOk(_Message):
 
     results: list[msgspec.Raw]
     error: ErrorBody | None = None
+
+
+if __name__ == "__main__":  # python -m kvcore_ipc.messages > spec/protocol.schema.json
+    import json
+
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))

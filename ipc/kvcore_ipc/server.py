@@ -107,6 +107,8 @@ class RouterServer:
 
 def endpoint_in_use(endpoint: str, probe: bytes, timeout_ms: int = 300) -> bool:
     """True if something answers ``probe`` at ``endpoint`` (a live daemon owns it)."""
+    if "*" in endpoint:
+        return False  # a wildcard port is never in use
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         return False
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)

@@ -83,13 +83,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore_ipc import messages as msg
 
     from kvcore.client import Client
+    from kvcore.service import DaemonProcess
 
     with tempfile.TemporaryDirectory(prefix="kvcore-bench-") as tmp:
         daemon_ep, echo_ep = f"ipc://{Path(tmp) / 'd.sock'}", f"ipc://{Path(tmp) / 'e.sock'}"
         pool = "name=bench,num_layers=1,num_kv_heads=1,head_dim=8,page_size=16,dtype=float16,num_pages=200000"
         with (
-            _process("-m", "kvcore.service", "--endpoint", daemon_ep, "--pool", pool,
-                     "--lease-timeout", "600", ready="events:"),
+            DaemonProcess("--endpoint", daemon_ep, "--pool", pool, "--lease-timeout", "600"),
             _process("-m", "kvcore.bench.rpc", "--echo-server", echo_ep, ready="echo ready"),
             Client.connect(daemon_ep, pool="bench", map_memory=False, heartbeat=False) as client,
         ):  # fmt: skip

@@ -1,0 +1,132 @@
+"""`kvcore serve` as a process: defaults, socket mode, clean stop, config, refusals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcore import Client
+from kvcore.errors import Timeout
+from kvcore.service import DaemonProcess
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    env.pop("KVCORE_ENDPOINT", None)
+    return env
+
+
+def _shm_name(output: str) -> str:
+    return output.split("(kvcore-")[1].split(")")[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_default_daemon_serves_and_stops_cleanly(tmp_path: Path, sig: int) -> None:
+    env = _env(tmp_path)
+    daemon = DaemonProcess(env=env).start()
+    try:
+        sock = tmp_path / "kvcore" / "kvcore.sock"
+        assert daemon.endpoint == f"ipc://{sock}"
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+        assert "pool 'default': cpu, 512 pages x 16 tokens" in daemon.output
+        assert "256.0 MiB" in daemon.output
+        shm = Path("/dev/shm") / f"kvcore-{_shm_name(daemon.output)}"
+        assert shm.exists()
+        os.environ["XDG_RUNTIME_DIR"] = str(tmp_path)  # Client.connect() finds the default too
+        try:
+            with Client.connect(map_memory=False) as client:
+                assert client.layout.num_layers == 16 and client.layout.dtype == "bfloat16"
+                assert client.stats().total_pages == 512
+        finally:
+            del os.environ["XDG_RUNTIME_DIR"]
+    finally:
+        code = daemon.stop(sig)
+    assert code == 0, daemon.output
+    assert not sock.exists()
+    assert not shm.exists()
+    assert "pools unlinked, socket removed" in daemon.output
+
+
+def test_tcp_needs_curve_or_insecure(tmp_path: Path) -> None:
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvcore.service", "--endpoint", "tcp://127.0.0.1:*",
+         "--pool", "num_pages=4,num_layers=1"],
+        capture_output=True, text=True, timeout=30, env=_env(tmp_path),
+    )  # fmt: skip
+    assert refused.returncode == 2 and "CURVE" in refused.stderr
+    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--insecure",
+                       "--pool", "num_pages=4,num_layers=1", env=_env(tmp_path)) as daemon:  # fmt: skip
+        assert daemon.endpoint.startswith("tcp://127.0.0.1:")
+        with Client.connect(daemon.endpoint, map_memory=False) as client:
+            assert client.stats().total_pages == 4
+
+
+def test_tcp_with_curve_keys(tmp_path: Path) -> None:
+    zmq = pytest.importorskip("zmq")
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    public, secret = zmq.curve_keypair()
+    key_file = tmp_path / "server.key"
+    key_file.write_bytes(secret)
+    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--curve-secret-key-file",
+                       str(key_file), "--pool", "num_pages=4,num_layers=1",
+                       env=_env(tmp_path)) as daemon:  # fmt: skip
+        with Client.connect(daemon.endpoint, map_memory=False, curve_server_key=public) as client:
+            assert client.stats().total_pages == 4
+        wrong, _ = zmq.curve_keypair()
+        with pytest.raises(Timeout):
+            Client.connect(daemon.endpoint, map_memory=False, curve_server_key=wrong, timeout_s=0.5)
+
+
+def test_toml_config_and_flag_override(tmp_path: Path) -> None:
+    config = tmp_path / "kvcore.toml"
+    config.write_text(
+        'lease_timeout_s = 3.5\n'
+        '[[pools]]\nname = "small"\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 32\n'
+        'page_size = 8\ndtype = "float16"\nsize = "1MiB"\n'
+        '[[pools]]\nname = "tiny"\nnum_layers = 1\nnum_pages = 3\n'
+    )  # fmt: skip
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    with DaemonProcess("--config", str(config), "--endpoint", endpoint, "--lease-timeout", "7",
+                       env=_env(tmp_path)) as daemon:  # fmt: skip
+        assert "lease 7 s" in daemon.output
+        with Client.connect(endpoint, pool="small") as client:
+            # 1 MiB / (2 layers * 2 * 8 tokens * 2 heads * 32 dim * 2 bytes) = 256 pages
+            assert client.layout.num_pages == 256 and client.layout.page_size == 8
+            assert client.kv_caches[1].shape == (256, 2, 8, 2, 32)
+            assert {p.name for p in client.daemon_stats().pools} == {"small", "tiny"}
+
+
+def test_bad_config_exits_with_a_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[pools]]\nname = "x"\ndtype = "int3"\n')
+    for args in (["--config", str(bad)], ["--pool", "size=12parsecs"], ["--pool", "bogus=1"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "kvcore.service", "--endpoint", f"ipc://{tmp_path}/x.sock", *args],
+            capture_output=True, text=True, timeout=30, env=_env(tmp_path),
+        )  # fmt: skip
+        assert done.returncode == 2, done
+        assert done.stderr.startswith("kvcore serve:"), done.stderr
+
+
+def test_second_daemon_on_a_live_endpoint_is_refused_and_stale_socket_reused(
+    tmp_path: Path,
+) -> None:
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    args = ("--endpoint", endpoint, "--pool", "num_pages=4,num_layers=1")
+    with DaemonProcess(*args, env=_env(tmp_path)) as first:
+        second = subprocess.run([sys.executable, "-m", "kvcore.service", *args],
+                                capture_output=True, text=True, timeout=30, env=_env(tmp_path))  # fmt: skip
+        assert second.returncode == 1 and "already answers" in second.stderr
+        first.stop(signal.SIGKILL)  # dies without cleaning up: the socket file stays
+    assert (tmp_path / "d.sock").exists()
+    with DaemonProcess(*args, env=_env(tmp_path)), Client.connect(endpoint, map_memory=False) as c:
+        assert c.stats().total_pages == 4
