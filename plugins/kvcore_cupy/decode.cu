@@ -1,0 +1,152 @@
+// kvcore_cupy/decode.cu -- paged decode attention with split-KV (flash-decoding).
+//
+// One query token per sequence. Grid (B, Hkv * n_chunks, num_splits); a CTA of
+// 4 warps handles
+//
+//   sequence b = blockIdx.x,
+//   kv head    = blockIdx.y / n_chunks, and the query heads
+//                kv_head * group + (blockIdx.y % n_chunks) * NG + [0, NG)  (those < group),
+//   tokens     [split * split_len, min((split + 1) * split_len, seq_len)).
+//
+// GQA: the NG query heads of one kv head sit in the same CTA, so each K/V row is
+// loaded once (16-byte vector loads along D when WIDE, see common.cuh) and used NG
+// times from registers. The
+// host picks NG in {1, 2, 4, 8} >= the group when it can, else 8 and several chunks
+// (MQA with 32 query heads reads K/V 4 times).
+//
+// Splits: the host chooses num_splits so that B * Hkv * n_chunks * num_splits fills
+// the SMs about four times over; a CTA's tokens are dealt to its 4 warps in blocks
+// of Geo::kBlock consecutive tokens. Each warp keeps an online softmax (m, l, acc)
+// per head; the warps are merged through shared memory. With one split the CTA
+// writes the normalised output in the cache dtype; otherwise it writes
+//
+//   part_out[b, h, split, :] = acc / l           (fp32)
+//   part_lse[b, h, split]    = m + log2(l)       (log2 units; -inf when the split is empty)
+//
+// and decode_merge combines the splits: out = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M).
+#include "common.cuh"
+
+#define KV_DECODE_WARPS 4
+
+template <class T, int D, int NG, bool WIDE>
+__global__ void __launch_bounds__(KV_DECODE_WARPS * 32) decode_partial(
+    const T* __restrict__ query,        // [B, Hq, D], contiguous
+    const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
+    i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements
+    const i32* __restrict__ block_table, i64 table_stride,            // [B, max_pages]
+    const i32* __restrict__ seq_lens,   // [B], tokens, >= 1
+    int num_q_heads, int group, int n_chunks,
+    float scale_log2,                   // scale * log2(e)
+    u32 page_size, u32 ps_mul, u32 ps_shift,
+    int split_len, int num_splits,      // split_len: tokens per split
+    T* __restrict__ out,                // [B, Hq, D] (num_splits == 1)
+    float* __restrict__ part_out,       // [B, Hq, num_splits, D] (num_splits > 1)
+    float* __restrict__ part_lse) {     // [B, Hq, num_splits]
+  typedef Geo<T, D, WIDE> G_;
+  constexpr int E = G_::kE;
+  const int b = blockIdx.x;
+  const int kv_head = blockIdx.y / n_chunks;
+  const int h0 = (blockIdx.y % n_chunks) * NG;  // first head of this CTA within the group
+  const int split = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int c = lane % G_::kLanes;
+
+  const int seq_len = seq_lens[b];
+  const int t0 = split * split_len;
+  const int t_end = min(t0 + split_len, seq_len);
+
+  float q[NG][E];
+#pragma unroll
+  for (int h = 0; h < NG; ++h) {
+    const int qh = kv_head * group + h0 + h;
+    if (h0 + h < group) {
+      kv_load_row<T, D, WIDE>(query + ((i64)b * num_q_heads + qh) * D, c, scale_log2, q[h]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[h][e] = 0.f;
+    }
+  }
+
+  PagedSeq<T> seq;
+  seq.kv = cache + (i64)kv_head * stride_head;
+  seq.pages = block_table + (i64)b * table_stride;
+  seq.stride_page = stride_page;
+  seq.stride_kv = stride_kv;
+  seq.stride_tok = stride_tok;
+  seq.ps = FastDiv{page_size, ps_mul, ps_shift};
+
+  Softmax<NG, E> st;
+  st.init();
+  attend_tokens<T, D, NG, WIDE>(seq, t0, t_end, warp * G_::kBlock, KV_DECODE_WARPS * G_::kBlock, q, st);
+  merge_rows<T, D, NG, WIDE>(st);
+
+  // merge the warps: each writes its state, then the CTA combines element-wise
+  __shared__ float sm_m[KV_DECODE_WARPS][NG], sm_l[KV_DECODE_WARPS][NG];
+  __shared__ float sm_acc[KV_DECODE_WARPS][NG][D];
+  if (lane < G_::kLanes) {  // row group 0 holds the merged state
+#pragma unroll
+    for (int h = 0; h < NG; ++h) {
+#pragma unroll
+      for (int k = 0; k < G_::kCpl; ++k) {
+        const int ch = c + k * G_::kLanes;
+        if (ch < G_::kChunks) {
+#pragma unroll
+          for (int e = 0; e < G_::kVec; ++e) sm_acc[warp][h][ch * G_::kVec + e] = st.acc[h][k * G_::kVec + e];
+        }
+      }
+      if (lane == 0) {
+        sm_m[warp][h] = st.m[h];
+        sm_l[warp][h] = st.l[h];
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < NG * D; i += KV_DECODE_WARPS * 32) {
+    const int h = i / D, d = i % D;
+    if (h0 + h >= group) continue;
+    float mx = sm_m[0][h];
+#pragma unroll
+    for (int w = 1; w < KV_DECODE_WARPS; ++w) mx = fmaxf(mx, sm_m[w][h]);
+    float l = 0.f, a = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_DECODE_WARPS; ++w) {
+      const float f = kv_exp2(sm_m[w][h] - mx);
+      l += sm_l[w][h] * f;
+      a += sm_acc[w][h][d] * f;
+    }
+    const i64 row = (i64)b * num_q_heads + kv_head * group + h0 + h;  // [B, Hq] row
+    const float o = l > 0.f ? a / l : 0.f;
+    if (num_splits == 1) {
+      Elem<T>::store(out + row * D + d, o);
+    } else {
+      part_out[(row * num_splits + split) * D + d] = o;
+      if (d == 0) part_lse[row * num_splits + split] = l > 0.f ? mx + log2f(l) : kv_neg_inf();
+    }
+  }
+}
+
+// Combine the splits of one (b, h) row per CTA: out[row, d] in the cache dtype.
+// A row whose splits are all empty (cannot happen for seq_len >= 1) gets zeros.
+template <class T>
+__global__ void __launch_bounds__(128) decode_merge(
+    const float* __restrict__ part_out,  // [rows, num_splits, D]
+    const float* __restrict__ part_lse,  // [rows, num_splits]
+    int num_splits, int head_dim,
+    T* __restrict__ out) {               // [rows, D], contiguous
+  const i64 row = blockIdx.x;
+  const float* lse = part_lse + row * num_splits;
+  float mx = kv_neg_inf();
+  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse[s]);
+  const bool empty = mx == kv_neg_inf();
+  float den = 0.f;
+  for (int s = 0; s < num_splits; ++s) den += empty ? 0.f : kv_exp2(lse[s] - mx);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float num = 0.f;
+    if (!empty) {
+      for (int s = 0; s < num_splits; ++s) {
+        num += part_out[(row * num_splits + s) * head_dim + d] * kv_exp2(lse[s] - mx);
+      }
+    }
+    Elem<T>::store(out + row * head_dim + d, empty ? 0.f : num / den);
+  }
+}

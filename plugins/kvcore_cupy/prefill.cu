@@ -1,0 +1,92 @@
+// kvcore_cupy/prefill.cu -- varlen causal attention over a paged, cached prefix.
+//
+// The queries of sequence b are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1 of
+// the packed query array and are its *last* q_len tokens (bottom-right aligned):
+//
+//   tokens     0 1 2 3 4 5        (seq_len = 6, q_len = 2: 4 cached, 2 new)
+//   query 0    x x x x x .        attends 0 .. seq_len - q_len + 0
+//   query 1    x x x x x x        attends 0 .. seq_len - q_len + 1
+//
+// Grid (ceil(total_q / 4), Hkv * n_chunks); warp w of CTA x owns packed query row
+// x * 4 + w and, as in decode, the NG query heads of one kv head (K/V loaded once
+// per row, used NG times). It finds its sequence by a binary search of
+// cu_seqlens_q (no host-side tile plan, no device-to-host sync), then runs the same
+// online-softmax loop as decode over its causal range, one warp alone (no split,
+// no shared memory). The 4 warps of a CTA are consecutive queries of one sequence
+// (mostly), so they walk the same K/V rows at about the same time and share them
+// through L1/L2. CUDA cores only (no tensor cores): this kernel is correct and
+// memory-friendly, not a FlashAttention-class prefill.
+#include "common.cuh"
+
+#define KV_PREFILL_WARPS 4
+
+template <class T, int D, int NG, bool WIDE>
+__global__ void __launch_bounds__(KV_PREFILL_WARPS * 32) prefill(
+    const T* __restrict__ query,        // [total_q, Hq, D], contiguous
+    const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
+    i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements
+    const i32* __restrict__ block_table, i64 table_stride,            // [B, max_pages]
+    const i32* __restrict__ cu_seqlens_q,  // [B + 1], non-decreasing, from 0 to total_q
+    const i32* __restrict__ seq_lens,      // [B], tokens, >= q_len
+    int batch, int total_q,
+    int num_q_heads, int group, int n_chunks,
+    float scale_log2,                      // scale * log2(e)
+    u32 page_size, u32 ps_mul, u32 ps_shift,
+    T* __restrict__ out) {                 // [total_q, Hq, D], contiguous
+  typedef Geo<T, D, WIDE> G_;
+  constexpr int E = G_::kE;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qrow = blockIdx.x * KV_PREFILL_WARPS + warp;  // packed query row
+  if (qrow >= total_q) return;                            // warp-uniform
+  const int kv_head = blockIdx.y / n_chunks;
+  const int h0 = (blockIdx.y % n_chunks) * NG;
+  const int row = lane / G_::kLanes, c = lane % G_::kLanes;
+
+  // the sequence b with cu_seqlens_q[b] <= qrow < cu_seqlens_q[b + 1] (empty
+  // sequences have equal bounds and are skipped by taking the last such b)
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (cu_seqlens_q[mid] <= qrow) lo = mid; else hi = mid - 1;
+  }
+  const int b = lo;
+  const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
+  const int i = qrow - cu_seqlens_q[b];
+  const int t_end = seq_lens[b] - q_len + i + 1;  // tokens 0 .. t_end - 1
+
+  float q[NG][E];
+#pragma unroll
+  for (int h = 0; h < NG; ++h) {
+    if (h0 + h < group) {
+      const int qh = kv_head * group + h0 + h;
+      kv_load_row<T, D, WIDE>(query + ((i64)qrow * num_q_heads + qh) * D, c, scale_log2, q[h]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) q[h][e] = 0.f;
+    }
+  }
+
+  PagedSeq<T> seq;
+  seq.kv = cache + (i64)kv_head * stride_head;
+  seq.pages = block_table + (i64)b * table_stride;
+  seq.stride_page = stride_page;
+  seq.stride_kv = stride_kv;
+  seq.stride_tok = stride_tok;
+  seq.ps = FastDiv{page_size, ps_mul, ps_shift};
+
+  Softmax<NG, E> st;
+  st.init();
+  attend_tokens<T, D, NG, WIDE>(seq, 0, t_end, 0, G_::kBlock, q, st);
+  merge_rows<T, D, NG, WIDE>(st);
+
+  if (row == 0) {
+#pragma unroll
+    for (int h = 0; h < NG; ++h) {
+      if (h0 + h < group) {
+        const int qh = kv_head * group + h0 + h;
+        const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+        kv_store_row<T, D, WIDE>(out + ((i64)qrow * num_q_heads + qh) * D, c, st.acc[h], inv);
+      }
+    }
+  }
+}
