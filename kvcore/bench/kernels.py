@@ -1,0 +1,278 @@
+"""``kvcore bench kernels``: paged decode / prefill time and KV bandwidth per backend.
+
+All figures of one run are measured in that run, on one device:
+
+* ``copy_GBps``: a large device-to-device copy, counted as bytes read plus bytes
+  written per second (the achievable memory bandwidth);
+* per backend and operation: ``time_ms`` (median of ``--repeats`` after
+  ``--warmup``; CUDA events on a GPU, perf_counter on a CPU), ``kv_bytes`` (K and
+  V of every context token, read once), ``GBps = kv_bytes / time``,
+  ``bw_fraction = GBps / copy_GBps``, and ``paged_over_dense`` = time / time of
+  torch SDPA on the same K/V laid out contiguously ([B, Hkv, ctx, D], GQA native);
+* ``max_abs_err``: the paged output against that dense output, so a fast
+  wrong kernel shows.
+
+Decode: one query per sequence over ``--context`` tokens. Prefill: the last
+``--prefill-q`` tokens of each sequence over the rest as a cached prefix
+(bottom-right causal; dense uses ``causal_lower_right``). Pages of a sequence
+are scattered over the pool in random order, as after real allocation churn.
+
+Defaults: on CUDA the issue's shape (B=64, context 4096, Hq=32, Hkv=8, D=128,
+bf16, page 16) and every installed backend that declares cuda; on a CPU a
+scaled-down shape and the torch backend. Targets on H100/H200-class GPUs:
+triton decode bw_fraction >= 0.80, cupy >= 0.70, paged_over_dense <= 1.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvcore.backend import Backend
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    batch: int
+    context: int  # tokens per sequence
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int  # elements
+    page_size: int  # tokens
+    dtype: str
+    prefill_q: int  # query tokens per sequence in prefill (<= context)
+
+
+GPU_SHAPE = Shape(64, 4096, 32, 8, 128, 16, "bfloat16", 512)
+CPU_SHAPE = Shape(4, 1024, 8, 2, 64, 16, "float32", 64)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="backend to time (repeatable; default: torch on cpu, all on cuda)",
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    for name, help_text in (
+        ("batch", "sequences"),
+        ("context", "tokens per sequence"),
+        ("hq", "query heads"),
+        ("hkv", "kv heads"),
+        ("head-dim", "elements"),
+        ("page-size", "tokens per page"),
+        ("prefill-q", "prefill queries"),
+    ):
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (overrides)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvcore import backend as registry
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    base = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
+    shape = Shape(
+        batch=args.batch or base.batch,
+        context=args.context or base.context,
+        num_q_heads=args.hq or base.num_q_heads,
+        num_kv_heads=args.hkv or base.num_kv_heads,
+        head_dim=args.head_dim or base.head_dim,
+        page_size=args.page_size or base.page_size,
+        dtype=args.dtype or base.dtype,
+        prefill_q=min(args.prefill_q or base.prefill_q, args.context or base.context),
+    )
+    names = args.backend or (registry.available() if device.type == "cuda" else ["torch"])
+    timer = _Timer(device, args.warmup, args.repeats)
+    data = _Data.make(shape, device)
+
+    copy_s = _copy_seconds(timer, data.kv_bytes, device)
+    copy_gbps = 2 * _copy_bytes(data.kv_bytes) / copy_s / 1e9
+    dense = {
+        "decode": timer(lambda: data.dense_decode()),
+        "prefill": timer(lambda: data.dense_prefill()),
+    }
+    result: dict[str, Any] = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": asdict(shape),
+        "kv_bytes": data.kv_bytes,
+        "copy_GBps": copy_gbps,
+        "dense_ms": {op: s * 1e3 for op, s in dense.items()},
+        "backends": {},
+    }
+    for name in names:
+        try:
+            backend = registry.get(name)
+            backend.check_supported(data.kv_cache)
+        except Exception as exc:  # a backend that cannot run here is reported, not fatal
+            result["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        result["backends"][name] = {
+            op: _figures(seconds, err, data.kv_bytes, copy_gbps, dense[op])
+            for op, (seconds, err) in _time_backend(backend, data, timer).items()
+        }
+    return result
+
+
+def _figures(
+    seconds: float, err: float, kv_bytes: int, copy_gbps: float, dense_s: float
+) -> dict[str, float]:
+    gbps = kv_bytes / seconds / 1e9
+    return {
+        "time_ms": seconds * 1e3,
+        "GBps": gbps,
+        "bw_fraction": gbps / copy_gbps,
+        "paged_over_dense": seconds / dense_s,
+        "max_abs_err": err,
+    }
+
+
+def _time_backend(backend: Backend, data: _Data, timer: _Timer) -> dict[str, tuple[float, float]]:
+    out: dict[str, tuple[float, float]] = {}
+    ops: list[tuple[str, Callable[[], torch.Tensor], Callable[[], torch.Tensor]]] = [
+        ("decode", lambda: data.decode(backend), data.dense_decode),
+        ("prefill", lambda: data.prefill(backend), data.dense_prefill),
+    ]
+    for op, call, ref in ops:
+        err = float((call().float() - ref().float()).abs().max())
+        out[op] = (timer(call), err)
+    return out
+
+
+class _Timer:
+    """Median seconds of ``repeats`` calls after ``warmup`` calls."""
+
+    def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
+        self.device, self.warmup, self.repeats = device, max(0, warmup), max(1, repeats)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        import torch
+
+        for _ in range(self.warmup):
+            fn()
+        samples: list[float] = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+
+def _copy_bytes(kv_bytes: int) -> int:
+    """Size of the copy that measures bandwidth: at least 256 MiB, so caches do not help."""
+    return max(256 << 20, kv_bytes)
+
+
+def _copy_seconds(timer: _Timer, kv_bytes: int, device: torch.device) -> float:
+    import torch
+
+    n = _copy_bytes(kv_bytes)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src))
+
+
+@dataclass(slots=True)
+class _Data:
+    """Paged and dense copies of the same K/V, and the queries."""
+
+    shape: Shape
+    kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D]
+    block_table: torch.Tensor  # [B, pages per sequence] int32
+    seq_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    dense_k: torch.Tensor  # [B, Hkv, ctx, D]
+    dense_v: torch.Tensor
+    q_decode: torch.Tensor  # [B, Hq, D]
+    q_prefill: torch.Tensor  # [B * prefill_q, Hq, D]
+    kv_bytes: int  # K and V of every context token
+
+    @classmethod
+    def make(cls, s: Shape, device: torch.device) -> _Data:
+        import torch
+
+        dtype = getattr(torch, s.dtype)
+        per_seq = -(-s.context // s.page_size)
+        num_pages = s.batch * per_seq
+        gen = torch.Generator(device=device).manual_seed(0)
+        kv = torch.randn(
+            (num_pages, 2, s.page_size, s.num_kv_heads, s.head_dim),
+            generator=gen, device=device, dtype=dtype,
+        )  # fmt: skip
+        perm = torch.randperm(num_pages, generator=gen, device=device)
+        table = perm.view(s.batch, per_seq).to(torch.int32)
+        tokens = kv[table.long()]  # [B, per_seq, 2, page, Hkv, D]
+        tokens = tokens.permute(0, 2, 4, 1, 3, 5).reshape(
+            s.batch, 2, s.num_kv_heads, per_seq * s.page_size, s.head_dim
+        )[:, :, :, : s.context]
+        hq, d = s.num_q_heads, s.head_dim
+        return cls(
+            shape=s,
+            kv_cache=kv,
+            block_table=table,
+            seq_lens=torch.full((s.batch,), s.context, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.arange(s.batch + 1, dtype=torch.int32, device=device) * s.prefill_q,
+            dense_k=tokens[:, 0].contiguous(),
+            dense_v=tokens[:, 1].contiguous(),
+            q_decode=torch.randn((s.batch, hq, d), generator=gen, device=device, dtype=dtype),
+            q_prefill=torch.randn(
+                (s.batch * s.prefill_q, hq, d), generator=gen, device=device, dtype=dtype
+            ),
+            kv_bytes=2 * s.batch * s.context * s.num_kv_heads * d * kv.element_size(),
+        )
+
+    @property
+    def scale(self) -> float:
+        return float(self.shape.head_dim**-0.5)
+
+    def decode(self, backend: Backend) -> torch.Tensor:
+        return backend.decode(self.q_decode, self.kv_cache, self.block_table, self.seq_lens,
+                              self.scale)  # fmt: skip
+
+    def prefill(self, backend: Backend) -> torch.Tensor:
+        return backend.prefill(self.q_prefill, self.kv_cache, self.block_table,
+                               self.cu_seqlens_q, self.seq_lens, self.scale)  # fmt: skip
+
+    def dense_decode(self) -> torch.Tensor:
+        """SDPA over contiguous K/V: [B, Hq, 1, D] -> [B, Hq, D]."""
+        import torch.nn.functional as F
+
+        q = self.q_decode.unsqueeze(2)
+        out = F.scaled_dot_product_attention(q, self.dense_k, self.dense_v, scale=self.scale,
+                                             enable_gqa=True)  # fmt: skip
+        return out.squeeze(2)
+
+    def dense_prefill(self) -> torch.Tensor:
+        """SDPA, bottom-right causal, over contiguous K/V -> [B * prefill_q, Hq, D]."""
+        import torch.nn.functional as F
+        from torch.nn.attention.bias import causal_lower_right
+
+        s = self.shape
+        q = self.q_prefill.view(s.batch, s.prefill_q, s.num_q_heads, s.head_dim).transpose(1, 2)
+        mask = causal_lower_right(s.prefill_q, s.context)
+        out = F.scaled_dot_product_attention(q, self.dense_k, self.dense_v, attn_mask=mask,
+                                             scale=self.scale, enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2).reshape(-1, s.num_q_heads, s.head_dim)
