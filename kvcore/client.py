@@ -89,7 +89,8 @@ class Client:
     ) -> Client:
         """Attach to ``pool`` of the daemon at ``endpoint`` (None: the default daemon).
 
-        Options: ``layout`` (expected KVLayout; num_pages 0 = any), ``timeout_s``,
+        Options: ``layout`` (the expected KVLayout: LayoutMismatch if the pool's differs;
+        its num_pages is ignored, except for ephemeral pools), ``timeout_s``,
         ``map_memory``, ``heartbeat``, ``ephemeral`` (a fresh private pool of
         ``layout``; the daemon must allow it), ``curve_server_key``, ``name``.
         """
@@ -98,7 +99,10 @@ class Client:
     # -- session ------------------------------------------------------------------
 
     def _attach(self) -> None:
-        expected = None if self._expected is None else msg.PoolLayout(**self._expected.to_dict())
+        expected = None
+        if self._expected is not None:  # the page count is the daemon's choice, unless ephemeral
+            fields = self._expected.to_dict()
+            expected = msg.PoolLayout(**{**fields, "num_pages": fields["num_pages"] * self._ephemeral})
         body = msg.Attach(
             version=msg.PROTOCOL_VERSION, pool=self.pool, namespace=self.namespace,
             layout=expected, ephemeral=self._ephemeral, pid=os.getpid(), name=self._name,

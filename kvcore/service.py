@@ -292,7 +292,7 @@ class Service:
             pool = self._ephemeral_pool(body)
         else:
             found = self.pools.get(body.pool)
-            if found is None or found.ephemeral:
+            if found is None:
                 raise UnknownPool(f"no pool {body.pool!r}; serving {sorted(self.pools)}")
             pool = found
         layout = pool.manager.layout

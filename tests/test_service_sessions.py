@@ -1,0 +1,221 @@
+"""Sessions against a real daemon: attach checks, ownership, namespaces, leases, epochs, events."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from kvcore_ipc.events import EventSubscriber
+from kvcore_ipc.messages import PageRemovedEvent, PageStoredEvent
+
+from kvcore import Client
+from kvcore.errors import (
+    Forbidden,
+    LayoutMismatch,
+    NotAttached,
+    SequenceExists,
+    StaleEpoch,
+    UnknownPool,
+    UnknownSequence,
+    VersionMismatch,
+)
+from kvcore.layout import KVLayout
+from kvcore.service import DaemonProcess
+
+LEASE_S = 1.0
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16)
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    tmp = tmp_path_factory.mktemp("sessions")
+    with DaemonProcess(
+        "--endpoint", f"ipc://{tmp / 'd.sock'}", "--events", f"ipc://{tmp / 'ev.sock'}",
+        "--allow-ephemeral", "--lease-timeout", str(LEASE_S),
+        "--pool", "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=8",
+    ) as d:  # fmt: skip
+        yield d
+
+
+def fresh_pool(daemon: DaemonProcess, namespace: str = "default") -> Client:
+    """A Client on a new, empty pool of LAYOUT."""
+    return Client.connect(daemon.endpoint, pool=f"p{next(_names)}", namespace=namespace,
+                          layout=LAYOUT, ephemeral=True)  # fmt: skip
+
+
+def join(daemon: DaemonProcess, pool: str, namespace: str = "default", **kw: object) -> Client:
+    return Client.connect(daemon.endpoint, pool=pool, namespace=namespace, **kw)
+
+
+def test_attach_checks_pool_layout_and_version(daemon: DaemonProcess) -> None:
+    with pytest.raises(UnknownPool):
+        Client.connect(daemon.endpoint, pool="nope")
+    wrong = KVLayout(1, 1, 8, 8, "float16", 8)  # page size 8, the pool has 4
+    with pytest.raises(LayoutMismatch):
+        Client.connect(daemon.endpoint, pool="fixed", layout=wrong)
+    any_pages = KVLayout(1, 1, 8, 4, "float16", 1)
+    with Client.connect(daemon.endpoint, pool="fixed", layout=any_pages, map_memory=False) as c:
+        assert c.layout.num_pages == 8  # the client learns the size
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(daemon.endpoint)
+    sock.send(msgpack.packb({"id": 5, "body": {"op": "attach", "version": 99, "pool": "fixed"}}))
+    assert sock.poll(5000)
+    reply = msgpack.unpackb(sock.recv())
+    sock.close()
+    assert reply["id"] == 5 and reply["error"]["code"] == VersionMismatch.code
+
+
+def test_ephemeral_pools_need_the_daemon_flag(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    with DaemonProcess("--endpoint", endpoint, "--pool", "num_pages=4"), pytest.raises(Forbidden):
+        Client.connect(endpoint, pool="mine", layout=LAYOUT, ephemeral=True)
+
+
+def test_sequences_belong_to_their_session(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as a, join(daemon, a.pool) as b:
+        a.allocate(1, [1, 2, 3, 4, 5])
+        for call in (lambda: b.extend(1, 1), lambda: b.commit(1, [1]), lambda: b.free(1),
+                     lambda: b.fork(1, 2), lambda: b.block_table(1), lambda: b.num_tokens(1)):  # fmt: skip
+            with pytest.raises(Forbidden):
+                call()
+        with pytest.raises(SequenceExists):
+            b.allocate(1, [9])  # ids are per pool, across sessions
+        before = a.stats()
+        assert before.num_sequences == 1 and before.held_pages == 2  # the refusals changed nothing
+        a.fork(1, 2)
+        with pytest.raises(Forbidden):
+            b.free(2)  # the fork child is a's too
+        a.free(1)
+        a.free(2)
+        with pytest.raises(UnknownSequence):
+            a.free(2)  # double free
+        taken = b.allocate(1, [9])  # a freed id is free for any session
+        assert len(taken.pages) == 1 and taken.num_cached_tokens == 0
+        a.check_integrity()
+
+
+def test_namespaces_share_prefix_hits_across_sessions_only_within(daemon: DaemonProcess) -> None:
+    prompt = list(range(13))  # three full pages of 4 tokens, and one token more
+    with (
+        fresh_pool(daemon, "tenant-a") as a,
+        join(daemon, a.pool, "tenant-a") as same,
+        join(daemon, a.pool, "tenant-b") as other,
+    ):
+        a.allocate(1, prompt)
+        assert same.lookup(prompt) == 0  # nothing is visible before commit
+        assert a.commit(1, prompt) == 3
+        assert same.lookup(prompt) == 12 and other.lookup(prompt) == 0
+        hit = same.allocate(2, prompt)
+        assert hit.num_cached_tokens == 12 and hit.pages[:3] == a.block_table(1)[:3]
+        assert other.allocate(3, prompt).num_cached_tokens == 0
+        assert other.lookup(prompt, namespace="tenant-a") == 12  # a per-call namespace overrides
+        a.check_integrity()
+
+
+def test_detach_frees_everything_the_session_held(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as keeper:
+        holder = join(daemon, keeper.pool)
+        holder.allocate(1, list(range(10)))
+        holder.commit(1, list(range(10)))
+        holder.fork(1, 2)
+        assert keeper.stats().held_pages == 3
+        holder.close()
+        stats = keeper.stats()
+        assert (stats.held_pages, stats.num_sequences, stats.evictable_pages) == (0, 0, 2)
+        assert stats.free_pages + stats.evictable_pages == stats.total_pages
+        keeper.check_integrity()
+
+
+CHILD = """
+import sys, time
+from kvcore import Client
+c = Client.connect(sys.argv[1], pool=sys.argv[2], map_memory=False)
+c.allocate(1, list(range(30)))
+c.fork(1, 2)
+print("holding", flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill_9_of_a_client_returns_its_pages_within_the_lease(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as watcher:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.endpoint, watcher.pool],
+                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        time.sleep(2 * LEASE_S)  # its heartbeat thread keeps the lease alive meanwhile
+        assert watcher.stats().held_pages == 8
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        killed_at = time.monotonic()
+        while watcher.stats().held_pages:
+            assert time.monotonic() - killed_at < LEASE_S + 1.0, "lease did not expire in time"
+            time.sleep(0.05)
+        stats = watcher.stats()
+        assert stats.free_pages == stats.total_pages and stats.num_sequences == 0
+        watcher.check_integrity()
+
+
+def test_a_silent_session_expires(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as keeper:
+        quiet = join(daemon, keeper.pool, heartbeat=False, map_memory=False)
+        quiet.allocate(1, [1, 2, 3])
+        time.sleep(LEASE_S + 0.3)
+        with pytest.raises(NotAttached):
+            quiet.extend(1, 1)
+        assert keeper.stats().held_pages == 0
+        quiet.reconnect()
+        assert quiet.allocate(1, [1]).num_cached_tokens == 0  # its old seq 1 is gone
+        assert quiet.num_tokens(1) == 1
+        quiet.close()
+
+
+def test_daemon_restart_gives_stale_epoch_then_reconnect_works(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    args = ("--endpoint", endpoint, "--pool", "num_layers=1,num_kv_heads=1,head_dim=8,num_pages=8")
+    with DaemonProcess(*args):
+        client = Client.connect(endpoint, timeout_s=5)
+        client.allocate(1, [1, 2, 3])
+        old_epoch = client.epoch
+    with DaemonProcess(*args):
+        with pytest.raises(StaleEpoch):
+            client.extend(1, 1)
+        with pytest.raises(StaleEpoch):
+            client.block_table(1)  # never an old page id
+        client.reconnect()
+        assert client.epoch != old_epoch
+        with pytest.raises(UnknownSequence):
+            client.num_tokens(1)  # the new daemon's pool is empty
+        assert client.allocate(1, [1, 2, 3]).pages == [0]
+        assert client.kv_caches[0].shape == (8, 2, 16, 1, 8)
+        client.close()
+
+
+def test_events_stream_stored_and_removed_pages(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as client:
+        events_endpoint = client.attach_info.events
+        assert events_endpoint.startswith("ipc://")
+        sub = EventSubscriber(events_endpoint, pool=client.pool)
+        time.sleep(0.3)  # PUB/SUB joins asynchronously
+        prompt = list(range(9))
+        client.allocate(1, prompt)
+        client.commit(1, prompt)
+        client.free(1)
+        client.allocate(2, list(range(100, 100 + 4 * 16)))  # needs every page: evicts both
+        got = list(sub.drain(timeout_ms=500))
+        sub.close()
+        stored = [e for e in got if isinstance(e, PageStoredEvent)]
+        removed = [e for e in got if isinstance(e, PageRemovedEvent)]
+        assert len(stored) == 2 and len(removed) == 2
+        assert stored[1].parent == stored[0].key and len(stored[0].key) == 32
+        assert {e.key for e in removed} == {e.key for e in stored}
+        assert [e.seq_no for e in got] == list(range(1, len(got) + 1))
+        assert all(e.pool == client.pool and e.epoch == client.epoch for e in got)
