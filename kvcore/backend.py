@@ -13,7 +13,11 @@ A backend subclasses :class:`Backend` and implements the ``_``-prefixed
 methods. The public methods validate at the boundary (shapes, dtypes, devices,
 int32 tables, page indices in range, the backend's declared capabilities) and
 raise :class:`~kvcore.errors.BadRequest` or :class:`~kvcore.errors.Unsupported`;
-an out-of-range page index never reaches a kernel.
+an out-of-range page index never reaches a kernel. The value checks (lengths,
+page indices, slots) are a handful of vectorised tensor ops whose flags are read
+back at once, so every public call synchronises with the device; a caller that
+needs a sync-free path (CUDA graphs) validates once and calls the ``_`` methods.
+Empty inputs (B = 0, total_q = 0, T = 0, N = 0) return without calling a kernel.
 
 Backends are found through the entry-point group ``kvcore.backends``
 (``name = "module:Class"``); :func:`get` instantiates one by name.
