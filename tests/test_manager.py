@@ -1,0 +1,229 @@
+"""Manager semantics, one promise per test (the state machine covers combinations)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore import KVLayout, Manager
+from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
+from kvcore.prefix import PageRemoved, PageStored
+
+PAGE = 4
+
+
+def make(num_pages: int = 16, **kw: object) -> Manager:
+    return Manager(KVLayout(2, 2, 8, PAGE, "float16", num_pages), **kw)  # type: ignore[arg-type]
+
+
+def snapshot(m: Manager) -> tuple[object, ...]:
+    return (m.stats(), {s: m.block_table(s) for s in range(100) if s in m})
+
+
+def test_allocate_pages_and_refcounts() -> None:
+    m = make()
+    a = m.allocate(1, list(range(10)))
+    assert len(a.pages) == 3 and a.num_cached_tokens == 0
+    assert m.block_table(1) == a.pages and m.num_tokens(1) == 10
+    s = m.stats()
+    assert (s.held_pages, s.free_pages, s.evictable_pages, s.num_sequences) == (3, 13, 0, 1)
+    m.check_integrity()
+
+
+def test_hit_after_commit_and_free_never_covers_last_token() -> None:
+    m = make()
+    prompt = list(range(12))  # exactly three pages
+    m.allocate(1, prompt)
+    m.commit(1, prompt)
+    m.free(1)
+    assert m.stats().evictable_pages == 3
+    b = m.allocate(2, prompt)
+    # The last token must be computed by the engine: only two of the three pages hit.
+    assert b.num_cached_tokens == 8
+    assert m.lookup(prompt) == 8
+    assert m.lookup([*prompt, 99]) == 12
+    m.check_integrity()
+
+
+def test_pages_visible_only_after_commit() -> None:
+    m = make()
+    prompt = list(range(9))
+    m.allocate(1, prompt)
+    assert m.lookup(prompt) == 0
+    assert m.commit(1, prompt[:5]) == 1  # one full page published
+    assert m.lookup(prompt) == 4
+    assert m.commit(1, prompt) == 2
+    assert m.lookup(prompt) == 8
+    assert m.allocate(2, prompt).num_cached_tokens == 8  # shared while still held by 1
+    assert m.stats().held_pages == 3 + 1
+
+
+def test_namespaces_isolate() -> None:
+    m = make()
+    prompt = list(range(9))
+    m.allocate(1, prompt, namespace="a")
+    m.commit(1, prompt)
+    assert m.lookup(prompt, namespace="a") == 8
+    assert m.lookup(prompt, namespace="b") == 0
+    assert m.allocate(2, prompt, namespace="b").num_cached_tokens == 0
+
+
+def test_fork_shares_and_never_allocates() -> None:
+    m = make(num_pages=3)
+    m.allocate(1, list(range(10)))  # 3 pages: the pool is full
+    assert m.fork(1, 2) == m.block_table(1)
+    assert m.stats().held_pages == 3 and m.stats().free_pages == 0
+    m.check_integrity()
+
+
+def test_copy_on_write_of_shared_last_page() -> None:
+    m = make()
+    m.allocate(1, list(range(6)))  # last page half full
+    m.fork(1, 2)
+    ext = m.extend(2, 1)
+    (src, dst), = ext.copies
+    assert src == m.block_table(1)[-1] and dst == m.block_table(2)[-1] and src != dst
+    assert ext.new_pages == []
+    # The parent's page is now private again: extending it copies nothing.
+    assert m.extend(1, 1).copies == []
+    m.check_integrity()
+
+
+def test_no_copy_when_last_page_full_or_nothing_written() -> None:
+    m = make()
+    m.allocate(1, list(range(8)))  # two full pages
+    m.fork(1, 2)
+    ext = m.extend(2, 1)
+    assert ext.copies == [] and len(ext.new_pages) == 1
+    m.allocate(3, list(range(5)))
+    m.fork(3, 4)
+    assert m.extend(4, 0) == m.extend(4, 0)  # nothing written: no copy
+    assert m.extend(4, 0).copies == []
+
+
+def test_eviction_lru_and_tails_first_only_when_free_queue_empty() -> None:
+    events: list[object] = []
+    m = make(num_pages=6, event_sink=events.append)
+    a = list(range(8))
+    b = list(range(100, 108))
+    m.allocate(1, a); m.commit(1, a); m.free(1)  # noqa: E702
+    m.allocate(2, b); m.commit(2, b); m.free(2)  # noqa: E702
+    assert m.stats().evictable_pages == 4 and m.stats().free_pages == 2
+    m.allocate(3, [7] * 8)  # takes the two free pages: no eviction
+    assert m.stats().evictions == 0
+    m.allocate(4, [9])  # free queue empty: evict the least recently released chain's tail
+    assert m.stats().evictions == 1
+    assert m.lookup([*a, 0]) == 4  # a's tail page went first, its head stays
+    assert m.lookup([*b, 0]) == 8
+    assert [type(e) for e in events] == [PageStored] * 4 + [PageRemoved]
+    m.check_integrity()
+
+
+def test_hit_refreshes_lru_position() -> None:
+    m = make(num_pages=4)
+    a, b = list(range(4)), list(range(50, 54))
+    for seq, toks in ((1, a), (2, b)):
+        m.allocate(seq, toks); m.commit(seq, toks); m.free(seq)  # noqa: E702
+    m.allocate(3, [*a, 1]); m.free(3)  # noqa: E702  (a is now the most recently used)
+    m.allocate(4, [1] * 12)  # needs 3 pages: 2 free + 1 eviction, which must hit b
+    assert m.lookup([*a, 1]) == 4 and m.lookup([*b, 1]) == 0
+
+
+def test_failures_are_typed_and_atomic() -> None:
+    m = make(num_pages=4)
+    m.allocate(1, list(range(6)))
+    m.commit(1, list(range(6)))
+    before = snapshot(m)
+    cases = [
+        (OutOfPages, lambda: m.allocate(2, list(range(20)))),
+        (OutOfPages, lambda: m.extend(1, 100)),
+        (SequenceExists, lambda: m.allocate(1, [1])),
+        (SequenceExists, lambda: m.fork(1, 1)),
+        (UnknownSequence, lambda: m.extend(9, 1)),
+        (UnknownSequence, lambda: m.free(9)),
+        (UnknownSequence, lambda: m.commit(9, [])),
+        (UnknownSequence, lambda: m.fork(9, 10)),
+        (BadRequest, lambda: m.allocate(3, [1, 2**32])),
+        (BadRequest, lambda: m.allocate(3, [1, "x"])),  # type: ignore[list-item]
+        (BadRequest, lambda: m.allocate(-1, [1])),
+        (BadRequest, lambda: m.extend(1, -2)),
+        (BadRequest, lambda: m.commit(1, list(range(7)))),
+        (BadRequest, lambda: m.lookup([1], namespace=7)),  # type: ignore[arg-type]
+    ]
+    for error, call in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert info.value.code == error.code
+        assert snapshot(m) == before
+    m.check_integrity()
+
+
+def test_commit_contradicting_published_tokens_is_rejected() -> None:
+    m = make()
+    m.allocate(1, list(range(8)))
+    m.fork(1, 2)
+    m.commit(1, list(range(8)))
+    with pytest.raises(BadRequest):
+        m.commit(2, [5] * 8)  # same page, other tokens
+    assert m.commit(2, list(range(8))) == 2
+
+
+def test_duplicate_commit_keeps_first_page() -> None:
+    m = make()
+    prompt = list(range(9))
+    m.allocate(1, prompt)
+    m.allocate(2, prompt)  # computed independently: no hit yet
+    m.commit(1, prompt)
+    m.commit(2, prompt)
+    assert m.stats().cached_pages == 2
+    m.free(2)
+    assert m.stats().evictable_pages == 0  # 2's pages were private: back to the free queue
+    m.free(1)
+    assert m.stats().evictable_pages == 2
+    m.check_integrity()
+
+
+def test_stats_count_tokens() -> None:
+    m = make()
+    p = list(range(9))
+    m.allocate(1, p); m.commit(1, p)  # noqa: E702
+    m.allocate(2, p)
+    s = m.stats()
+    assert (s.query_tokens, s.hit_tokens) == (18, 8)
+    assert s.hit_rate == pytest.approx(8 / 18)
+
+
+def test_layout_sizes_and_budget() -> None:
+    layout = KVLayout(32, 8, 128, 16, "bfloat16", 100)
+    assert layout.layer_shape == (100, 2, 16, 8, 128)
+    assert layout.page_bytes_per_layer == 2 * 16 * 8 * 128 * 2
+    assert layout.total_bytes == 32 * 100 * layout.page_bytes_per_layer
+    fit = KVLayout.for_budget(
+        10 * layout.page_bytes + 1, num_layers=32, num_kv_heads=8, head_dim=128,
+        page_size=16, dtype="bfloat16",
+    )  # fmt: skip
+    assert fit.num_pages == 10
+    with pytest.raises(BadRequest):
+        KVLayout.for_budget(10, num_layers=1, num_kv_heads=1, head_dim=8, page_size=1, dtype="float32")
+    with pytest.raises(BadRequest):
+        KVLayout(1, 1, 8, 0, "float16", 4)
+    with pytest.raises(BadRequest):
+        KVLayout(1, 1, 8, 4, "int8", 4)
+
+
+def test_layer_views_are_zero_copy() -> None:
+    torch = pytest.importorskip("torch")
+    layout = KVLayout(3, 2, 8, 4, "float16", 5)
+    pool = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    views = layout.layer_views(pool)
+    assert len(views) == 3 and views[1].shape == layout.layer_shape
+    views[2][4, 1, 3, 1, 7] = 1.5
+    assert pool.view(torch.float16).reshape(-1)[-1] == 1.5
+
+
+def test_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvcore; m = kvcore.Manager; print(sorted({'torch', 'zmq', 'triton'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
