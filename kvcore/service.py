@@ -325,8 +325,8 @@ class Service:
         want = body.layout
         layout = KVLayout(want.num_layers, want.num_kv_heads, want.head_dim, want.page_size,
                           want.dtype, want.num_pages)  # fmt: skip
-        if layout.total_bytes > 1 << 30:
-            raise BadRequest("ephemeral pools are limited to 1 GiB")
+        if layout.total_bytes > 1 << 30 or layout.num_pages > 1 << 20:
+            raise BadRequest("ephemeral pools are limited to 1 GiB and 2**20 pages")
         return self._open_pool(body.pool, "cpu", layout, ephemeral=True)
 
     def _drop(self, session: Session) -> None:

@@ -1,0 +1,97 @@
+"""Two engine processes, one daemon: K/V written by one are read by the other through a
+prefix hit, zero-copy, each through its own mapping of the pool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcore import Client
+from kvcore.service import DaemonProcess
+
+POOL = "name=kv,num_layers=3,num_kv_heads=2,head_dim=8,page_size=4,dtype=float32,num_pages=32"
+
+ENGINE = r"""
+import json, sys
+import torch
+from kvcore import Client
+
+role, endpoint = sys.argv[1], sys.argv[2]
+prompt = list(range(1000, 1018))  # 4 full pages of 4 tokens + 2 tokens
+client = Client.connect(endpoint, pool="kv", namespace="shared-ns")
+layout = client.layout
+
+def expected(layer, page_index):
+    # K/V of one page as a function of (layer, token position, head, dim): no page ids in it
+    pos = torch.arange(page_index * layout.page_size, (page_index + 1) * layout.page_size)
+    head = torch.arange(layout.num_kv_heads).view(1, -1, 1)
+    dim = torch.arange(layout.head_dim).view(1, 1, -1)
+    k = layer * 1000.0 + pos.view(-1, 1, 1) * 10.0 + head + dim / 100.0
+    return torch.stack([k, -k])
+
+if role == "writer":
+    alloc = client.allocate(1, prompt)
+    assert alloc.num_cached_tokens == 0, alloc
+    for layer, cache in enumerate(client.kv_caches):
+        for i, page in enumerate(alloc.pages):
+            cache[page] = expected(layer, i)
+    published = client.commit(1, prompt)
+    client.free(1)  # committed pages stay cached (evictable) after the writer is gone
+    print(json.dumps({"pages": alloc.pages, "published": published}), flush=True)
+else:
+    sys.stdin.readline()  # wait until the writer has committed
+    alloc = client.allocate(2, prompt)
+    hit_pages = alloc.num_cached_tokens // layout.page_size
+    same = all(
+        torch.equal(cache[page], expected(layer, i))
+        for layer, cache in enumerate(client.kv_caches)
+        for i, page in enumerate(alloc.pages[:hit_pages])
+    )
+    print(json.dumps({"pages": alloc.pages, "cached": alloc.num_cached_tokens, "same": same}),
+          flush=True)
+client.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    tmp: Path = tmp_path_factory.mktemp("xproc")
+    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", POOL) as d:
+        yield d
+
+
+def start(role: str, endpoint: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", ENGINE, role, endpoint], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], stdin: str = "") -> dict[str, object]:
+    out, err = proc.communicate(stdin, timeout=120)
+    assert proc.returncode == 0, err
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+def test_reader_process_sees_the_writer_process_bytes_through_a_prefix_hit(
+    daemon: DaemonProcess,
+) -> None:
+    reader = start("reader", daemon.endpoint)  # both import torch at once; the reader waits
+    written = finish(start("writer", daemon.endpoint))
+    assert written["published"] == 4
+    read = finish(reader, "go\n")
+    assert read["cached"] == 16  # 4 full pages; the last 2 tokens are computed by the reader
+    assert read["pages"][:4] == written["pages"][:4]  # type: ignore[index]
+    assert read["same"] is True
+    with Client.connect(daemon.endpoint, pool="kv") as observer:
+        # a third mapping, in this process: same bytes again
+        page = written["pages"][0]  # type: ignore[index]
+        assert observer.kv_caches[2][page, 0, 1, 1, 3].item() == pytest.approx(2000 + 10 + 1 + 0.03)
+        assert observer.kv_caches[2][page, 1, 1, 1, 3].item() == pytest.approx(-(2000 + 10 + 1 + 0.03))
+        stats = observer.stats()
+        assert stats.hit_tokens == 16 and stats.held_pages == 0 and stats.evictable_pages == 4
+        observer.check_integrity()

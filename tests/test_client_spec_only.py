@@ -1,0 +1,113 @@
+"""A client written from spec/protocol.md alone: plain msgpack and raw pyzmq, importing
+nothing from kvcore; checked against a real daemon and against kvcore's own Client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcore import Client
+from kvcore.service import DaemonProcess
+
+SPEC_CLIENT = r'''
+import itertools, json, mmap, os, struct, sys
+import msgpack, zmq
+
+endpoint = sys.argv[1]
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(endpoint)
+ids = itertools.count(1)
+session = epoch = 0
+
+def call(op, **fields):
+    request_id = next(ids)
+    request = {"id": request_id, "session": session, "epoch": epoch, "body": {"op": op, **fields}}
+    sock.send(msgpack.packb(request))
+    assert sock.poll(10000), "no reply"
+    reply = msgpack.unpackb(sock.recv())
+    assert reply["id"] == request_id, reply
+    return reply
+
+ok = call("attach", version=1, pool="default", namespace="spec",
+          layout={"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "page_size": 2,
+                  "dtype": "float32", "num_pages": 0})["result"]
+session, epoch, layout, memory = ok["session"], ok["epoch"], ok["layout"], ok["memory"]
+assert memory["kind"] == "shm" and ok["version"] == 1
+
+fd = os.open("/dev/shm/" + memory["name"], os.O_RDWR)
+pool = mmap.mmap(fd, memory["size"], offset=memory.get("offset", 0))
+os.close(fd)
+L, P, S, H, D = (layout[k] for k in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"))
+page_bytes = 2 * S * H * D * 4  # float32
+
+def page_offset(layer, page):
+    return (layer * P + page) * page_bytes
+
+tokens = [7, 8, 9, 10, 11]
+alloc = call("allocate", seq=1, tokens=tokens)["result"]
+assert alloc == {"pages": alloc["pages"], "num_cached_tokens": 0} and len(alloc["pages"]) == 3
+for layer in range(L):
+    for i, page in enumerate(alloc["pages"]):
+        values = [layer * 100.0 + i + j / 1000.0 for j in range(2 * S * H * D)]
+        pool[page_offset(layer, page):page_offset(layer, page) + page_bytes] = struct.pack(f"<{len(values)}f", *values)
+assert call("commit", seq=1, tokens=tokens)["result"] == {"num_committed": 2}
+assert call("lookup", tokens=tokens)["result"] == {"num_cached_tokens": 4}
+assert call("lookup", tokens=tokens, namespace="other")["result"] == {"num_cached_tokens": 0}
+
+errors = {
+    "unknown_sequence": call("free", seq=99),
+    "sequence_exists": call("allocate", seq=1, tokens=[1]),
+    "unknown_op": call("warp", seq=1),
+    "bad_request": call("extend", seq=1, num_tokens=-3),
+}
+for code, reply in errors.items():
+    assert reply["error"]["code"] == code, (code, reply)
+
+batch = call("batch", ops=[{"op": "extend", "seq": 1, "num_tokens": 1},
+                           {"op": "free", "seq": 42},
+                           {"op": "free", "seq": 1}])["result"]
+assert batch["results"] == [{"new_pages": [], "copies": []}] and batch["error"]["code"] == "unknown_sequence"
+stats = call("stats")["result"]
+default = [p for p in stats["pools"] if p["name"] == "default"][0]
+assert default["free_pages"] + default["evictable_pages"] + default["held_pages"] == default["total_pages"]
+assert call("heartbeat")["result"] == {}
+stale = {"id": 999, "session": session, "epoch": epoch + 1, "body": {"op": "heartbeat"}}
+sock.send(msgpack.packb(stale)); assert sock.poll(10000)
+assert msgpack.unpackb(sock.recv())["error"]["code"] == "stale_epoch"
+print(json.dumps({"pages": alloc["pages"], "seq_alive": True}), flush=True)
+
+sys.stdin.readline()  # the test checks our bytes through kvcore's own Client meanwhile
+assert call("detach")["result"] == {}
+assert call("extend", seq=1, num_tokens=1)["error"]["code"] == "not_attached"
+leaked = sorted(m for m in sys.modules if m == "kvcore" or m.startswith(("kvcore.", "kvcore_ipc")))
+assert not leaked, leaked
+print(json.dumps({"ok": True}), flush=True)
+'''
+
+POOL = "name=default,num_layers=2,num_kv_heads=2,head_dim=4,page_size=2,dtype=float32,num_pages=16"
+
+
+def test_spec_only_client_against_a_real_daemon(tmp_path: Path) -> None:
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL) as daemon:
+        proc = subprocess.Popen([sys.executable, "-c", SPEC_CLIENT, daemon.endpoint], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)  # fmt: skip
+        assert proc.stdout is not None and proc.stdin is not None
+        first = proc.stdout.readline()
+        assert first, proc.communicate(timeout=30)[1]
+        pages = json.loads(first)["pages"]
+        with Client.connect(daemon.endpoint, namespace="spec") as client:
+            # the spec's byte offsets name the same elements as kvcore's per-layer views
+            for layer in range(2):
+                for i, page in enumerate(pages):
+                    flat = client.kv_caches[layer][page].flatten().tolist()
+                    want = [layer * 100.0 + i + j / 1000.0 for j in range(len(flat))]
+                    assert flat == pytest.approx(want, abs=1e-4)  # float32
+            assert client.lookup([7, 8, 9, 10, 11]) == 4
+        out, err = proc.communicate("go\n", timeout=60)
+        assert proc.returncode == 0, err
+        assert json.loads(out) == {"ok": True}
