@@ -26,12 +26,20 @@ Backends are found through the entry-point group ``kvcore.backends``
 from __future__ import annotations
 
 import abc
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from kvcore.backend_checks import (
+    check_cache,
+    check_float,
+    check_heads,
+    check_index,
+    check_scale,
+    check_table,
+    first_bad,
+    raise_first,
+)
 from kvcore.errors import BadRequest, Unsupported
 
 if TYPE_CHECKING:
@@ -144,17 +152,17 @@ class Backend(abc.ABC):
         """
         import torch
 
-        _check_cache(kv_cache)
+        check_cache(kv_cache)
         _, _, page_size, hkv, d = kv_cache.shape
-        _check_float(key, "key", kv_cache, (None, hkv, d))
-        _check_float(value, "value", kv_cache, tuple(key.shape))
-        slots = _check_index(slots, "slots", kv_cache, torch.int64, (key.shape[0],))
+        check_float(key, "key", kv_cache, (None, hkv, d))
+        check_float(value, "value", kv_cache, tuple(key.shape))
+        slots = check_index(slots, "slots", kv_cache, torch.int64, (key.shape[0],))
         n_slots = kv_cache.shape[0] * page_size
         masked = torch.where(
             slots >= 0, slots, -1 - torch.arange(slots.numel(), device=slots.device)
         )
         ordered = masked.sort().values
-        _raise_first(
+        raise_first(
             [
                 (slots >= n_slots).any(),
                 (ordered[1:] == ordered[:-1]).any(),
@@ -188,12 +196,12 @@ class Backend(abc.ABC):
         """
         import torch
 
-        _check_cache(kv_cache)
-        _check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
-        _check_heads(query, kv_cache)
+        check_cache(kv_cache)
+        check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
+        check_heads(query, kv_cache)
         batch = query.shape[0]
-        block_table, seq_lens = _check_table(block_table, seq_lens, kv_cache, batch)
-        _check_scale(scale)
+        block_table, seq_lens = check_table(block_table, seq_lens, kv_cache, batch)
+        check_scale(scale)
         self.check_supported(kv_cache)
         if batch == 0:
             return torch.empty_like(query)
@@ -219,18 +227,18 @@ class Backend(abc.ABC):
         """
         import torch
 
-        _check_cache(kv_cache)
-        _check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
-        _check_heads(query, kv_cache)
+        check_cache(kv_cache)
+        check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
+        check_heads(query, kv_cache)
         total_q = query.shape[0]
-        cu = _check_index(cu_seqlens_q, "cu_seqlens_q", kv_cache, torch.int32, (None,))
+        cu = check_index(cu_seqlens_q, "cu_seqlens_q", kv_cache, torch.int32, (None,))
         if cu.shape[0] < 1:
             raise BadRequest("cu_seqlens_q must hold B + 1 >= 1 entries")
         batch = cu.shape[0] - 1
-        block_table, seq_lens = _check_table(block_table, seq_lens, kv_cache, batch)
-        _check_scale(scale)
+        block_table, seq_lens = check_table(block_table, seq_lens, kv_cache, batch)
+        check_scale(scale)
         q_lens = cu[1:].long() - cu[:-1].long()
-        _raise_first(
+        raise_first(
             [
                 cu[0] != 0,
                 cu[-1] != total_q,
@@ -261,12 +269,12 @@ class Backend(abc.ABC):
         """
         import torch
 
-        _check_cache(kv_cache)
-        src = _check_index(src, "src", kv_cache, torch.int64, (None,))
-        dst = _check_index(dst, "dst", kv_cache, torch.int64, (src.shape[0],))
+        check_cache(kv_cache)
+        src = check_index(src, "src", kv_cache, torch.int64, (None,))
+        dst = check_index(dst, "dst", kv_cache, torch.int64, (src.shape[0],))
         num_pages = kv_cache.shape[0]
         ordered = dst.sort().values
-        _raise_first(
+        raise_first(
             [
                 ((src < 0) | (src >= num_pages)).any(),
                 ((dst < 0) | (dst >= num_pages)).any(),
@@ -274,8 +282,8 @@ class Backend(abc.ABC):
                 torch.isin(dst, src).any(),
             ],
             [
-                lambda: f"src pages must lie in [0, {num_pages}): {_first_bad(src, num_pages)}",
-                lambda: f"dst pages must lie in [0, {num_pages}): {_first_bad(dst, num_pages)}",
+                lambda: f"src pages must lie in [0, {num_pages}): {first_bad(src, num_pages)}",
+                lambda: f"dst pages must lie in [0, {num_pages}): {first_bad(dst, num_pages)}",
                 lambda: "dst must not repeat a page",
                 lambda: "dst must not name a page that src also names",
             ],
@@ -293,142 +301,6 @@ class Backend(abc.ABC):
                 f"backend {self.name!r} does not support device={kv_cache.device.type} "
                 f"dtype={dtype} head_dim={head_dim} page_size={page_size}"
             )
-
-
-# -- boundary checks (BadRequest); shape/dtype/device checks read no tensor data -----
-
-
-def _fmt_shape(pattern: tuple[int | None, ...]) -> str:
-    return "[" + ", ".join("*" if d is None else str(d) for d in pattern) + "]"
-
-
-def _check_tensor(
-    t: object, name: str, kv_cache: torch.Tensor, pattern: tuple[int | None, ...]
-) -> torch.Tensor:
-    import torch
-
-    if not isinstance(t, torch.Tensor):
-        raise BadRequest(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(pattern) or any(
-        want is not None and got != want for got, want in zip(t.shape, pattern, strict=True)
-    ):
-        raise BadRequest(f"{name} must have shape {_fmt_shape(pattern)}, got {list(t.shape)}")
-    if t.device != kv_cache.device:
-        raise BadRequest(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
-    return t
-
-
-def _check_cache(kv_cache: object) -> None:
-    """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1], last dim contiguous."""
-    import torch
-
-    if not isinstance(kv_cache, torch.Tensor):
-        raise BadRequest(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-    shape = tuple(kv_cache.shape)
-    if len(shape) != 5 or shape[1] != 2 or min(shape) < 1:
-        raise BadRequest(
-            f"kv_cache must have shape [num_pages, 2, page_size, num_kv_heads, head_dim] "
-            f"with every dim >= 1, got {list(shape)}"
-        )
-    _check_last_dim(kv_cache, "kv_cache")
-
-
-def _check_last_dim(t: torch.Tensor, name: str) -> None:
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise BadRequest(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-
-
-def _check_float(
-    t: object, name: str, kv_cache: torch.Tensor, pattern: tuple[int | None, ...]
-) -> None:
-    """A query/key/value tensor: shape, the cache's dtype and device, last dim contiguous."""
-    t = _check_tensor(t, name, kv_cache, pattern)
-    if t.dtype != kv_cache.dtype:
-        raise BadRequest(f"{name} has dtype {t.dtype}, kv_cache {kv_cache.dtype}: they must match")
-    _check_last_dim(t, name)
-
-
-def _check_heads(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    hq, hkv = query.shape[1], kv_cache.shape[3]
-    if hq < 1 or hq % hkv != 0:
-        raise BadRequest(f"query heads ({hq}) must be a positive multiple of kv heads ({hkv})")
-
-
-def _check_index(
-    t: object,
-    name: str,
-    kv_cache: torch.Tensor,
-    dtype: torch.dtype,
-    pattern: tuple[int | None, ...],
-) -> torch.Tensor:
-    """An index tensor: shape, exact integer dtype, device; returned contiguous."""
-    t = _check_tensor(t, name, kv_cache, pattern)
-    if t.dtype != dtype:
-        raise BadRequest(f"{name} must be {dtype}, got {t.dtype}")
-    return t.contiguous()
-
-
-def _check_scale(scale: object) -> None:
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise BadRequest(f"scale must be a finite float, got {scale!r}")
-
-
-def _check_table(
-    block_table: object, seq_lens: object, kv_cache: torch.Tensor, batch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table [B, max_pages] int32 and seq_lens [B] int32, values checked.
-
-    Only the pages a sequence uses (the first ceil(seq_len / page_size) entries of
-    its row) must be in [0, num_pages); the padding after them is never read.
-    """
-    import torch
-
-    table = _check_index(block_table, "block_table", kv_cache, torch.int32, (batch, None))
-    lens = _check_index(seq_lens, "seq_lens", kv_cache, torch.int32, (batch,))
-    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
-    max_pages = table.shape[1]
-    lens64 = lens.long()
-    used = (lens64 + page_size - 1) // page_size  # pages per sequence
-    columns = torch.arange(max_pages, device=table.device)
-    read = columns[None, :] < used[:, None]
-    bad_page = read & ((table < 0) | (table >= num_pages))
-
-    def page_message() -> str:
-        b, j = (int(x) for x in bad_page.nonzero()[0])
-        return (
-            f"block_table[{b}, {j}] = {int(table[b, j])} is not a page in [0, {num_pages}) "
-            f"(sequence {b} holds {int(lens64[b])} tokens = {int(used[b])} pages)"
-        )
-
-    _raise_first(
-        [(lens64 < 1).any(), (lens64 > max_pages * page_size).any(), bad_page.any()],
-        [
-            lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}",
-            lambda: (
-                f"seq_lens must be <= max_pages * page_size = {max_pages * page_size} "
-                f"(block_table has {max_pages} columns), got max {int(lens64.max())}"
-            ),
-            page_message,
-        ],
-    )
-    return table, lens
-
-
-def _first_bad(pages: torch.Tensor, num_pages: int) -> str:
-    i = int(((pages < 0) | (pages >= num_pages)).nonzero()[0, 0])
-    return f"entry {i} is {int(pages[i])}"
-
-
-def _raise_first(flags: list[torch.Tensor], messages: list[Callable[[], str]]) -> None:
-    """Read all violation flags back in one transfer; raise BadRequest for the first."""
-    import torch
-
-    assert len(flags) == len(messages), "one message per flag"
-    for bad, message in zip(
-        torch.stack([f.reshape(()) for f in flags]).tolist(), messages, strict=True
-    ):
-        if bad:
-            raise BadRequest(message())
 
 
 def available() -> list[str]:
