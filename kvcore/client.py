@@ -29,7 +29,14 @@ from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore.config import default_endpoint
-from kvcore.errors import BadRequest, InternalError, KVCoreError, Timeout, error_from_code
+from kvcore.errors import (
+    BadRequest,
+    InternalError,
+    KVCoreError,
+    NotAttached,
+    Timeout,
+    error_from_code,
+)
 from kvcore.layout import KVLayout
 from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Stats
 
@@ -70,6 +77,7 @@ class Client:
         self._name = name
         self._codec = ClientCodec()
         self._next_id = 0
+        self._closed = False
         self._region: HostRegion | CudaRegion | None = None
         self._channel = DealerChannel(endpoint, timeout_s=timeout_s, curve_server_key=curve_server_key)
         self._beat: _Heartbeat | None = None
@@ -138,7 +146,10 @@ class Client:
         self._call(msg.Heartbeat(), msg.Empty)
 
     def close(self) -> None:
-        """Detach (the daemon frees this session's sequences) and unmap the pool."""
+        """Detach (the daemon frees this session's sequences) and unmap the pool. Idempotent;
+        afterwards every call raises NotAttached."""
+        if self._closed:
+            return
         if self._beat is not None:
             self._beat.stop()
             self._beat = None
@@ -148,6 +159,7 @@ class Client:
             self.session = 0
         self._unmap()
         self._channel.close()
+        self._closed = True
 
     def __enter__(self) -> Client:
         return self
@@ -210,6 +222,8 @@ class Client:
 
     def _call(self, body: msg.Op, result_type: type[T], timeout_s: float | None = None) -> T:
         """One round trip: the typed result, or the typed error of the reply."""
+        if self._closed:
+            raise NotAttached("the client is closed")
         self._next_id += 1
         request_id = self._next_id
         try:

@@ -73,8 +73,7 @@ class Pool:
     name: str
     device: str
     manager: Manager  # changed only by Service._run / Service._drop
-    region: HostRegion | CudaRegion
-    memory: msg.HostMemory | msg.CudaMemory
+    region: HostRegion | CudaRegion  # described anew for each attach (CUDA IPC refcounts)
     ephemeral: bool = False  # created by an attach; closed when its last session leaves
     owner: dict[int, int] = field(default_factory=dict)  # seq id -> session id
     num_sessions: int = 0
@@ -147,7 +146,7 @@ class Service:
             region = CudaRegion.create(layout.total_bytes, device)
         cell: list[Pool] = []  # the sink needs the pool, the pool needs the manager
         manager = Manager(layout, event_sink=lambda event: self._publish(cell[0], event))
-        pool = Pool(name, device, manager, region, region.describe(), ephemeral)
+        pool = Pool(name, device, manager, region, ephemeral)
         cell.append(pool)
         self.pools[name] = pool
         return pool
@@ -310,7 +309,7 @@ class Service:
         pool.num_sessions += 1
         return msg.AttachOk(
             session=session_id, epoch=self.epoch, version=msg.PROTOCOL_VERSION, pool=pool.name,
-            device=pool.device, layout=layout_message(layout), memory=pool.memory,
+            device=pool.device, layout=layout_message(layout), memory=pool.region.describe(),
             lease_ms=int(self.lease_s * 1000), max_frame_bytes=self.codec.max_frame_bytes,
             max_batch=self.codec.max_batch, events=self.events_endpoint,
         )  # fmt: skip
@@ -525,7 +524,7 @@ def main(args: argparse.Namespace) -> int:
           f"lease {config.lease_timeout_s:g} s)")  # fmt: skip
     for pool in service.pools.values():
         lay = pool.manager.layout
-        where = pool.memory.name if isinstance(pool.memory, msg.HostMemory) else pool.device
+        where = pool.region.name if isinstance(pool.region, HostRegion) else "CUDA IPC"
         print(f"  pool {pool.name!r}: {pool.device}, {lay.num_pages} pages x {lay.page_size} "
               f"tokens, {lay.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} "
               f"{lay.dtype}, {lay.total_bytes / (1 << 20):.1f} MiB ({where})")  # fmt: skip

@@ -132,6 +132,7 @@ class CudaRegion:
         return cls(tensor, size)
 
     def describe(self) -> CudaMemory:
+        """A fresh export: call once per importer (each gets its own IPC reference count)."""
         import torch
 
         storage = self.tensor.untyped_storage()
@@ -166,6 +167,7 @@ class CudaRegion:
         import torch
 
         index = cuda_index_of(memory.device_uuid)
+        torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
         with torch.cuda.device(index):
             storage = torch.UntypedStorage._new_shared_cuda(
                 index,

@@ -1,0 +1,114 @@
+"""The Client's own surface: batches, typed results, mapping, close, timeouts, `kvcore stats`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvcore import Client, statsview
+from kvcore.errors import NotAttached, OutOfPages, Timeout, UnknownSequence
+from kvcore.layout import KVLayout
+from kvcore.manager import Allocation, Extension, Stats
+from kvcore.service import DaemonProcess
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=2, dtype="bfloat16", num_pages=8)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    tmp: Path = tmp_path_factory.mktemp("api")
+    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral",
+                       "--pool", "num_pages=2,num_layers=1") as d:  # fmt: skip
+        yield d
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
+    with Client.connect(daemon.endpoint, pool=request.node.name, layout=LAYOUT, ephemeral=True,
+                        name="api-test") as c:  # fmt: skip
+        yield c
+
+
+def test_results_have_the_manager_types(client: Client) -> None:
+    assert client.allocate(1, [5, 6, 7]) == Allocation([0, 1], 0)
+    assert client.commit(1, [5, 6, 7]) == 1
+    assert client.fork(1, 2) == [0, 1]
+    assert client.extend(2, 2) == Extension([2], [(1, 3)])  # copy-on-write of the shared last page
+    assert client.block_table(2) == [0, 3, 2] and client.num_tokens(2) == 5
+    assert client.lookup((5, 6, 7)) == 2  # any sequence of ints
+    stats = client.stats()
+    assert isinstance(stats, Stats) and stats.held_pages == 4 and stats.cached_pages == 1
+    client.free(1)
+    client.free(2)
+    client.check_integrity()
+
+
+def test_kv_caches_are_per_layer_views_of_the_pool(client: Client) -> None:
+    assert len(client.kv_caches) == 2
+    assert client.kv_caches[0].shape == LAYOUT.layer_shape and str(client.kv_caches[0].dtype) == "torch.bfloat16"
+    client.kv_caches[1][7, 1, 1, 1, 3] = 2.5
+    flat = client.kv_caches[0].reshape(-1)  # layer 0 ends where layer 1 begins
+    assert client.kv_caches[1].data_ptr() == flat.data_ptr() + LAYOUT.layer_bytes
+
+
+def test_batch_results_and_partial_failure(client: Client) -> None:
+    with client.batch() as batch:
+        batch.allocate(1, [1, 2, 3])
+        batch.extend(1, 1)
+        batch.commit(1, [1, 2, 3, 4])
+        batch.fork(1, 2)
+        batch.lookup([1, 2, 3, 4, 5])
+        batch.block_table(2)
+        batch.num_tokens(2)
+        batch.free(2)
+    assert batch.results == [Allocation([0, 1], 0), Extension([], []), 2, [0, 1], 4, [0, 1], 4, None]
+    failing = client.batch()
+    failing.extend(1, 2)
+    failing.free(77)
+    failing.free(1)
+    with pytest.raises(UnknownSequence) as info:
+        failing.run()
+    assert info.value.batch_results == [Extension([2], [])]  # type: ignore[attr-defined]
+    assert info.value.batch_index == 1  # type: ignore[attr-defined]
+    assert client.num_tokens(1) == 6  # the op before ran, the one after did not
+    with pytest.raises(OutOfPages):
+        client.allocate(3, list(range(100)))
+    client.check_integrity()
+
+
+def test_close_detaches_and_later_calls_fail(daemon: DaemonProcess) -> None:
+    c = Client.connect(daemon.endpoint, pool="closing", layout=LAYOUT, ephemeral=True)
+    c.allocate(1, [1])
+    view = c.kv_caches[0]
+    c.close()
+    assert c.kv_caches == []
+    del view
+    with pytest.raises(NotAttached):
+        c.extend(1, 1)
+    c.close()  # idempotent
+
+
+def test_timeout_when_no_daemon_answers(tmp_path: Path) -> None:
+    with pytest.raises(Timeout):
+        Client.connect(f"ipc://{tmp_path / 'nobody.sock'}", timeout_s=0.2)
+
+
+def test_kvcore_stats_table_and_json(daemon: DaemonProcess, client: Client,
+                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    client.allocate(1, [1, 2, 3])
+    parser = argparse.ArgumentParser()
+    statsview.add_arguments(parser)
+    assert statsview.main(parser.parse_args(["--endpoint", daemon.endpoint, "--json"])) == 0
+    data = json.loads(capsys.readouterr().out)
+    mine = next(p for p in data["pools"] if p["name"] == client.pool)
+    assert (mine["held_pages"], mine["num_sequences"], mine["total_pages"]) == (2, 1, 8)
+    assert any(s["name"] == "api-test" and s["num_sequences"] == 1 for s in data["sessions"])
+    assert statsview.main(parser.parse_args(["--endpoint", daemon.endpoint])) == 0
+    table = capsys.readouterr().out
+    assert client.pool in table and "hit rate" in table and "api-test" in table
+    missing = parser.parse_args(["--endpoint", "ipc:///nonexistent/x.sock", "--timeout", "0.2"])
+    assert statsview.main(missing) == 1
