@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
 EMU_DIR = Path(__file__).resolve().parent
-CXX_FLAGS: tuple[str, ...] = ("-std=c++17", "-O2", "-shared", "-fPIC", "-w")
+CXX_FLAGS: tuple[str, ...] = ("-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-U_FORTIFY_SOURCE")
 
 _CTYPES: dict[type, type] = {
     np.uint64: ctypes.c_uint64,

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <csetjmp>
 #include <cstring>
 #include <ucontext.h>
 #include <utility>
@@ -64,15 +65,18 @@ inline unsigned short kv_f2h(float f) { _Float16 v = (_Float16)f; unsigned short
 namespace emu {
 
 struct Fiber {
-  ucontext_t ctx;
-  std::vector<char> stack;
+  ucontext_t ctx;  // first entry only
+  jmp_buf jb;      // where the fiber resumes after a yield
+  char* stack = nullptr;
+  bool started = false;
   dim3 tid;
   unsigned shuffles = 0;  // parity selects the shuffle buffer
   bool done = false;
 };
 
 struct Cta {
-  ucontext_t sched;
+  ucontext_t sched;  // unused after a fiber's first entry
+  jmp_buf sched_jb;
   std::vector<Fiber> fibers;
   int current = 0;
   int alive = 0;
@@ -87,7 +91,7 @@ inline void* g_body_arg = nullptr;
 
 inline void yield() {
   Fiber& f = g_cta->fibers[g_cta->current];
-  swapcontext(&f.ctx, &g_cta->sched);
+  if (!_setjmp(f.jb)) _longjmp(g_cta->sched_jb, 1);
 }
 
 inline void fiber_main() {
@@ -99,6 +103,15 @@ inline void fiber_main() {
     g_cta->sync_arrived = 0;
     g_cta->sync_generation += 1;
   }
+  _longjmp(g_cta->sched_jb, 1);  // never return: uc_link would resume a stale context
+}
+
+constexpr std::size_t kStackBytes = 1 << 17;
+inline std::vector<char*> g_stacks;  // reused by every CTA of every launch
+
+inline char* stack_for(unsigned t) {
+  while (g_stacks.size() <= t) g_stacks.push_back(static_cast<char*>(std::malloc(kStackBytes)));
+  return g_stacks[t];
 }
 
 inline void run_cta(unsigned threads) {
@@ -110,22 +123,30 @@ inline void run_cta(unsigned threads) {
   cta.alive = (int)threads;
   for (unsigned t = 0; t < threads; ++t) {
     Fiber& f = cta.fibers[t];
-    f.stack.resize(1 << 18);
+    f.stack = stack_for(t);
     f.tid.x = t;
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = kStackBytes;
     f.ctx.uc_link = &cta.sched;
     makecontext(&f.ctx, fiber_main, 0);
   }
   for (bool any = true; any;) {
     any = false;
     for (unsigned t = 0; t < threads; ++t) {
-      if (cta.fibers[t].done) continue;
+      Fiber& f = cta.fibers[t];
+      if (f.done) continue;
       any = true;
       cta.current = (int)t;
-      g_thread = cta.fibers[t].tid;
-      swapcontext(&cta.sched, &cta.fibers[t].ctx);
+      g_thread = f.tid;
+      if (!_setjmp(cta.sched_jb)) {
+        if (!f.started) {
+          f.started = true;
+          swapcontext(&cta.sched, &f.ctx);
+        } else {
+          _longjmp(f.jb, 1);
+        }
+      }
     }
   }
   g_cta = nullptr;

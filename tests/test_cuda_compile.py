@@ -1,0 +1,127 @@
+"""Every .cu file of kvcore_cupy compiles for a real GPU (sm_90) with the machine's nvcc.
+
+CuPy compiles the kernels with NVRTC at run time, on the GPU machine; a kernel
+that does not build would only fail there. So CI compiles here, with nvcc, the
+exact instantiations the backend asks NVRTC for (kvcore_cupy.kernels): one
+generated translation unit per file includes the kernel file and takes the
+address of every name expression, which instantiates it, and ``-cubin`` runs
+ptxas on each. The cubin must then hold a kernel symbol for each instantiation.
+
+NVRTC has no host headers: the sources may include nothing but our own
+``common.cuh`` (checked below, with or without nvcc).
+
+Skips only when nvcc is absent. The three files compile in parallel (about
+half a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from kvcore_cupy import kernels
+
+NVCC = shutil.which("nvcc")
+ARCH = "sm_90"
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
+
+
+def translation_unit(file: str, names: list[str]) -> str:
+    """Include ``file`` and instantiate every name expression by taking its address."""
+    body = "".join(f"    (void*)&{name},\n" for name in names)
+    return (
+        f'#include "{file}"\n'
+        f"void* const kvcore_instantiations[] = {{\n{body}}};\n"
+        f"void* const* kvcore_use() {{ return kvcore_instantiations; }}\n"
+    )
+
+
+_SIMPLE_TYPES = {"float": "f", "int": "i", "bool": "b"}
+
+
+def mangled_fragment(name: str) -> str:
+    """The Itanium-mangled ``name<args>`` part of a kernel symbol, for our simple
+    template arguments: ``decode_partial<kv_bf16, 128, 4, true>`` ->
+    ``14decode_partialI7kv_bf16Li128ELi4ELb1EE``."""
+    m = re.fullmatch(r"(\w+)<(.*)>", name)
+    assert m is not None, name
+    base, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+    out = f"{len(base)}{base}I"
+    for arg in args:
+        if arg in ("true", "false"):
+            out += f"Lb{int(arg == 'true')}E"
+        elif re.fullmatch(r"-?\d+", arg):
+            out += f"Li{arg.replace('-', 'n')}E"
+        elif arg in _SIMPLE_TYPES:
+            out += _SIMPLE_TYPES[arg]
+        else:
+            out += f"{len(arg)}{arg}"
+    return out + "E"
+
+
+def test_mangling_helper() -> None:
+    assert mangled_fragment("decode_partial<kv_bf16, 128, 4, true>") == (
+        "14decode_partialI7kv_bf16Li128ELi4ELb1EE"
+    )
+    assert mangled_fragment("write_kv<16>") == "8write_kvILi16EE"
+    assert mangled_fragment("decode_merge<float>") == "12decode_mergeIfE"
+
+
+def test_sources_include_no_host_header() -> None:
+    """NVRTC compiles without host headers: only our own quoted includes are allowed."""
+    for path in [*kernels.KERNEL_DIR.glob("*.cu"), *kernels.KERNEL_DIR.glob("*.cuh")]:
+        for line in path.read_text().splitlines():
+            if line.strip().startswith("#include"):
+                assert line.strip() == '#include "common.cuh"', f"{path.name}: {line}"
+
+
+def test_every_capability_has_an_instantiation() -> None:
+    """The backend's declared dtypes x head dims x group tiles x widths are all compiled."""
+    names = kernels.all_name_expressions()
+    per_config = len(kernels.GROUP_TILES)
+    combos = len(kernels.C_TYPES) * len(kernels.HEAD_DIMS) * 2  # wide and element-wise
+    assert len(names["prefill.cu"]) == combos * per_config
+    assert len(names["decode.cu"]) == combos * per_config + len(kernels.C_TYPES)
+    assert len(names[kernels.CACHE_OPS_FILE]) == 2 * len(kernels.COPY_CHUNK_BYTES)
+    assert set(names) == set(kernels.ALL_FILES)
+
+
+@pytest.fixture(scope="module")
+def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, bytes]]:
+    """Compile each kernel file (all its instantiations) in parallel: file ->
+    (return code, compiler output, cubin bytes)."""
+    assert NVCC is not None
+    out_dir = tmp_path_factory.mktemp("cubin")
+    jobs: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+    for file, names in kernels.all_name_expressions().items():
+        unit = out_dir / f"inst_{file}"
+        unit.write_text(translation_unit(file, names))
+        cubin = out_dir / f"{file}.cubin"
+        cmd = [
+            NVCC, f"-arch={ARCH}", "--std=c++17", "-cubin", "-Werror", "all-warnings",
+            *kernels.options()[1:], "-o", str(cubin), str(unit),
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        jobs[file] = (proc, cubin)
+    results: dict[str, tuple[int, str, bytes]] = {}
+    for file, (proc, cubin) in jobs.items():
+        output, _ = proc.communicate(timeout=600)
+        data = cubin.read_bytes() if cubin.exists() else b""
+        results[file] = (proc.returncode, output, data)
+    return results
+
+
+@needs_nvcc
+@pytest.mark.parametrize("file", kernels.ALL_FILES)
+def test_nvcc_compiles_for_sm90(file: str, cubins: dict[str, tuple[int, str, bytes]]) -> None:
+    rc, output, data = cubins[file]
+    assert rc == 0, f"nvcc -arch={ARCH} failed on {file}:\n{output[-6000:]}"
+    missing = [
+        name
+        for name in kernels.all_name_expressions()[file]
+        if mangled_fragment(name).encode() not in data
+    ]
+    assert not missing, f"{file}: no device code for {missing[:8]} ({len(missing)} in all)"
