@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -292,17 +292,28 @@ class Batch:
     def run(self) -> list[Any]:
         """Send the ops; the list of their results (the Manager's result types)."""
         ops, self._ops = self._ops, []
-        codec = self._client._codec
-        reply = self._client._call(msg.Batch(ops), msg.RawBatchOk)
-        self.results = [
-            _convert(op, codec.decode_result(r, _RESULT_TYPES[type(op)]))
-            for op, r in zip(ops, reply.results, strict=False)
-        ]
-        if reply.error is not None:
-            error = error_from_code(reply.error.code, reply.error.message)
-            error.batch_results = self.results  # type: ignore[attr-defined]
-            error.batch_index = len(self.results)  # type: ignore[attr-defined]
-            raise error
+        kinds = {type(op) for op in ops}
+        error: msg.ErrorBody | None
+        if len(kinds) == 1:  # one scheduler step is usually all extends: decode in one pass
+            kind = kinds.pop()
+            batch_type: Any = msg.TypedBatchOk[_RESULT_TYPES[kind]]  # type: ignore[valid-type]
+            typed: msg.TypedBatchOk[Any] = self._client._call(msg.Batch(ops), batch_type)
+            convert = _CONVERT[kind]
+            self.results = [convert(r) for r in typed.results]
+            error = typed.error
+        else:
+            codec = self._client._codec
+            raw = self._client._call(msg.Batch(ops), msg.RawBatchOk)
+            self.results = [
+                _CONVERT[type(op)](codec.decode_result(r, _RESULT_TYPES[type(op)]))
+                for op, r in zip(ops, raw.results, strict=False)
+            ]
+            error = raw.error
+        if error is not None:
+            exc = error_from_code(error.code, error.message)
+            exc.batch_results = self.results  # type: ignore[attr-defined]
+            exc.batch_index = len(self.results)  # type: ignore[attr-defined]
+            raise exc
         return self.results
 
     def __enter__(self) -> Batch:
@@ -320,20 +331,16 @@ _RESULT_TYPES: dict[type, type] = {
 }  # fmt: skip
 
 
-def _convert(op: msg.BatchOp, result: Any) -> Any:
-    """A wire result as the Manager's method returns it."""
-    match result:
-        case msg.AllocateOk(pages=pages, num_cached_tokens=cached):
-            return Allocation(pages, cached)
-        case msg.ExtendOk(new_pages=new_pages, copies=copies):
-            return Extension(new_pages, copies)
-        case msg.CommitOk(num_committed=n) | msg.LookupOk(num_cached_tokens=n):
-            return n
-        case msg.NumTokensOk(num_tokens=n):
-            return n
-        case msg.PagesOk(pages=pages):
-            return pages
-    return None
+_CONVERT: dict[type, Callable[[Any], Any]] = {  # wire result -> what the Manager returns
+    msg.Allocate: lambda r: Allocation(r.pages, r.num_cached_tokens),
+    msg.Extend: lambda r: Extension(r.new_pages, r.copies),
+    msg.Commit: lambda r: r.num_committed,
+    msg.Fork: lambda r: r.pages,
+    msg.Free: lambda r: None,
+    msg.Lookup: lambda r: r.num_cached_tokens,
+    msg.BlockTable: lambda r: r.pages,
+    msg.NumTokens: lambda r: r.num_tokens,
+}
 
 
 def _tokens(tokens: Sequence[int]) -> list[int]:

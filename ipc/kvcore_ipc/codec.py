@@ -92,11 +92,12 @@ class ServerCodec:
 class ClientCodec:
     """Client side: Request -> bytes, bytes -> TypedReply[result type] in one decode."""
 
-    __slots__ = ("_decoders", "_encoder")
+    __slots__ = ("_decoders", "_encoder", "_replies")
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+        self._replies: dict[Any, msgspec.msgpack.Decoder[Any]] = {}  # by result type
 
     def encode(self, request: Request) -> bytes:
         return self._encoder.encode(request)
@@ -109,7 +110,11 @@ class ClientCodec:
 
     def decode_reply(self, frame: bytes, result_type: type[T]) -> TypedReply[T]:
         """The reply in ``frame``, its result decoded as ``result_type``."""
-        reply: TypedReply[T] = self._decoder(TypedReply[result_type]).decode(frame)  # type: ignore[valid-type]
+        decoder = self._replies.get(result_type)
+        if decoder is None:
+            reply_type = TypedReply[result_type]  # type: ignore[valid-type]
+            decoder = self._replies[result_type] = msgspec.msgpack.Decoder(reply_type)
+        reply: TypedReply[T] = decoder.decode(frame)
         return reply
 
     def decode_result(self, raw: msgspec.Raw | bytes, result_type: type[T]) -> T:

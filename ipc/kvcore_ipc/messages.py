@@ -384,6 +384,13 @@ def json_schema() -> dict[str, Any]:
     }
 
 
+class TypedBatchOk(_Message, Generic[R]):
+    """BatchOk as a client decodes it when every op has the same result type (one pass)."""
+
+    results: list[R]
+    error: ErrorBody | None = None
+
+
 class RawBatchOk(_Message):
     """BatchOk as a client decodes it: each result stays raw until its op's type is known."""
 
