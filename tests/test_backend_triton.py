@@ -145,11 +145,11 @@ def test_decode_matches_reference_for_any_split_count(
 
 
 def test_decode_plan_fills_the_gpu_and_splits_page_aligned() -> None:
-    """The benchmark shape on 132 SMs: 2 splits, 64-token blocks over 16-token pages;
+    """The benchmark shape on 132 SMs: 2 splits, 32-token blocks over 16-token pages;
     a lone sequence spreads over the most splits."""
     common = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, sm_count=132)
     wide = triton_decode.plan_decode(batch=64, max_tokens=4096, interpreted=False, **common)
-    assert (wide.num_splits, wide.tokens_per_split, wide.block_n) == (2, 2048, 64)
+    assert (wide.num_splits, wide.tokens_per_split, wide.block_n) == (2, 2048, 32)
     assert wide.block_n % 16 == 0 and wide.block_h == 16 and wide.block_d == 128
     lone = triton_decode.plan_decode(batch=1, max_tokens=4096, interpreted=False, **common)
     assert lone.num_splits == triton_decode.MAX_SPLITS

@@ -38,19 +38,25 @@ reading K and V once, so every choice serves memory bandwidth):
   shift or a multiply-high, and the D mask ``d < HEAD_DIM`` has known
   constancy, so a row of K (HEAD_DIM contiguous elements) is read with 16-byte
   vector loads even when HEAD_DIM (80, 96) is not a power of two.
-* ``BLOCK_N = 64`` tokens (32 for BLOCK_D = 256): a multiple of every
-  power-of-two page size up to 64 (and a divisor of 128), so a block reads
-  whole pages; 64 x 128 fp32 K and V tiles keep registers under ~128 per
-  thread at 4 warps, which leaves room for 4 CTAs per SM.
+* ``BLOCK_N x BLOCK_D = 4096`` elements per K/V tile (BLOCK_N 64 at D <= 64,
+  32 at D 80..128, 16 at D 256): a multiple or a divisor of every power-of-two
+  page size, so a block reads whole pages. Measured with ptxas (sm_90, bf16,
+  D=128, 4 warps; tests/test_triton_compile.py builds these): 64 tokens need
+  255 registers and spill (K and V are held as fp32), 32 tokens need 196 and
+  do not, 16 tokens 143. At 196 registers two CTAs fit on an SM, i.e. 32 KB
+  of K/V loads in flight per SM, about what 4.8 TB/s x ~600 ns of latency
+  needs spread over 132 SMs.
 * ``num_splits``: enough programs to put ~4 CTAs on every SM
   (``ceil(4 * SMs / (B * Hkv))``), never more splits than token blocks nor
   than ``MAX_SPLITS``. At B=64, Hkv=8 that is 2 splits of 2048 tokens (1024
-  CTAs, ~2 even waves); at B=1 it is up to 64 splits, which is what keeps a
+  CTAs, ~4 even waves of 2 CTAs per SM); at B=1 it is up to 64 splits, which is what keeps a
   single long sequence from running on 8 SMs. The split size comes from
   ``block_table.shape[1] * page_size`` (an upper bound of seq_len), so
   planning needs no device-to-host sync and the launch is graph-capturable.
-* ``num_warps = 4``, ``num_stages = 2``: one block of K/V in flight while the
-  previous one is reduced; more stages would trade occupancy for depth.
+* ``num_warps = 4`` (8 warps would halve the CTAs per SM for the same bytes in
+  flight); ``num_stages = 2``: Triton software-pipelines the fp32-cache loads
+  with it; 16-bit loads (converted at once) are not pipelined today, so their
+  latency is hidden by the resident CTAs instead.
 * The merge reads ``num_splits x D`` fp32 per head, a few percent of the KV
   bytes at the split counts above.
 
@@ -70,6 +76,7 @@ import triton.language as tl
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the merge tile (BLOCK_S) and the scratch buffer
 CTAS_PER_SM = 4  # resident CTAs per SM the split count aims for
+TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_D: fp32 K and V tiles without register spills
 INTERPRETER_SMS = 2  # virtual SMs under TRITON_INTERPRET (programs run one by one anyway)
 
 
@@ -254,7 +261,7 @@ def plan_decode(
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Interpreted: 16-token blocks, so tiny test shapes still run several splits.
-    block_n = 16 if interpreted else (32 if block_d >= 256 else 64)
+    block_n = 16 if interpreted else max(16, min(64, TILE_ELEMENTS // block_d))
     blocks = max(1, math.ceil(max_tokens / block_n))
     if num_splits is None:
         num_splits = math.ceil(CTAS_PER_SM * sm_count / max(1, batch * num_kv_heads))

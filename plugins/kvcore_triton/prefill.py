@@ -24,9 +24,13 @@ folded into Q) over tokens ``0 .. pos(last query of the tile)`` in blocks of
 (any page size); only tokens < seq_len are loaded, so unused slots never
 matter; offsets are int64; loads are converted to fp32 at once.
 
-Launch choices: ``BLOCK_M = 64`` rows, ``BLOCK_N = 64`` tokens (32 at
-BLOCK_D = 256) keep the fp32 tiles within registers at 4 warps;
-``num_stages = 2`` overlaps the next K/V block's load with this block's math.
+Launch choices (sm_90, checked with ptxas on the builds of
+tests/test_triton_compile.py): ``BLOCK_M = 64`` rows, 8 warps, and ``BLOCK_N``
+32 tokens (16 at BLOCK_D = 256): with Q, K, V and acc held in fp32, 4 warps or
+64-token blocks run out of registers and spill (255 registers, 350+ bytes of
+spills at D=128), while 8 warps x 32 tokens need ~200 and spill nothing.
+``num_stages = 1``: the fp32 pipelining buffers would double shared memory
+for a kernel that is compute-bound at any useful q_len.
 The grid needs the longest q_len, one device-to-host read of cu_seqlens_q;
 prefill is not a graph-captured step, so the sync is accepted here.
 """
@@ -145,8 +149,8 @@ class PrefillPlan:
     block_g: int  # next power of two >= group
     block_q: int  # queries per tile; block_q * block_g rows (64, or block_g if wider)
     block_n: int  # tokens per loop iteration
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8
+    num_stages: int = 1
 
     def constexprs(self) -> dict[str, int]:
         return {
@@ -172,7 +176,7 @@ def plan_prefill(*, group: int, head_dim: int, page_size: int) -> PrefillPlan:
         group=group,
         block_g=block_g,
         block_q=max(1, 64 // block_g),
-        block_n=32 if block_d >= 256 else 64,
+        block_n=16 if block_d >= 256 else 32,
     )
 
 
