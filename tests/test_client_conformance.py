@@ -38,7 +38,7 @@ def test_client_conforms_to_the_manager_model(daemon: DaemonProcess) -> None:
 
     machine = make_state_machine(fresh)
     machine.TestCase.settings = settings(
-        settings.default, max_examples=settings.default.max_examples,
+        settings.default, max_examples=max(settings.default.max_examples, 200),
         stateful_step_count=30,
     )  # fmt: skip
     machine.TestCase().runTest()
