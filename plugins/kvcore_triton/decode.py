@@ -37,7 +37,8 @@ reading K and V once, so every choice serves memory bandwidth):
 * ``PAGE_SIZE`` and ``HEAD_DIM`` are constexprs: ``t // PAGE_SIZE`` becomes a
   shift or a multiply-high, and the D mask ``d < HEAD_DIM`` has known
   constancy, so a row of K (HEAD_DIM contiguous elements) is read with 16-byte
-  vector loads even when HEAD_DIM (80, 96) is not a power of two.
+  vector loads even when HEAD_DIM (80, 96) is not a power of two (the PTX
+  check in tests/test_triton_compile.py holds it to that).
 * ``BLOCK_N x BLOCK_D = 4096`` elements per K/V tile (BLOCK_N 64 at D <= 64,
   32 at D 80..128, 16 at D 256): a multiple or a divisor of every power-of-two
   page size, so a block reads whole pages. Measured with ptxas (sm_90, bf16,
@@ -46,11 +47,11 @@ reading K and V once, so every choice serves memory bandwidth):
   do not, 16 tokens 143. At 196 registers two CTAs fit on an SM, i.e. 32 KB
   of K/V loads in flight per SM, about what 4.8 TB/s x ~600 ns of latency
   needs spread over 132 SMs.
-* ``num_splits``: enough programs to put ~4 CTAs on every SM
+* ``num_splits``: at least ``CTAS_PER_SM = 4`` programs per SM
   (``ceil(4 * SMs / (B * Hkv))``), never more splits than token blocks nor
   than ``MAX_SPLITS``. At B=64, Hkv=8 that is 2 splits of 2048 tokens (1024
-  CTAs, ~4 even waves of 2 CTAs per SM); at B=1 it is up to 64 splits, which is what keeps a
-  single long sequence from running on 8 SMs. The split size comes from
+  CTAs: ~4 even waves of 2 resident CTAs per SM); at B=1 it is up to 64
+  splits, which keeps a single long sequence from running on 8 SMs. The split size comes from
   ``block_table.shape[1] * page_size`` (an upper bound of seq_len), so
   planning needs no device-to-host sync and the launch is graph-capturable.
 * ``num_warps = 4`` (8 warps would halve the CTAs per SM for the same bytes in
