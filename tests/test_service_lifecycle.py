@@ -28,7 +28,9 @@ def _shm_name(output: str) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_default_daemon_serves_and_stops_cleanly(tmp_path: Path, sig: int) -> None:
+def test_default_daemon_serves_and_stops_cleanly(
+    tmp_path: Path, sig: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     env = _env(tmp_path)
     daemon = DaemonProcess(env=env).start()
     try:
@@ -40,13 +42,11 @@ def test_default_daemon_serves_and_stops_cleanly(tmp_path: Path, sig: int) -> No
         assert "256.0 MiB" in daemon.output
         shm = Path("/dev/shm") / f"kvcore-{_shm_name(daemon.output)}"
         assert shm.exists()
-        os.environ["XDG_RUNTIME_DIR"] = str(tmp_path)  # Client.connect() finds the default too
-        try:
-            with Client.connect(map_memory=False) as client:
-                assert client.layout.num_layers == 16 and client.layout.dtype == "bfloat16"
-                assert client.stats().total_pages == 512
-        finally:
-            del os.environ["XDG_RUNTIME_DIR"]
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # Client.connect() finds it too
+        monkeypatch.delenv("KVCORE_ENDPOINT", raising=False)
+        with Client.connect(map_memory=False) as client:
+            assert client.layout.num_layers == 16 and client.layout.dtype == "bfloat16"
+            assert client.stats().total_pages == 512
     finally:
         code = daemon.stop(sig)
     assert code == 0, daemon.output
