@@ -240,16 +240,6 @@ def test_emulated_kernels_match_the_oracle(
     assert torch.equal(mine.nan_to_num(7.0), ref.nan_to_num(7.0))
 
 
-@needs_gxx
-@pytest.mark.slow
-class TestCupyEmulatedConformanceFull(KernelConformance):
-    """The full profile (head dims 64..256, page sizes 1..128, long sequences)."""
-
-    backend = staticmethod(_emulated)
-    device = "cpu"
-    profile = "full"
-
-
 # -- on a GPU -------------------------------------------------------------------------
 
 

@@ -2,10 +2,12 @@
 
 CuPy compiles the kernels with NVRTC at run time, on the GPU machine; a kernel
 that does not build would only fail there. So CI compiles here, with nvcc, the
-exact instantiations the backend asks NVRTC for (kvcore_cupy.kernels): one
-generated translation unit per file includes the kernel file and takes the
-address of every name expression, which instantiates it, and ``-cubin`` runs
-ptxas on each. The cubin must then hold a kernel symbol for each instantiation.
+exact text and instantiations the backend hands NVRTC (kvcore_cupy.kernels):
+one generated translation unit per file holds ``kernels.source(file)`` (the
+.cu with common.cuh pasted in) and takes the address of every name
+expression, which instantiates it, and ``-cubin`` runs ptxas on each. The
+cubin must then hold a kernel symbol for each instantiation. Warnings are
+errors.
 
 NVRTC has no host headers: the sources may include nothing but our own
 ``common.cuh`` (checked below, with or without nvcc).
@@ -30,10 +32,10 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found on PATH")
 
 
 def translation_unit(file: str, names: list[str]) -> str:
-    """Include ``file`` and instantiate every name expression by taking its address."""
+    """The source NVRTC gets, then every name expression instantiated by taking its address."""
     body = "".join(f"    (void*)&{name},\n" for name in names)
     return (
-        f'#include "{file}"\n'
+        f"{kernels.source(file)}\n"
         f"void* const kvcore_instantiations[] = {{\n{body}}};\n"
         f"void* const* kvcore_use() {{ return kvcore_instantiations; }}\n"
     )
@@ -101,8 +103,8 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str
         unit.write_text(translation_unit(file, names))
         cubin = out_dir / f"{file}.cubin"
         cmd = [
-            NVCC, f"-arch={ARCH}", "--std=c++17", "-cubin", "-Werror", "all-warnings",
-            *kernels.options()[1:], "-o", str(cubin), str(unit),
+            NVCC, f"-arch={ARCH}", "-cubin", "-Werror", "all-warnings",
+            *kernels.options(), "-o", str(cubin), str(unit),
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         jobs[file] = (proc, cubin)

@@ -88,11 +88,25 @@ def all_name_expressions() -> dict[str, list[str]]:
     return names
 
 
+INCLUDE_LINE = '#include "common.cuh"'
+
+
 def source(file: str) -> str:
-    """The text of a kernel file (it #includes common.cuh: compile with :func:`options`)."""
-    return (KERNEL_DIR / file).read_text()
+    """The text of a kernel file with ``common.cuh`` pasted in place of its #include.
+
+    One self-contained text: NVRTC needs no include path, and CuPy's compile cache
+    (keyed by the source text and options) sees every change to common.cuh.
+    ``#line`` directives keep compiler messages pointing at the real files.
+    """
+    text = (KERNEL_DIR / file).read_text()
+    if INCLUDE_LINE not in text:
+        return text
+    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once\n", "\n")
+    head, tail = text.split(INCLUDE_LINE, 1)
+    after = head.count("\n") + 2  # the line after the #include, 1-based
+    return f'{head}#line 1 "common.cuh"\n{common}#line {after} "{file}"{tail}'
 
 
 def options() -> tuple[str, ...]:
     """Compiler options valid for NVRTC and nvcc alike."""
-    return ("--std=c++17", f"-I{KERNEL_DIR}")
+    return ("--std=c++17",)
