@@ -1,0 +1,161 @@
+"""Binding a transformers model to a paged cache: attention implementation and hooks.
+
+Once per model (reference-counted over the caches bound to it):
+
+* ``kvcore+<original>`` is registered in transformers' ``AttentionInterface``
+  and ``AttentionMaskInterface`` and set as the model's attention
+  implementation. During a forward whose ``cache`` is the bound cache type, the
+  attention function hands the query to ``cache.attend`` and the mask function
+  returns None (the pages hold only real tokens; the kernels are causal). In
+  any other forward both fall back to ``<original>`` (``sdpa`` when the original
+  is not in the registry, e.g. ``eager``), so a DynamicCache run of a bound
+  model is transformers' own.
+* A forward pre-hook calls ``cache.begin(args, kwargs)`` (which may rewrite the
+  inputs) and marks the cache active in this thread; an always-called forward
+  hook calls ``cache.end(failed)``: ``failed`` is True when the forward raised.
+
+The last :func:`detach` removes the hooks and restores the original
+implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, cast
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from kvcore.errors import Unsupported
+
+_ACTIVE = threading.local()  # .cache: the paged cache of the forward running in this thread
+
+
+class Forward(Protocol):
+    """What a bound cache does around each forward of the model."""
+
+    def begin(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]: ...
+
+    def end(self, failed: bool) -> None: ...
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+def attach(model: torch.nn.Module, cache_type: type) -> None:
+    """Bind ``model`` (or count one more cache on it); ``cache_type`` is a Forward class."""
+    _Binding.attach(model, cache_type)
+
+
+def detach(model: torch.nn.Module) -> None:
+    """One cache less on ``model``; the last one unbinds it."""
+    _Binding.detach(model)
+
+
+class _Binding:
+    """Per model: how many caches are bound, the hooks, the implementation to restore."""
+
+    _by_model: ClassVar[weakref.WeakKeyDictionary[torch.nn.Module, _Binding]] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, original: str, cache_type: type) -> None:
+        self.original = original  # the implementation to restore
+        self.cache_type = cache_type
+        self.handles: list[Any] = []
+        self.count = 0  # caches bound to the model
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, cache_type: type) -> None:
+        binding = cls._by_model.get(model)
+        if binding is None:
+            config: Any = model.config
+            binding = cls(str(config._attn_implementation), cache_type)
+            model.set_attn_implementation(_register(binding.original))  # type: ignore[operator]
+            binding.handles = [
+                model.register_forward_pre_hook(binding.pre_forward, with_kwargs=True),
+                model.register_forward_hook(
+                    binding.post_forward, with_kwargs=True, always_call=True
+                ),
+            ]
+            cls._by_model[model] = binding
+        elif binding.cache_type is not cache_type:
+            raise Unsupported(f"the model is bound to {binding.cache_type.__name__} caches")
+        binding.count += 1
+
+    @classmethod
+    def detach(cls, model: torch.nn.Module) -> None:
+        binding = cls._by_model.get(model)
+        if binding is None:
+            return
+        binding.count -= 1
+        if binding.count == 0:
+            for handle in binding.handles:
+                handle.remove()
+            model.set_attn_implementation(binding.original)  # type: ignore[operator]
+            del cls._by_model[model]
+
+    def _cache_of(self, kwargs: dict[str, Any]) -> Forward | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cast("Forward", cache) if isinstance(cache, self.cache_type) else None
+
+    def pre_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        cache = self._cache_of(kwargs)
+        _ACTIVE.cache = None
+        if cache is None:
+            return None
+        args, kwargs = cache.begin(args, kwargs)
+        _ACTIVE.cache = cache
+        return args, kwargs
+
+    def post_forward(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        cache = self._cache_of(kwargs)
+        _ACTIVE.cache = None
+        if cache is not None:
+            cache.end(failed=output is None)
+
+
+def _register(original: str) -> str:
+    """Register ``kvcore+<original>`` (attention and mask) once; return its name."""
+    if original.startswith("kvcore+"):
+        return original
+    name = f"kvcore+{original}"
+    if name in ALL_ATTENTION_FUNCTIONS:
+        return name
+    base = original if original in ALL_ATTENTION_FUNCTIONS else "sdpa"
+    fallback: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS[base]
+    fallback_mask: Callable[..., Any] = ALL_MASK_ATTENTION_FUNCTIONS[base]
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, attention_mask: torch.Tensor | None,
+                  scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+        cache: Forward | None = getattr(_ACTIVE, "cache", None)
+        if cache is None:
+            result: tuple[torch.Tensor, None] = fallback(
+                module, query, key, value, attention_mask, scaling=scaling, **kwargs
+            )
+            return result
+        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+            raise Unsupported(
+                "kvcore paged caches do not support sliding-window or soft-capped attention"
+            )
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        layer_idx: int = module.layer_idx  # type: ignore[assignment]
+        return cache.attend(layer_idx, query, scale), None
+
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_ACTIVE, "cache", None) is not None:
+            return None  # the pages hold only real tokens; the kernels are causal
+        return fallback_mask(*args, **kwargs)
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    return name

@@ -1,0 +1,294 @@
+"""A transformers ``Cache`` whose K/V live in a kvcore pool (extra ``hf``).
+
+Usage::
+
+    client = kvcore.Client.connect(endpoint, pool="default", namespace="my-app")
+    with KVCoreCache(client, model) as cache:          # binds to the model
+        out = model.generate(input_ids, attention_mask=mask, cache=cache,
+                             max_new_tokens=32)          # past_key_values= works too
+    cache.num_cached_tokens                             # prompt tokens served from the pool
+
+Contract (transformers 5.x, decoder-only models whose attention modules call
+``cache.update`` and then the attention interface, e.g. Llama, Mistral, Qwen2):
+
+* Binding. The cache switches ``model``'s attention implementation to
+  ``"kvcore+<original>"`` and adds one forward pre-hook and one always-called
+  forward hook to ``model``. Forwards whose ``cache`` is a KVCoreCache run
+  kvcore's paged kernels; every other forward (a DynamicCache run of the same
+  model) falls back to the original implementation (``sdpa`` when the original
+  is not in transformers' registry, e.g. ``eager``). The last cache bound to a
+  model restores it on :meth:`close`.
+* Storage. ``update`` writes each layer's new K/V into the sequences' pages
+  with the backend's ``write_kv`` and returns them unchanged; the registered
+  attention function reads the pages with the backend's ``decode`` (one new
+  token per row) or ``prefill``: nothing dense is kept, nothing is concatenated.
+* Prefix reuse. The first forward allocates every row in the daemon; rows whose
+  leading full pages are committed in the session's namespace get a hit, and
+  the pre-hook drops the leading columns every row has cached from
+  ``input_ids``/``position_ids`` (the model computes only the rest; the
+  logits of that forward cover only the fed columns). Full pages are committed
+  as soon as every layer has written them (at the next forward, and at close).
+* Batches. Left padding only (BadRequest otherwise); padding never reaches the
+  pool. Rows with identical tokens, as ``num_return_sequences`` makes them, are
+  forks of one sequence (pages shared, copy-on-write of the last page).
+* One generate call per cache. Beam search, cache reordering, cropping,
+  assisted decoding and sliding-window attention raise Unsupported.
+* Life cycle. :meth:`close` (or leaving ``with``) commits the written full
+  pages and frees every sequence. A forward that raises frees them at once
+  (the cache is then spent), so a failed generate leaves nothing held.
+* Sequence ids are random 63-bit ints (ids are pool-wide). The Client is
+  driven from the thread that runs generate.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcore import backend as backends
+from kvcore.errors import BadRequest, LayoutMismatch, Unsupported
+from kvcore.integrations import hf_binding
+from kvcore.integrations.paged_rows import PagedRows, StepPlan
+
+if TYPE_CHECKING:
+    from kvcore.backend import Backend
+    from kvcore.client import Client
+
+__all__ = ["KVCoreCache"]
+
+
+class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One layer's view of the cache: lengths only; the K/V are in the pool."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+    is_sliding = False
+
+    def __init__(self, cache: KVCoreCache) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._cache = weakref.ref(cache)
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        raise Unsupported("KVCoreCache layers are written through KVCoreCache.update")
+
+    def get_seq_length(self) -> int:
+        cache = self._cache()
+        return 0 if cache is None else cache.seen_columns
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise Unsupported("a KVCoreCache serves one generate call; make a new one")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise Unsupported("the kvcore cache does not support beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise Unsupported("the kvcore cache cannot crop (assisted decoding, rollback)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise Unsupported("the kvcore cache cannot reshape its batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise Unsupported("the kvcore cache cannot reshape its batch")
+
+    def offload(self) -> None:
+        return None
+
+    def prefetch(self) -> None:
+        return None
+
+
+class KVCoreCache(Cache):
+    """K/V of one generate call in a kvcore pool; see the module docstring for the contract."""
+
+    def __init__(
+        self, client: Client, model: torch.nn.Module, *, backend: str | Backend = "torch"
+    ) -> None:
+        if not client.kv_caches:
+            raise BadRequest("the client has not mapped the pool (Client.connect(map_memory=True))")
+        self.client = client
+        self.backend = backends.get(backend) if isinstance(backend, str) else backend
+        self._kv = client.kv_caches
+        _check_layout(client, model)
+        self.backend.check_supported(self._kv[0])
+        super().__init__(layers=[_PagedLayer(self) for _ in range(len(self._kv))])
+        self.seen_columns = 0  # columns of the padded batch processed (or skipped) so far
+        self.num_prompt_tokens = 0  # real prompt tokens over all rows
+        self.num_cached_tokens = 0  # of those, served from the prefix cache
+        self.rows = PagedRows(client, self._kv[0].device)
+        self._plan: StepPlan | None = None
+        self._spent = False  # a forward failed or close ran: no more forwards
+        self._model: torch.nn.Module | None = model
+        hf_binding.attach(model, KVCoreCache)
+
+    # -- transformers' Cache API ------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Write this forward's K/V ([B, Hkv, q, D]) of layer ``layer_idx`` into the pages."""
+        plan = self._plan
+        if plan is None:
+            raise BadRequest("KVCoreCache.update outside a forward of the model it is bound to")
+        kv = self._kv[layer_idx]
+        batch, hkv, q, dim = key_states.shape
+        if plan.copies is not None:
+            self._op("copy_pages", kv, *plan.copies)
+        if q == 1:
+            key, value = key_states[:, :, 0], value_states[:, :, 0]
+        else:
+            key = key_states.transpose(1, 2).reshape(batch * q, hkv, dim)
+            value = value_states.transpose(1, 2).reshape(batch * q, hkv, dim)
+        self._op("write_kv", kv, key, value, plan.slots)
+        plan.layers_written += 1
+        return key_states, value_states
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # -- life cycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Commit the written full pages, free every sequence, unbind from the model."""
+        self._spent = True
+        self.rows.close()
+        model, self._model = self._model, None
+        if model is not None:
+            hf_binding.detach(model)
+
+    def __enter__(self) -> KVCoreCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the forward hooks (hf_binding.Forward) ------------------------------------------------------------
+
+    def begin(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Plan this forward (one round trip); drop cached leading columns on the first."""
+        if self._spent:
+            raise BadRequest("this KVCoreCache is spent (closed, or a forward failed)")
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if input_ids is None:
+            raise Unsupported("the kvcore cache needs input_ids (inputs_embeds carry no tokens)")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            raise Unsupported("the kvcore cache needs a 2D attention_mask tensor")
+        if not self.rows.rows:
+            skip, self._plan = self.rows.start(input_ids, mask)
+            self.num_prompt_tokens = sum(len(r.tokens) for r in self.rows.rows)
+            self.num_cached_tokens = sum(r.hit for r in self.rows.rows)
+            self.seen_columns = skip
+            if skip:
+                args, kwargs = _drop_columns(args, kwargs, skip)
+            return args, kwargs
+        if mask is not None and not bool(mask[:, -input_ids.shape[1] :].ne(0).all()):
+            raise BadRequest("new tokens after the prompt must not be padding")
+        self._plan = self.rows.step(input_ids.tolist())
+        return args, kwargs
+
+    def end(self, failed: bool) -> None:
+        plan, self._plan = self._plan, None
+        if failed:
+            self._spent = True
+            self.rows.close()
+            return
+        assert plan is not None, "a forward ended that never began"
+        if plan.layers_written != len(self._kv):
+            self._spent = True
+            self.rows.close()
+            raise Unsupported(
+                f"{plan.layers_written} of {len(self._kv)} layers called cache.update in one "
+                "forward; the kvcore cache needs every layer to (no shared-KV or linear layers)"
+            )
+        self.rows.finish_step()
+        self.seen_columns += plan.q
+
+    # -- attention --------------------------------------------------------------------
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of query [B, Hq, q, D] over the pages: out [B, q, Hq, D]."""
+        plan = self._plan
+        assert plan is not None, "attend outside a planned forward"
+        kv = self._kv[layer_idx]
+        batch, hq, q, dim = query.shape
+        if plan.decode:
+            out: torch.Tensor = self._op("decode", query[:, :, 0], kv, plan.block_table,
+                                         plan.seq_lens, scale)  # fmt: skip
+            return out.unsqueeze(1)
+        flat = query.transpose(1, 2).reshape(batch * q, hq, dim)
+        packed = flat if plan.q_index is None else flat.index_select(0, plan.q_index)
+        out = self._op(
+            "prefill", packed, kv, plan.block_table, plan.cu_seqlens_q, plan.seq_lens, scale
+        )
+        if plan.q_index is not None:
+            out = flat.new_zeros(flat.shape).index_copy_(0, plan.q_index, out)
+        result: torch.Tensor = out.view(batch, q, hq, dim)
+        return result
+
+    def _op(self, name: str, *args: Any) -> Any:
+        """The backend's validated op on the first layer of a step; the same tables are
+        then valid for every layer (same shape, dtype, device), so later layers call the
+        unvalidated ``_`` op and skip the per-call device sync (kvcore.backend docstring).
+        A step whose tables name only pages validated before (no round trip since) is
+        trusted: its slots and lengths stay inside those pages (PagedRows asserts it)."""
+        plan = self._plan
+        assert plan is not None
+        if plan.trusted or name in plan.checked:
+            return getattr(self.backend, "_" + name)(*args)
+        result = getattr(self.backend, name)(*args)
+        plan.checked.add(name)
+        return result
+
+
+def _drop_columns(
+    args: tuple[Any, ...], kwargs: dict[str, Any], skip: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Feed only columns [skip, L) of the per-token inputs (the attention mask keeps all)."""
+    if args:
+        args = (args[0][:, skip:], *args[1:])
+    else:
+        kwargs["input_ids"] = kwargs["input_ids"][:, skip:]
+    for key in ("position_ids", "token_type_ids"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor):
+            kwargs[key] = value[..., skip:]
+    return args, kwargs
+
+
+def _check_layout(client: Client, model: torch.nn.Module) -> None:
+    """LayoutMismatch unless the pool has the model's layers, KV heads, head dim and dtype."""
+    config: Any = model.config
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    want = {
+        "num_layers": text.num_hidden_layers,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    layout = client.layout.to_dict()
+    wrong = {k: (v, layout[k]) for k, v in want.items() if layout[k] != v}
+    if wrong:
+        detail = ", ".join(f"{k}: model {m}, pool {p}" for k, (m, p) in wrong.items())
+        raise LayoutMismatch(f"pool {client.pool!r} does not fit the model ({detail})")
+    device = next(model.parameters()).device
+    if device != client.kv_caches[0].device:
+        raise LayoutMismatch(f"the model is on {device}, the pool on {client.kv_caches[0].device}")
