@@ -127,3 +127,30 @@ def test_nvcc_compiles_for_sm90(file: str, cubins: dict[str, tuple[int, str, byt
         if mangled_fragment(name).encode() not in data
     ]
     assert not missing, f"{file}: no device code for {missing[:8]} ({len(missing)} in all)"
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "name",
+    [
+        kernels.decode_partial_name("bfloat16", 128, 4, wide=True),
+        kernels.prefill_name("bfloat16", 128, 4, wide=True),
+    ],
+)
+def test_wide_kernels_load_k_and_v_in_16_byte_vectors(name: str, tmp_path: Path) -> None:
+    """The benchmark shape's kernels read K/V rows with ld.global[.nc].v4.u32 (the
+    bandwidth lever), not element by element."""
+    assert NVCC is not None
+    file = "decode.cu" if name.startswith("decode") else "prefill.cu"
+    unit = tmp_path / "one.cu"
+    unit.write_text(translation_unit(file, [name]))
+    ptx = tmp_path / "one.ptx"
+    cmd = [NVCC, f"-arch={ARCH}", "-ptx", *kernels.options(), "-o", str(ptx), str(unit)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    entries = re.split(r"\.entry ", ptx.read_text())[1:]
+    (body,) = [e for e in entries if e.startswith("_Z" + mangled_fragment(name))]
+    vector_loads = re.findall(r"ld\.global(?:\.nc)?\.v4\.u32", body)
+    # per lane and loop step: kUnroll (4) K rows + 4 V rows, plus the NG (4) q rows
+    assert len(vector_loads) >= 8, f"{name}: {len(vector_loads)} 16-byte loads"
+    assert not re.search(r"ld\.global(?:\.nc)?\.u16", body), f"{name}: element-wise loads"
