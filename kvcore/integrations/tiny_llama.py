@@ -77,6 +77,30 @@ class TinyLlama:
         return [int(t) for t in ids.tolist()]
 
 
+def timed_greedy(
+    model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, cache: object
+) -> tuple[torch.Tensor, list[float]]:
+    """Greedy generate over unpadded ``rows`` with ``cache``: (new tokens [B, new_tokens],
+    [start, time after step 1, after step 2, ...]) in ``time.perf_counter`` seconds.
+    ``stamps[1] - stamps[0]`` is the time to first token."""
+    import time
+
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps = [time.perf_counter()]
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(rows)
+    new = greedy(model, ids, new_tokens, attention_mask=torch.ones_like(ids), cache=cache,
+                 logits_processor=LogitsProcessorList([Stamp()]))  # fmt: skip
+    return new, stamps
+
+
 def greedy(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
            **kwargs: object) -> torch.Tensor:  # fmt: skip
     """Greedy generate's new tokens [B, max_new_tokens] (no early stop)."""
