@@ -54,6 +54,10 @@ def main(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"conformance: device {args.device} requested but CUDA is not available")
         return 2
+    if args.device == "cpu" and not torch.cuda.is_available():
+        # Triton kernels run on the CPU only interpreted; Triton reads this when
+        # @triton.jit decorates, so it must be set before the backend is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
         suite = Suite(args.backend, device=args.device, profile=args.profile)
     except KVCoreError as exc:

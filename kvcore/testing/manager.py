@@ -177,9 +177,11 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
                 f"hit {result.num_cached_tokens} tokens, model says {len(hits) * m.page_size}"
             )
             assert result.pages[: len(hits)] == hits, f"hit pages {result.pages} != {hits}"
+            # The hit pages are pinned (held, off the LRU) before the new pages are taken.
             m.lru = [page for page in m.lru if page not in hits]
+            m.seqs[seq_id] = ModelSeq(namespace, list(tokens), list(hits), len(hits))
             m.take(result.pages[len(hits) :])
-            m.seqs[seq_id] = ModelSeq(namespace, list(tokens), list(result.pages), len(hits))
+            m.seqs[seq_id].pages = list(result.pages)
 
         @rule(seq_id=SEQ_IDS, new_tokens=TOKENS)
         def extend(self, seq_id: int, new_tokens: list[int]) -> None:
