@@ -1,0 +1,55 @@
+"""Shared set-up of the transformers adapter tests: a daemon, private pools, reference runs."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from kvcore import Client, KVLayout
+from kvcore.integrations.tiny_llama import TinyLlama, greedy
+from kvcore.service import DaemonProcess
+
+# Small enough for 2 cores: 2 layers, hidden 128, GQA 4 query / 2 KV heads, head dim 32.
+SMALL = TinyLlama(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                  intermediate_size=256, vocab_size=256)  # fmt: skip
+
+
+@contextmanager
+def daemon(tmp: Path) -> Iterator[DaemonProcess]:
+    """A daemon that lets each test attach a private (ephemeral) pool of its own layout."""
+    with DaemonProcess("--endpoint", f"ipc://{tmp / 'kv.sock'}", "--allow-ephemeral",
+                       "--pool", SMALL.pool_flag(num_pages=8)) as d:  # fmt: skip
+        yield d
+
+
+def private_client(endpoint: str, spec: TinyLlama, *, dtype: str = "float32",
+                   page_size: int = 16, num_pages: int = 256) -> Client:  # fmt: skip
+    """A session on a fresh pool that fits ``spec``; gone when the client closes."""
+    layout = KVLayout(
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype, num_pages
+    )
+    return Client.connect(endpoint, pool=f"t-{secrets.token_hex(4)}", layout=layout, ephemeral=True)
+
+
+def padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input_ids and attention_mask for ``prompts`` (pad id 0)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def reference(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> torch.Tensor:
+    """transformers' own run (DynamicCache) of the left-padded batch."""
+    ids, mask = padded(prompts)
+    return greedy(model, ids, new_tokens, attention_mask=mask)  # type: ignore[arg-type]
+
+
+def held(client: Client) -> tuple[int, int]:
+    """(live sequences, held pages) of the client's pool."""
+    stats = client.stats()
+    return stats.num_sequences, stats.held_pages

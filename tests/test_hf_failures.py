@@ -1,0 +1,130 @@
+"""KVCoreCache when things go wrong: nothing stays held in the daemon, errors are typed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+from hf_helpers import SMALL, daemon, held, padded, private_client
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Unsupported
+from kvcore.integrations.tiny_llama import greedy
+from kvcore.integrations.transformers import KVCoreCache
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with daemon(tmp_path_factory.mktemp("hf-fail")) as d:
+        yield d.endpoint
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return SMALL.build()
+
+
+class _FailAt:
+    """A forward hook on one decoder layer that raises on its ``step``-th call."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.calls += 1
+        if self.calls == self.step:
+            raise ValueError(f"injected failure in forward {self.step}")
+
+
+def test_a_forward_failing_midway_frees_every_sequence_at_once(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    prompts = [SMALL.prompt(n, seed=n) for n in (20, 35)]
+    ids, mask = padded(prompts)
+    layer = model.model.layers[1]  # type: ignore[union-attr,index]
+    handle = layer.register_forward_hook(_FailAt(step=4))  # prefill + 2 decode steps, then fail
+    with private_client(endpoint, SMALL) as client:
+        try:
+            cache = KVCoreCache(client, model)  # deliberately no `with`: the hook must free
+            with pytest.raises(ValueError, match="injected failure"):
+                greedy(model, ids, 10, attention_mask=mask, cache=cache)
+            assert held(client) == (0, 0)
+            with pytest.raises(BadRequest, match="spent"):  # the cache cannot be reused
+                greedy(model, ids, 2, attention_mask=mask, cache=cache)
+            cache.close()
+            assert held(client) == (0, 0)
+            client.check_integrity()
+        finally:
+            handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+
+
+class _RaiseAt(LogitsProcessor):
+    def __init__(self, step: int) -> None:
+        self.step, self.calls = step, 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.step:
+            raise RuntimeError("invalid input on step 3")
+        return scores
+
+
+def test_generate_raising_between_forwards_frees_on_leaving_with(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    prompt = SMALL.prompt(40, seed=1)
+    with private_client(endpoint, SMALL) as client:
+        with pytest.raises(RuntimeError, match="step 3"), KVCoreCache(client, model) as cache:
+            greedy(model, torch.tensor([prompt]), 10, cache=cache,
+                   logits_processor=LogitsProcessorList([_RaiseAt(3)]))  # fmt: skip
+        assert held(client) == (0, 0)
+        # what was fully written before the failure was still published: a later run hits it
+        with KVCoreCache(client, model) as cache:
+            greedy(model, torch.tensor([prompt]), 2, cache=cache)
+            assert cache.num_cached_tokens == 32
+
+
+def test_running_out_of_pages_midway_is_typed_and_leaves_nothing(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    prompt = SMALL.prompt(30, seed=2)  # 2 pages of 16; the pool has 3
+    with private_client(endpoint, SMALL, num_pages=3) as client:
+        with pytest.raises(OutOfPages), KVCoreCache(client, model) as cache:
+            greedy(model, torch.tensor([prompt]), 40, cache=cache)  # needs a 5th page at step 19
+        assert held(client) == (0, 0)
+        with pytest.raises(OutOfPages), KVCoreCache(client, model) as cache:  # at allocate
+            ids, mask = padded([prompt, SMALL.prompt(31, seed=3)])
+            greedy(model, ids, 2, attention_mask=mask, cache=cache)
+        assert held(client) == (0, 0)
+        client.check_integrity()
+
+
+def test_bad_inputs_are_typed_errors(endpoint: str, model: torch.nn.Module) -> None:
+    ids = torch.tensor([SMALL.prompt(8, seed=4), SMALL.prompt(8, seed=5)])
+    right_padded = torch.tensor([[1] * 8, [1] * 6 + [0] * 2])
+    with private_client(endpoint, SMALL) as client:
+        with pytest.raises(BadRequest, match="left padding"), KVCoreCache(client, model) as cache:
+            greedy(model, ids, 2, attention_mask=right_padded, cache=cache)
+        with pytest.raises(Unsupported, match="beam"), KVCoreCache(client, model) as cache:
+            greedy(model, ids, 4, num_beams=2, cache=cache)
+        assert held(client) == (0, 0)
+
+
+def test_a_pool_that_does_not_fit_the_model_is_refused(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    for other in (replace(SMALL, num_kv_heads=4), replace(SMALL, num_layers=3)):
+        with private_client(endpoint, other) as client, pytest.raises(LayoutMismatch):
+            KVCoreCache(client, model)
+    with (
+        private_client(endpoint, SMALL, dtype="bfloat16") as client,
+        pytest.raises(LayoutMismatch, match="dtype"),
+    ):
+        KVCoreCache(client, model)
+    assert model.config._attn_implementation == "sdpa"  # a refused cache never bound
