@@ -171,6 +171,7 @@ def test_num_return_sequences_forks_the_prompt(endpoint: str, model: torch.nn.Mo
     assert torch.equal(out, ref)
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_past_key_values_alias_and_unbinding(endpoint: str, model: torch.nn.Module) -> None:
     prompt = SMALL.prompt(20, seed=4)
     with private_client(endpoint, SMALL) as client, KVCoreCache(client, model) as cache:
