@@ -2,7 +2,7 @@
 
 This module knows the Client and the backend's table formats, not transformers.
 :class:`PagedRows` turns the token ids of each forward pass into the daemon
-operations of that step (one ``Client.batch()`` round trip) and a
+operations of that step (at most one ``Client.batch()`` round trip) and a
 :class:`StepPlan`: the int tensors every layer's ``write_kv`` and
 ``decode``/``prefill`` take.
 

@@ -182,7 +182,7 @@ class KVCoreCache(Cache):
     def begin(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Plan this forward (one round trip); drop cached leading columns on the first."""
+        """Plan this forward (at most one round trip); drop cached leading columns on the first."""
         if self._spent:
             raise BadRequest("this KVCoreCache is spent (closed, or a forward failed)")
         input_ids = args[0] if args else kwargs.get("input_ids")
