@@ -1,17 +1,18 @@
 """kvcore_torch: the reference backend in plain PyTorch; the oracle of the conformance suite.
 
-Correct before fast: every operation loops over sequences on the host, gathers
-the pages a sequence uses into contiguous K/V, and computes a masked softmax in
-fp32. Runs on any device torch runs on, for every dtype and shape the backend
+Correct before fast: prefill loops over sequences on the host, gathers the
+pages a sequence uses into contiguous K/V, and computes a masked softmax in
+fp32; decode does the same for all rows at once (one gather up to the longest
+row, the tails masked), since it runs once per layer per generated token. Runs on any device torch runs on, for every dtype and shape the backend
 API allows (head dims 1..256, page sizes 1..128 tokens).
 
 Numerics: scores, softmax and the weighted sum are computed in fp32 from the
 stored values (fp16/bf16 are upcast after the gather); the output is rounded
 once, to the query's dtype, at the end.
 
-Only the tokens ``0 .. seq_len - 1`` of a sequence are gathered, so the unused
-slots of its last page (which may hold anything, NaN included) never enter the
-arithmetic.
+The unused slots of a sequence's last page (which may hold anything, NaN
+included) never enter the arithmetic: prefill gathers only tokens
+``0 .. seq_len - 1``; decode masks them out of the scores and zeroes them in V.
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ class TorchBackend(Backend):
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
     ) -> None:
         page_size = kv_cache.shape[2]
-        keep = slots >= 0
-        s = slots[keep]
-        page, offset = s // page_size, s % page_size
-        kv_cache[page, 0, offset] = key[keep]
-        kv_cache[page, 1, offset] = value[keep]
+        if bool((slots < 0).any()):  # the common case (no skipped slot) needs no mask
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        page, offset = slots // page_size, slots % page_size
+        kv_cache[page, 0, offset] = key
+        kv_cache[page, 1, offset] = value
 
     def _decode(
         self,
@@ -94,11 +96,30 @@ class TorchBackend(Backend):
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
-        for b, seq_len in enumerate(seq_lens.tolist()):
-            k, v = gather_kv(kv_cache, block_table[b], seq_len)
-            out[b] = attend(query[b : b + 1], k, v, scale)[0].to(query.dtype)
-        return out
+        # All rows at once: gather every row's pages up to the longest row, mask the
+        # tail. The padding of short rows' tables may hold anything, so it is
+        # replaced by page 0 before the gather; unused slots (NaN included) are
+        # masked out of the scores and zeroed in V (0 * NaN would poison the sum).
+        batch, num_heads, head_dim = query.shape
+        page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_pages = -(-int(seq_lens.max()) // page_size)
+        lens = seq_lens.long()
+        used = (lens + page_size - 1) // page_size
+        columns = torch.arange(num_pages, device=query.device)
+        pages = torch.where(columns[None, :] < used[:, None], block_table[:, :num_pages].long(), 0)
+        kv = kv_cache[pages].float()  # [B, P, 2, page_size, Hkv, D]
+        num_slots = num_pages * page_size
+        k = kv[:, :, 0].reshape(batch, num_slots, num_kv_heads, head_dim)
+        v = kv[:, :, 1].reshape(batch, num_slots, num_kv_heads, head_dim)
+        valid = torch.arange(num_slots, device=query.device)[None, :] < lens[:, None]  # [B, L]
+        v = torch.where(valid[:, :, None, None], v, 0.0)
+        # Query head h reads kv head h // group: view the heads as [Hkv, group].
+        q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+        return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
     def _prefill(
         self,
