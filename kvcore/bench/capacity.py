@@ -213,6 +213,7 @@ def simulate(
     ``fork_every`` > 0 forks every such-numbered request right after its first
     prefill into a second sample (ops benchmark only; child id = rid + number of
     requests, output tokens shifted by one). ``on_step(step)`` runs after each step.
+    BadRequest if a request does not fit even the empty pool (see :func:`check_fits`).
     """
     n = len(trace.requests)
     vocab = trace.config.vocab_size
@@ -257,6 +258,10 @@ def simulate(
                     pool.fork(live.req.rid, child.rid)
                     running.append(_Live(child))
                     fresh.add(child.rid)
+        if not running and waiting and not preempted:
+            raise BadRequest(
+                f"request {waiting[0].req.rid} does not fit the empty pool; it would wait forever"
+            )
         _record(stats, pool, running, waiting)
         still: list[_Live] = []
         for live in running:  # the batch runs
@@ -310,7 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--max-new-tokens", type=int, default=2048, help="serving limit")
     g = parser.add_argument_group("pool")
-    g.add_argument("--budget-gib", type=float, default=8.0, help="KV memory budget, GiB")
+    g.add_argument("--budget-gib", type=float, default=4.0, help="KV memory budget, GiB")
     g.add_argument("--num-pages", type=int, default=0, help="pages (overrides --budget-gib)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page")
     g.add_argument("--layers", type=int, default=32)
@@ -379,7 +384,8 @@ def replay(
         summary["cached_pages_at_end"] = mstats.cached_pages
         if pool.prefix:
             prompt = sum(len(r.prompt) for r in trace.requests)
-            summary["hit_rate"] = sum(stats.first_hit_tokens.values()) / prompt
+            summary["hit_tokens"] = sum(stats.first_hit_tokens.values())
+            summary["hit_rate"] = summary["hit_tokens"] / prompt
             summary["hit_rate_all_allocations"] = mstats.hit_rate
     return stats, summary
 
@@ -412,7 +418,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     optimal_fixed = sum(optimal_hit_tokens(
         shared.requests, fixed_prefix_stats.first_admitted, layout.page_size).values())
     p_plain, c_plain = variants["plain"]["paged"], variants["plain"]["contiguous"]
-    report["concurrency_ratio"] = p_plain["mean_concurrency"] / c_plain["mean_concurrency"]
+    report["concurrency_ratio"] = _ratio(p_plain["mean_concurrency"], c_plain["mean_concurrency"])
     report["utilization_paged"] = p_plain["utilization"]
     report["pages_saved_fraction"] = 1.0 - (
         no_evict["paged_prefix"]["mean_pages_held_all_steps"]
@@ -420,16 +426,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     report["hit_rate"] = no_evict["paged_prefix"]["hit_rate"]
     report["hit_rate_optimal"] = optimal / prompt_tokens
+    report["hit_tokens"] = no_evict["paged_prefix"]["hit_tokens"]
+    report["hit_tokens_optimal"] = optimal
+    report["prompt_tokens"] = prompt_tokens
     report["hit_rate_fixed_budget"] = variants["shared_prefix"]["paged_prefix"]["hit_rate"]
     report["hit_rate_optimal_fixed_schedule"] = optimal_fixed / prompt_tokens
     s_paged, s_prefix = variants["shared_prefix"]["paged"], variants["shared_prefix"]["paged_prefix"]
     s_contig = variants["shared_prefix"]["contiguous"]
-    report["shared_prefix_concurrency_ratio"] = (
-        s_paged["mean_concurrency"] / s_contig["mean_concurrency"])
-    report["shared_prefix_prefix_vs_paged_concurrency"] = (
-        s_prefix["mean_concurrency"] / s_paged["mean_concurrency"])
-    report["pages_saved_per_sequence_fixed_budget"] = 1.0 - (
-        s_prefix["pages_per_sequence"] / s_paged["pages_per_sequence"])
+    report["shared_prefix_concurrency_ratio"] = _ratio(
+        s_paged["mean_concurrency"], s_contig["mean_concurrency"])
+    report["shared_prefix_prefix_vs_paged_concurrency"] = _ratio(
+        s_prefix["mean_concurrency"], s_paged["mean_concurrency"])
+    per_seq = _ratio(s_prefix["pages_per_sequence"], s_paged["pages_per_sequence"])
+    report["pages_saved_per_sequence_fixed_budget"] = None if per_seq is None else 1.0 - per_seq
     report["config"] = {
         "layout": layout.to_dict(),
         "budget_bytes": layout.total_bytes,
@@ -451,3 +460,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["shared_prefix"] = variants["shared_prefix"]
     report["no_eviction"] = no_evict
     return report
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    """num / den; None (JSON null) when a policy never saturated the pool, so the
+    figure would measure demand, not capacity."""
+    if num is None or den is None or den == 0:
+        return None
+    return num / den

@@ -37,18 +37,24 @@ OPS = ("allocate", "extend", "commit", "free", "fork", "lookup")
 class OpTimes:
     """Samples of one operation: durations in nanoseconds, page operations in pages."""
 
-    ns: list[int] = field(default_factory=list)
+    ns: list[int] = field(default_factory=list)  # one per call, failed ones included
     pages: int = 0
+    failed: int = 0  # calls that raised a KVCoreError (out of pages)
 
     def add(self, ns: int, pages: int) -> None:
         self.ns.append(ns)
         self.pages += pages
+
+    def fail(self, ns: int) -> None:
+        self.ns.append(ns)
+        self.failed += 1
 
     def summary(self) -> dict[str, Any]:
         calls, total = len(self.ns), sum(self.ns)
         ordered = sorted(self.ns)
         return {
             "calls": calls,
+            "failed": self.failed,
             "pages": self.pages,
             "calls_per_s": calls / (total * 1e-9) if total else 0.0,
             "mean_us": total / calls / 1e3 if calls else 0.0,
@@ -68,6 +74,7 @@ class TimedManager(Manager):
         super().__init__(*args, **kwargs)
         self.times: dict[str, OpTimes] = {op: OpTimes() for op in OPS}
         self._published: dict[int, int] = {}  # seq -> pages published (commit's return)
+        self.copies = 0  # copy-on-write page copies extend returned
 
     def allocate(
         self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
@@ -76,7 +83,7 @@ class TimedManager(Manager):
         try:
             result = super().allocate(seq_id, tokens, namespace=namespace)
         except KVCoreError:
-            self.times["allocate"].add(time.perf_counter_ns() - t, 0)
+            self.times["allocate"].fail(time.perf_counter_ns() - t)
             raise
         self.times["allocate"].add(time.perf_counter_ns() - t, len(result.pages))
         self._published[seq_id] = result.num_cached_tokens // self.layout.page_size
@@ -87,9 +94,10 @@ class TimedManager(Manager):
         try:
             result = super().extend(seq_id, num_tokens)
         except KVCoreError:  # out of pages: the scheduler preempts and retries
-            self.times["extend"].add(time.perf_counter_ns() - t, 0)
+            self.times["extend"].fail(time.perf_counter_ns() - t)
             raise
         self.times["extend"].add(time.perf_counter_ns() - t, len(result.new_pages) + len(result.copies))
+        self.copies += len(result.copies)
         return result
 
     def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests": len(trace.requests),
             "steps": stats.steps,
             "preemptions": stats.preemptions,
+            "copies": manager.copies,
             "evictions": mstats.evictions,
             "hit_rate": mstats.hit_rate,
             "num_pages": layout.num_pages,
