@@ -2,8 +2,8 @@
 
 Correct before fast: prefill loops over sequences on the host, gathers the
 pages a sequence uses into contiguous K/V, and computes a masked softmax in
-fp32; decode does the same for all rows at once (one gather up to the longest
-row, the tails masked), since it runs once per layer per generated token. Runs on any device torch runs on, for every dtype and shape the backend
+fp32; decode gathers all rows at once (up to the longest row, the tails
+masked) and calls SDPA, since it runs once per layer per generated token. Runs on any device torch runs on, for every dtype and shape the backend
 API allows (head dims 1..256, page sizes 1..128 tokens).
 
 Numerics: scores, softmax and the weighted sum are computed in fp32 from the
@@ -12,12 +12,13 @@ once, to the query's dtype, at the end.
 
 The unused slots of a sequence's last page (which may hold anything, NaN
 included) never enter the arithmetic: prefill gathers only tokens
-``0 .. seq_len - 1``; decode masks them out of the scores and zeroes them in V.
+``0 .. seq_len - 1``; decode zeroes them and masks them out of the scores.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvcore.backend import Backend, Capabilities
 
@@ -96,29 +97,31 @@ class TorchBackend(Backend):
         seq_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        # All rows at once: gather every row's pages up to the longest row, mask the
-        # tail. The padding of short rows' tables may hold anything, so it is
-        # replaced by page 0 before the gather; unused slots (NaN included) are
-        # masked out of the scores and zeroed in V (0 * NaN would poison the sum).
+        # All rows at once: gather every row's pages up to the longest row. The
+        # padding of short rows' tables may hold anything, so it is clamped to a
+        # real page; the slots past a row's length (NaN included) are zeroed and
+        # masked out, since 0 * NaN or NaN - inf would poison the sum.
         batch, num_heads, head_dim = query.shape
-        page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-        num_pages = -(-int(seq_lens.max()) // page_size)
-        lens = seq_lens.long()
-        used = (lens + page_size - 1) // page_size
-        columns = torch.arange(num_pages, device=query.device)
-        pages = torch.where(columns[None, :] < used[:, None], block_table[:, :num_pages].long(), 0)
-        kv = kv_cache[pages].float()  # [B, P, 2, page_size, Hkv, D]
-        num_slots = num_pages * page_size
-        k = kv[:, :, 0].reshape(batch, num_slots, num_kv_heads, head_dim)
-        v = kv[:, :, 1].reshape(batch, num_slots, num_kv_heads, head_dim)
-        valid = torch.arange(num_slots, device=query.device)[None, :] < lens[:, None]  # [B, L]
-        v = torch.where(valid[:, :, None, None], v, 0.0)
-        # Query head h reads kv head h // group: view the heads as [Hkv, group].
+        num_pages, _, page_size, num_kv_heads, _ = kv_cache.shape
+        lens = seq_lens.tolist()
+        max_len = max(lens)
+        used = -(-max_len // page_size)
+        pages = block_table[:, :used].clamp(0, num_pages - 1).long()
+        kv = kv_cache[pages].float()  # [B, used, 2, page_size, Hkv, D]
+        mask = None
+        if min(lens) < max_len:  # rows of unequal length: mask each row's tail
+            slot = torch.arange(used * page_size, device=query.device).view(used, 1, page_size)
+            valid = slot[None] < seq_lens.view(batch, 1, 1, 1)  # [B, used, 1, page_size]
+            kv = torch.where(valid[..., None, None], kv, 0.0)
+            mask = valid.view(batch, 1, 1, used * page_size)[..., :max_len]
+        # [B, used, page_size, Hkv, D] -> [B, Hkv, max_len, D]; the slots past the
+        # longest row are sliced off
+        k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        # One query token: the query heads that share kv head h (h * group ..) act
+        # as the query rows of h, so GQA needs no repeat of K/V.
         q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
     def _prefill(
