@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from kvcore.daemon_process import DaemonProcess
     from kvcore.integrations.tiny_llama import TinyLlama
-    from kvcore.service import DaemonProcess
 
     console = Console()
     spec = TinyLlama()

@@ -26,9 +26,7 @@ import gc
 import os
 import secrets
 import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -407,63 +405,6 @@ class Service:
             self.server.close()
         if self.publisher is not None:
             self.publisher.close()
-
-
-class DaemonProcess:
-    """``python -m kvcore.service ARGS`` as a child process, for tests, benchmarks and demos.
-
-    ``with DaemonProcess("--endpoint", ep) as daemon:`` returns once the daemon
-    prints that it listens; leaving the block stops it with SIGTERM. Its output
-    (stdout and stderr) is collected in :attr:`lines`.
-    """
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0):
-        self.args = args
-        self.env = env
-        self.timeout_s = timeout_s
-        self.lines: list[str] = []
-        self.endpoint = ""
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> DaemonProcess:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcore.service", *self.args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=self.env,
-        )  # fmt: skip
-        ready = threading.Event()
-        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
-        if not ready.wait(self.timeout_s) or not self.endpoint:
-            self.stop(signal.SIGKILL)
-            raise RuntimeError("daemon did not start:\n" + "".join(self.lines))
-        return self
-
-    def _drain(self, ready: threading.Event) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line.startswith("kvcore serve: listening on "):
-                self.endpoint = line.split()[4]
-            if line.startswith("  events:"):
-                ready.set()
-        ready.set()  # exited
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """Send ``sig`` and wait; the exit status."""
-        assert self.proc is not None, "not started"
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=self.timeout_s)
-
-    def __enter__(self) -> DaemonProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.stop()
 
 
 # -- `kvcore serve` -----------------------------------------------------------------

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from kvcore import Client, statsview
+from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import NotAttached, OutOfPages, Timeout, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Stats
-from kvcore.service import DaemonProcess
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=2, dtype="bfloat16", num_pages=8)
 

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import settings
 
 from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
 from kvcore.layout import KVLayout
-from kvcore.service import DaemonProcess
 from kvcore.testing.manager import make_state_machine
 
 _pools = itertools.count()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvcore import Client
-from kvcore.service import DaemonProcess
+from kvcore.daemon_process import DaemonProcess
 
 POOL = "name=kv,num_layers=3,num_kv_heads=2,head_dim=8,page_size=4,dtype=float32,num_pages=32"
 

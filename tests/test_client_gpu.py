@@ -47,7 +47,7 @@ client.close()
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from kvcore.service import DaemonProcess
+    from kvcore.daemon_process import DaemonProcess
 
     tmp: Path = tmp_path_factory.mktemp("gpu")
     with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", POOL) as d:

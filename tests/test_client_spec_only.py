@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcore import Client
-from kvcore.service import DaemonProcess
+from kvcore.daemon_process import DaemonProcess
 
 SPEC_CLIENT = r'''
 import itertools, json, mmap, os, struct, sys

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from kvcore_ipc.messages import ERROR_CODES, OP_NAMES
 
 from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
 from kvcore.layout import KVLayout
-from kvcore.service import DaemonProcess
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=32)
 

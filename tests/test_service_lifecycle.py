@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import Timeout
-from kvcore.service import DaemonProcess
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -17,6 +17,7 @@ from kvcore_ipc.events import EventSubscriber
 from kvcore_ipc.messages import PageRemovedEvent, PageStoredEvent
 
 from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import (
     Forbidden,
     LayoutMismatch,
@@ -28,7 +29,6 @@ from kvcore.errors import (
     VersionMismatch,
 )
 from kvcore.layout import KVLayout
-from kvcore.service import DaemonProcess
 
 LEASE_S = 1.0
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16)

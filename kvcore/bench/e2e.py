@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from kvcore.client import Client
+    from kvcore.daemon_process import DaemonProcess
     from kvcore.integrations.tiny_llama import TinyLlama
-    from kvcore.service import DaemonProcess
 
     torch.set_num_threads(args.threads)
     spec = TinyLlama()

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore_ipc import messages as msg
 
     from kvcore.client import Client
-    from kvcore.service import DaemonProcess
+    from kvcore.daemon_process import DaemonProcess
 
     with tempfile.TemporaryDirectory(prefix="kvcore-bench-") as tmp:
         daemon_ep, echo_ep = f"ipc://{Path(tmp) / 'd.sock'}", f"ipc://{Path(tmp) / 'e.sock'}"
