@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.bench import capacity
-from kvcore.bench.capacity import ContiguousPool, PagedPool, simulate
+from kvcore.bench.simulate import ContiguousPool, PagedPool, simulate
 from kvcore.bench.trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout

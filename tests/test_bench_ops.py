@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from kvcore.bench import ops
-from kvcore.bench.capacity import PagedPool, simulate
+from kvcore.bench.simulate import PagedPool, simulate
 from kvcore.bench.trace import TraceConfig, make_trace
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager

@@ -1,7 +1,8 @@
 """``kvcore bench capacity``: how many sequences one memory budget serves.
 
-The trace (kvcore.bench.trace) is replayed, step by step, against one fixed
-pool under three policies:
+The trace (kvcore.bench.trace) is replayed by the step simulator
+(kvcore.bench.simulate: FCFS admission, preemption of the newest sequence) against
+one fixed pool under three policies:
 
     contiguous    reserves prompt + max_new_tokens (2048) token slots per request
                   on admission, as an engine without paging must (no Manager)
@@ -11,298 +12,24 @@ pool under three policies:
                   prompt's after its prefill step); finished sequences' committed
                   pages stay cached until evicted
 
-One step, as a vLLM-style scheduler runs it (docs/benchmarks.md states it too)::
-
-    1 arrivals join the back of the waiting queue
-    2 decode: every running sequence (oldest first) grows by one token; when the
-      pool has no page, the newest running sequence is preempted (freed, put back
-      at the front of the queue, recomputed on readmission) until it fits
-    3 admission, FCFS, only in a step without preemption: the queue head is
-      prefilled (prompt + tokens generated before a preemption) while it fits
-      and the pool keeps ``watermark`` of its pages free; the first that does
-      not fit blocks the queue
-    4 the batch runs: each scheduled sequence produces one token; commits
-      (paged_prefix); finished sequences are freed
-
+Each policy runs on a plain trace and a shared-prefix variant of the same seed,
+and the paged policies again on a pool large enough that nothing is evicted.
 Units: tokens and pages as named; a "step" is one engine iteration.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from kvcore.bench.trace import Request, Trace, TraceConfig, make_trace, optimal_hit_tokens
-from kvcore.errors import BadRequest, OutOfPages
+from kvcore.bench.simulate import ContiguousPool, PagedPool, Pool, RunStats, simulate
+from kvcore.bench.trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
+from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 
 POLICIES = ("contiguous", "paged", "paged_prefix")
 GIB = 1 << 30
-
-
-class Pool(Protocol):
-    """The memory side of one policy. ``rid`` names a live sequence."""
-
-    def admit(self, rid: int, tokens: Sequence[int], num_running: int) -> int | None:
-        """Start ``rid`` holding ``tokens``; tokens served from cache, or None if it does not fit."""
-
-    def grow(self, rid: int) -> bool:
-        """One more token; False (and no change) if the pool has no room."""
-
-    def release(self, rid: int) -> None: ...
-
-    def publish(self, rid: int, tokens: Sequence[int]) -> None:
-        """Commit the full pages of ``tokens`` (the sequence's tokens so far)."""
-
-    def fork(self, parent: int, child: int) -> None: ...
-
-    def held(self) -> tuple[int, int]:
-        """(token slots reserved, pages held) by live sequences."""
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page (the unit of publishing)."""
-
-
-@dataclass(slots=True)
-class ContiguousPool:
-    """Token-slot reservation of prompt + max_new_tokens per sequence, no fragmentation
-    counted (which favours this policy)."""
-
-    budget_tokens: int
-    max_new_tokens: int
-    tokens_per_page: int  # only to express reservations in pages
-    reserved: int = 0
-    _of: dict[int, int] = field(default_factory=dict)
-
-    def admit(self, rid: int, tokens: Sequence[int], num_running: int) -> int | None:
-        need = len(tokens) + self.max_new_tokens
-        if self.reserved + need > self.budget_tokens:
-            return None
-        self._of[rid] = need
-        self.reserved += need
-        return 0
-
-    def grow(self, rid: int) -> bool:
-        return True  # the reservation covers the whole output
-
-    def release(self, rid: int) -> None:
-        self.reserved -= self._of.pop(rid)
-
-    def publish(self, rid: int, tokens: Sequence[int]) -> None:
-        pass  # no prefix cache
-
-    def fork(self, parent: int, child: int) -> None:
-        raise BadRequest("the contiguous policy cannot fork")
-
-    def held(self) -> tuple[int, int]:
-        return self.reserved, -(-self.reserved // self.tokens_per_page)
-
-    @property
-    def page_size(self) -> int:
-        return self.tokens_per_page
-
-
-@dataclass(slots=True)
-class PagedPool:
-    """A Manager; with ``prefix`` the admission looks up and publishing commits."""
-
-    manager: Manager
-    prefix: bool
-    watermark_pages: int
-
-    def admit(self, rid: int, tokens: Sequence[int], num_running: int) -> int | None:
-        mgr = self.manager
-        cached = mgr.lookup(tokens) if self.prefix else 0
-        need = mgr.layout.pages_for(len(tokens)) - cached // mgr.layout.page_size
-        stats = mgr.stats()
-        spare = stats.free_pages + stats.evictable_pages - need
-        if spare < 0 or (num_running > 0 and spare < self.watermark_pages):
-            return None
-        try:
-            return mgr.allocate(rid, tokens).num_cached_tokens
-        except OutOfPages:  # a hit page was evictable: pinning it left too few
-            return None
-
-    def grow(self, rid: int) -> bool:
-        try:
-            self.manager.extend(rid, 1)
-        except OutOfPages:
-            return False
-        return True
-
-    def release(self, rid: int) -> None:
-        self.manager.free(rid)
-
-    def publish(self, rid: int, tokens: Sequence[int]) -> None:
-        if self.prefix:
-            self.manager.commit(rid, tokens)
-
-    def fork(self, parent: int, child: int) -> None:
-        self.manager.fork(parent, child)
-
-    def held(self) -> tuple[int, int]:
-        pages = self.manager.stats().held_pages
-        return pages * self.manager.layout.page_size, pages
-
-    @property
-    def page_size(self) -> int:
-        return self.manager.layout.page_size
-
-
-@dataclass(slots=True)
-class _Live:
-    req: Request
-    generated: int = 0  # output tokens produced so far; the pool holds prompt + generated - 1
-
-
-@dataclass(slots=True)
-class RunStats:
-    """Figures of one replay. Sums over steps; ``sat`` = steps with a request waiting
-    after admission (memory, not demand, bounded the batch)."""
-
-    steps: int = 0
-    sat_steps: int = 0
-    sum_running: int = 0
-    sum_running_sat: int = 0
-    peak_running: int = 0
-    sum_stored: int = 0  # tokens the live sequences hold (logical, per sequence)
-    sum_reserved: int = 0  # token slots reserved (contiguous) or in held pages
-    sum_pages: int = 0
-    sum_pages_sat: int = 0
-    preemptions: int = 0
-    recompute_tokens: int = 0  # prefill tokens computed again after a preemption
-    generated_tokens: int = 0
-    finished: int = 0
-    first_admitted: dict[int, int] = field(default_factory=dict)  # rid -> step
-    first_hit_tokens: dict[int, int] = field(default_factory=dict)  # rid -> cached tokens
-
-    def summary(self) -> dict[str, Any]:
-        """Means over saturated steps (None if there were none) and over all steps."""
-        sat = self.sat_steps or None
-        return {
-            "mean_concurrency": self.sum_running_sat / sat if sat else None,
-            "mean_concurrency_all_steps": self.sum_running / max(self.steps, 1),
-            "peak_concurrency": self.peak_running,
-            "utilization": self.sum_stored / self.sum_reserved if self.sum_reserved else 0.0,
-            "mean_pages_held": self.sum_pages_sat / sat if sat else None,
-            "mean_pages_held_all_steps": self.sum_pages / max(self.steps, 1),
-            "pages_per_sequence": self.sum_pages_sat / self.sum_running_sat if sat else None,
-            "steps": self.steps,
-            "saturated_steps": self.sat_steps,
-            "tokens_per_step": self.generated_tokens / max(self.steps, 1),
-            "preemptions": self.preemptions,
-            "recompute_tokens": self.recompute_tokens,
-            "finished": self.finished,
-        }
-
-
-def simulate(
-    trace: Trace,
-    pool: Pool,
-    *,
-    fork_every: int = 0,
-    on_step: Callable[[int], None] | None = None,
-) -> RunStats:
-    """Replay ``trace`` on ``pool`` until every request has finished (module docstring).
-
-    ``fork_every`` > 0 forks every such-numbered request right after its first
-    prefill into a second sample (ops benchmark only; child id = rid + number of
-    requests, output tokens shifted by one). ``on_step(step)`` runs after each step.
-    BadRequest if a request does not fit even the empty pool (see :func:`check_fits`).
-    """
-    n = len(trace.requests)
-    vocab = trace.config.vocab_size
-    pending = deque(trace.requests)
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []
-    stats = RunStats()
-    page_size = pool.page_size
-    step = 0
-    while pending or waiting or running:
-        while pending and pending[0].arrival_step <= step:
-            waiting.append(_Live(pending.popleft()))
-        preempted = False
-        i = 0
-        while i < len(running):  # decode
-            live = running[i]
-            if pool.grow(live.req.rid):
-                i += 1
-                continue
-            victim = running.pop()
-            pool.release(victim.req.rid)
-            waiting.appendleft(victim)
-            stats.preemptions += 1
-            preempted = True
-        fresh: set[int] = set()
-        while not preempted and waiting:  # admission
-            live = waiting[0]
-            tokens = live.req.prompt + live.req.output[: live.generated]
-            cached = pool.admit(live.req.rid, tokens, len(running))
-            if cached is None:
-                break
-            waiting.popleft()
-            running.append(live)
-            fresh.add(live.req.rid)
-            if live.generated:
-                stats.recompute_tokens += len(tokens) - cached
-            elif live.req.rid < n:
-                stats.first_admitted[live.req.rid] = step
-                stats.first_hit_tokens[live.req.rid] = cached
-                if fork_every and live.req.rid % fork_every == 0:
-                    child = _fork_request(live.req, n, vocab)
-                    pool.fork(live.req.rid, child.rid)
-                    running.append(_Live(child))
-                    fresh.add(child.rid)
-        if not running and waiting and not preempted:
-            raise BadRequest(
-                f"request {waiting[0].req.rid} does not fit the empty pool; it would wait forever"
-            )
-        _record(stats, pool, running, waiting)
-        still: list[_Live] = []
-        for live in running:  # the batch runs
-            live.generated += 1
-            stats.generated_tokens += 1
-            held = len(live.req.prompt) + live.generated - 1
-            if live.req.rid in fresh or held % page_size == 0:
-                pool.publish(live.req.rid, live.req.prompt + live.req.output[: live.generated - 1])
-            if live.generated == len(live.req.output):
-                pool.release(live.req.rid)
-                stats.finished += 1
-            else:
-                still.append(live)
-        running = still
-        if on_step is not None:
-            on_step(step)
-        step += 1
-    return stats
-
-
-def _fork_request(req: Request, offset: int, vocab: int) -> Request:
-    output = tuple((t + 1) % vocab for t in req.output)
-    return Request(req.rid + offset, req.arrival_step, req.prompt, output, req.prefix_id)
-
-
-def _record(stats: RunStats, pool: Pool, running: list[_Live], waiting: deque[_Live]) -> None:
-    count = len(running)
-    reserved, pages = pool.held()
-    stats.steps += 1
-    stats.sum_running += count
-    stats.peak_running = max(stats.peak_running, count)
-    stats.sum_stored += sum(len(live.req.prompt) + live.generated for live in running)
-    stats.sum_reserved += reserved
-    stats.sum_pages += pages
-    if waiting:
-        stats.sat_steps += 1
-        stats.sum_running_sat += count
-        stats.sum_pages_sat += pages
-
-
-# -- the benchmark -------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.bench import capacity
+from kvcore.bench.simulate import PagedPool, simulate
 from kvcore.errors import KVCoreError
 from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager
 
@@ -142,9 +143,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trace = shared if args.variant == "shared_prefix" else plain
     capacity.check_fits(trace, layout, args.max_new_tokens)
     manager = TimedManager(layout)
-    pool = capacity.PagedPool(manager, True, int(args.watermark * layout.num_pages))
+    pool = PagedPool(manager, True, int(args.watermark * layout.num_pages))
     wall = time.perf_counter()
-    stats = capacity.simulate(trace, pool, fork_every=args.fork_every)
+    stats = simulate(trace, pool, fork_every=args.fork_every)
     wall = time.perf_counter() - wall
     manager.check_integrity()
     per_op = {op: manager.times[op].summary() for op in OPS}
