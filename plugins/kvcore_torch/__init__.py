@@ -105,23 +105,26 @@ class TorchBackend(Backend):
         num_pages, _, page_size, num_kv_heads, _ = kv_cache.shape
         lens = seq_lens.tolist()
         max_len = max(lens)
+        ragged = min(lens) < max_len  # only then does a row's table have padding in use
         used = -(-max_len // page_size)
-        pages = block_table[:, :used].clamp(0, num_pages - 1).long()
-        kv = kv_cache[pages].float()  # [B, used, 2, page_size, Hkv, D]
+        pages = block_table[:, :used]
+        pages = (pages.clamp(0, num_pages - 1) if ragged else pages).long()
+        # K and V gathered separately: each [B, used, page_size, Hkv, D], contiguous,
+        # so the token view below is free; slots past the longest row are sliced off.
+        k = kv_cache[pages, 0].float().view(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+        v = kv_cache[pages, 1].float().view(batch, -1, num_kv_heads, head_dim)[:, :max_len]
         mask = None
-        if min(lens) < max_len:  # rows of unequal length: mask each row's tail
-            slot = torch.arange(used * page_size, device=query.device).view(used, 1, page_size)
-            valid = slot[None] < seq_lens.view(batch, 1, 1, 1)  # [B, used, 1, page_size]
-            kv = torch.where(valid[..., None, None], kv, 0.0)
-            mask = valid.view(batch, 1, 1, used * page_size)[..., :max_len]
-        # [B, used, page_size, Hkv, D] -> [B, Hkv, max_len, D]; the slots past the
-        # longest row are sliced off
-        k = kv[:, :, 0].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-        v = kv[:, :, 1].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-        # One query token: the query heads that share kv head h (h * group ..) act
-        # as the query rows of h, so GQA needs no repeat of K/V.
+        if ragged:
+            valid = torch.arange(max_len, device=query.device) < seq_lens[:, None]  # [B, L]
+            k = torch.where(valid[:, :, None, None], k, 0.0)
+            v = torch.where(valid[:, :, None, None], v, 0.0)
+            mask = valid[:, None, None, :]
+        # One query token: the query heads that share kv head h act as the query
+        # rows of h, so GQA needs no repeat of K/V.
         q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+        )
         return out.reshape(batch, num_heads, head_dim).to(query.dtype)
 
     def _prefill(
