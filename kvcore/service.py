@@ -223,13 +223,6 @@ class Service:
         session.deadline = now + self.lease_s
         return session
 
-    def _run(self, session: Session, op: msg.BatchOp) -> msgspec.Struct:
-        """One sequence operation, with ownership; raises KVCoreError having changed nothing."""
-        handler = self._handlers.get(type(op))
-        if handler is None:
-            raise BadRequest(f"operation {type(op).__name__} is not allowed here")
-        return handler(session, op)
-
     def _extend(self, session: Session, op: msg.Extend) -> msg.ExtendOk:
         self._own(session, op.seq)
         ext = session.pool.manager.extend(op.seq, op.num_tokens)
