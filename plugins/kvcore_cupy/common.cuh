@@ -1,6 +1,6 @@
 // kvcore_cupy/common.cuh -- types, 16-byte vector loads, dtype conversion, fast
-// integer division and the warp-level attention loop shared by decode.cu and
-// prefill.cu.
+// integer division, and what decode.cu and prefill.cu share: the paged view of a
+// sequence and the warp-level attention loop.
 //
 // Valid for both NVRTC (what CuPy's RawModule uses) and nvcc: no header is
 // included at all. bf16 and fp16 travel as raw 16-bit words (kv_bf16 / kv_f16
@@ -259,6 +259,17 @@ template <class T> struct PagedSeq {
   const i32* pages;
   i64 stride_page, stride_kv, stride_tok;
   FastDiv ps;
+  // Sequence b at kv head `kv_head`, from the kernels' cache arguments (same names,
+  // same order): cache [num_pages, 2, page_size, Hkv, D] with strides in elements,
+  // block_table [B, max_pages] with row stride table_stride, and the page size's
+  // FastDiv constants.
+  __device__ __forceinline__ static PagedSeq at(
+      const T* cache, i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,
+      const i32* block_table, i64 table_stride, u32 page_size, u32 ps_mul, u32 ps_shift,
+      int b, int kv_head) {
+    return PagedSeq{cache + (i64)kv_head * stride_head, block_table + (i64)b * table_stride,
+                    stride_page, stride_kv, stride_tok, FastDiv{page_size, ps_mul, ps_shift}};
+  }
   __device__ __forceinline__ i64 row_offset(int t) const {
     const u32 p = ps.div((u32)t);
     const u32 off = (u32)t - p * ps.d;

@@ -55,6 +55,9 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32) decode_partial(
   const int t0 = split * split_len;
   const int t_end = min(t0 + split_len, seq_len);
 
+  // Not shared with prefill.cu: NVVM's code for this loop depends on where qh is
+  // computed, and each kernel keeps its registers only with its own form
+  // (a common helper cost either kernel up to 13 registers or a spill).
   float q[NG][E];
 #pragma unroll
   for (int h = 0; h < NG; ++h) {
@@ -67,13 +70,9 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32) decode_partial(
     }
   }
 
-  PagedSeq<T> seq;
-  seq.kv = cache + (i64)kv_head * stride_head;
-  seq.pages = block_table + (i64)b * table_stride;
-  seq.stride_page = stride_page;
-  seq.stride_kv = stride_kv;
-  seq.stride_tok = stride_tok;
-  seq.ps = FastDiv{page_size, ps_mul, ps_shift};
+  const PagedSeq<T> seq = PagedSeq<T>::at(cache, stride_page, stride_kv, stride_tok, stride_head,
+                                          block_table, table_stride, page_size, ps_mul, ps_shift,
+                                          b, kv_head);
 
   Softmax<NG, E> st;
   st.init();

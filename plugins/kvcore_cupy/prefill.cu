@@ -54,6 +54,9 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32) prefill(
   const int i = qrow - cu_seqlens_q[b];
   const int t_end = seq_lens[b] - q_len + i + 1;  // tokens 0 .. t_end - 1
 
+  // Not shared with decode.cu: NVVM's code for this loop depends on where qh is
+  // computed, and each kernel keeps its registers only with its own form
+  // (a common helper cost either kernel up to 13 registers or a spill).
   float q[NG][E];
 #pragma unroll
   for (int h = 0; h < NG; ++h) {
@@ -66,13 +69,9 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32) prefill(
     }
   }
 
-  PagedSeq<T> seq;
-  seq.kv = cache + (i64)kv_head * stride_head;
-  seq.pages = block_table + (i64)b * table_stride;
-  seq.stride_page = stride_page;
-  seq.stride_kv = stride_kv;
-  seq.stride_tok = stride_tok;
-  seq.ps = FastDiv{page_size, ps_mul, ps_shift};
+  const PagedSeq<T> seq = PagedSeq<T>::at(cache, stride_page, stride_kv, stride_tok, stride_head,
+                                          block_table, table_stride, page_size, ps_mul, ps_shift,
+                                          b, kv_head);
 
   Softmax<NG, E> st;
   st.init();
