@@ -171,6 +171,9 @@ class Service:
         except FrameError as exc:
             self.errors += 1
             return self.codec.encode_error(exc.request_id, exc.code, exc.message)
+        except Exception as exc:  # a frame the codec failed to classify: still a bad request
+            self.errors += 1
+            return self.codec.encode_error(0, "bad_request", f"undecodable request: {exc!r}")
         try:
             return self.codec.encode_result(request.id, self._dispatch(request))
         except KVCoreError as exc:

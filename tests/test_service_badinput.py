@@ -188,3 +188,14 @@ def test_generated_frames_get_typed_replies_and_change_no_invariant(
     run()
     healthy(client)
     assert client.daemon_stats().counters.requests > 300
+
+
+@pytest.mark.parametrize("opener", [b"\x91", b"\x81\xa1k"])  # 1-element arrays, 1-entry maps
+def test_deeply_nested_frame_is_a_bad_request_not_a_crash(opener: bytes) -> None:
+    """Nesting deeper than Python's recursion limit once killed the daemon's decoder."""
+    from kvcore_ipc.codec import FrameError, ServerCodec
+
+    frame = b"\x82\xa2id\x01\xa4body" + opener * 200_000 + b"\xc0"
+    with pytest.raises(FrameError) as info:
+        ServerCodec().decode_request(frame)
+    assert info.value.code == "bad_request"

@@ -62,7 +62,7 @@ class ServerCodec:
             )
         try:
             request = self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             raise self._explain(frame, exc) from None
         ops = getattr(request.body, "ops", None)
         if ops is not None and len(ops) > self.max_batch:
@@ -74,7 +74,8 @@ class ServerCodec:
     def _explain(self, frame: bytes, exc: Exception) -> FrameError:
         try:
             probe = self._probe.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            # RecursionError: a body nested deeper than the untyped probe can follow
             return FrameError("bad_request", f"undecodable request: {exc}")
         request_id = probe.id if isinstance(probe.id, int) and probe.id >= 0 else 0
         op = probe.body.get("op") if isinstance(probe.body, dict) else None
