@@ -232,15 +232,20 @@ class Client:
             raise BadRequest(f"cannot encode {type(body).__name__}: {exc}") from None
         self._channel.send(frame)
         timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
-        while True:
+        while True:  # replies with other ids answer earlier requests that timed out
             try:
-                reply = self._codec.decode_reply(self._channel.recv(timeout_ms), result_type)
+                frame = self._channel.recv(timeout_ms)
             except ChannelTimeout as exc:
                 raise Timeout(f"{type(body).__name__}: {exc}") from None
+            try:
+                reply = self._codec.decode_reply(frame, result_type)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # A late reply to another op has another result type: skip it by its id.
+                if self._codec.reply_id(frame) not in (request_id, 0, None):
+                    continue
                 raise InternalError(f"undecodable reply to {type(body).__name__}: {exc}") from None
             if reply.id == request_id or reply.id == 0:
-                break  # other ids answer earlier requests that timed out
+                break
         if reply.error is not None:
             raise error_from_code(reply.error.code, reply.error.message)
         if reply.result is None:

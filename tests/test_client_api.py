@@ -112,3 +112,24 @@ def test_kvcore_stats_table_and_json(daemon: DaemonProcess, client: Client,
     assert client.pool in table and "hit rate" in table and "api-test" in table
     missing = parser.parse_args(["--endpoint", "ipc:///nonexistent/x.sock", "--timeout", "0.2"])
     assert statsview.main(missing) == 1
+
+
+def test_a_late_reply_to_a_timed_out_call_is_skipped(tmp_path: Path) -> None:
+    """After a timeout, the daemon's late answer must not be taken for the next call's."""
+    import os
+    import signal
+
+    pool = "num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=16"
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'late.sock'}", "--pool", pool) as d:
+        assert d.proc is not None
+        with Client.connect(d.endpoint, map_memory=False, heartbeat=False, timeout_s=0.2) as c:
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Timeout):
+                    c.allocate(1, [1, 2, 3, 4, 5])
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            # The allocate ran once the daemon resumed; its reply (pages) arrives first.
+            assert c.extend(1, 3) == Extension(new_pages=[], copies=[])
+            assert c.num_tokens(1) == 8
+            assert c.block_table(1) == c.block_table(1)

@@ -90,15 +90,22 @@ class ServerCodec:
         return self._encoder.encode(Reply(request_id, error=ErrorBody(code, message)))
 
 
+class _ReplyId(msgspec.Struct):
+    """Only the id of a reply (the other fields are skipped)."""
+
+    id: int = 0
+
+
 class ClientCodec:
     """Client side: Request -> bytes, bytes -> TypedReply[result type] in one decode."""
 
-    __slots__ = ("_decoders", "_encoder", "_replies")
+    __slots__ = ("_decoders", "_encoder", "_replies", "_reply_id")
 
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
         self._replies: dict[Any, msgspec.msgpack.Decoder[Any]] = {}  # by result type
+        self._reply_id = msgspec.msgpack.Decoder(_ReplyId)
 
     def encode(self, request: Request) -> bytes:
         return self._encoder.encode(request)
@@ -117,6 +124,13 @@ class ClientCodec:
             decoder = self._replies[result_type] = msgspec.msgpack.Decoder(reply_type)
         reply: TypedReply[T] = decoder.decode(frame)
         return reply
+
+    def reply_id(self, frame: bytes) -> int | None:
+        """The id of a reply whose result did not decode as expected; None if unreadable."""
+        try:
+            return self._reply_id.decode(frame).id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
 
     def decode_result(self, raw: msgspec.Raw | bytes, result_type: type[T]) -> T:
         """A result left raw (e.g. inside RawBatchOk) decoded as ``result_type``."""
