@@ -10,7 +10,7 @@ import torch
 from hf_helpers import SMALL, daemon, held, padded, private_client
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Unsupported
+from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
 from kvcore.integrations.tiny_llama import greedy
 from kvcore.integrations.transformers import KVCoreCache
 
@@ -128,3 +128,26 @@ def test_a_pool_that_does_not_fit_the_model_is_refused(
     ):
         KVCoreCache(client, model)
     assert model.config._attn_implementation == "sdpa"  # a refused cache never bound
+
+
+def test_a_timed_out_start_leaves_nothing_held(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A timeout says nothing of what ran: every sequence the batch may have made is freed."""
+    import os
+    import signal
+
+    from kvcore import Client
+    from kvcore.integrations.paged_rows import PagedRows
+
+    with daemon(tmp_path_factory.mktemp("hf-timeout")) as d:
+        assert d.proc is not None
+        with Client.connect(d.endpoint, map_memory=False, timeout_s=0.2) as client:
+            rows = PagedRows(client, torch.device("cpu"))
+            os.kill(d.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(Timeout):
+                    rows.start(torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]), None)
+            finally:
+                os.kill(d.proc.pid, signal.SIGCONT)
+            rows.close()
+            stats = client.stats()
+            assert (stats.num_sequences, stats.held_pages) == (0, 0)

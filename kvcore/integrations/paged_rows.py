@@ -288,15 +288,14 @@ class PagedRows:
         """Run a batch; on error mark the rows broken, remember what was created, re-raise."""
         try:
             results: list[Any] = ops.run()
-        except KVCoreError as exc:
+        except BaseException as exc:
             self.broken = True
             if creates is not None:
-                self.live.update(creates[: getattr(exc, "batch_index", 0)])
-            raise
-        except BaseException:
-            self.broken = True  # a timeout or interrupt: we do not know what ran
-            if creates is not None:
-                self.live.update(creates)
+                # A failed op of the batch says how many ran before it; anything else
+                # (a timeout, an interrupt) leaves it unknown, so every sequence may
+                # exist, and close() frees them all (skipping unknown ones).
+                ran = getattr(exc, "batch_index", None)
+                self.live.update(creates if ran is None else creates[:ran])
             raise
         if creates is not None:
             self.live.update(creates)
