@@ -39,7 +39,7 @@ from kvcore_ipc import messages as msg
 from kvcore_ipc.codec import FrameError, ServerCodec
 from kvcore_ipc.events import EventPublisher
 from kvcore_ipc.memory import CudaRegion, HostRegion
-from kvcore_ipc.server import RouterServer, endpoint_in_use
+from kvcore_ipc.server import EndpointBusy, EndpointLock, RouterServer, endpoint_in_use
 
 from kvcore.config import (
     ServiceConfig,
@@ -446,13 +446,21 @@ def main(args: argparse.Namespace) -> int:
         config = build_config(args)
         endpoint = config.endpoint or default_endpoint()
         probe = msgspec.msgpack.encode(msg.Request(id=1, body=msg.GetStats()))
-        if endpoint_in_use(endpoint, probe):
-            print(f"kvcore serve: a daemon already answers on {endpoint}", file=sys.stderr)
-            return 1
+        lock = EndpointLock(endpoint)  # ipc://: held until exit, so no probe can be fooled
+        if not endpoint.startswith("ipc://") and endpoint_in_use(endpoint, probe):
+            raise EndpointBusy(f"a daemon already serves {endpoint}")
         if endpoint.startswith("ipc://") and os.path.exists(endpoint[6:]):
-            os.unlink(endpoint[6:])  # a stale socket file of a daemon that died
+            os.unlink(endpoint[6:])  # we hold the lock: a stale file of a daemon that died
+    except EndpointBusy as exc:
+        print(f"kvcore serve: {exc}", file=sys.stderr)
+        return 1
+    except (KVCoreError, OSError, ValueError, zmq.ZMQError) as exc:
+        print(f"kvcore serve: {exc}", file=sys.stderr)
+        return 2
+    try:
         service = Service(config)
     except (KVCoreError, OSError, ValueError, zmq.ZMQError) as exc:
+        lock.release()
         print(f"kvcore serve: {exc}", file=sys.stderr)
         return 2
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -472,6 +480,7 @@ def main(args: argparse.Namespace) -> int:
         service.serve()
     finally:
         service.close()
+        lock.release()
         print("kvcore serve: stopped; pools unlinked, socket removed", flush=True)
     return 0
 

@@ -125,7 +125,7 @@ def test_second_daemon_on_a_live_endpoint_is_refused_and_stale_socket_reused(
     with DaemonProcess(*args, env=_env(tmp_path)) as first:
         second = subprocess.run([sys.executable, "-m", "kvcore.service", *args],
                                 capture_output=True, text=True, timeout=30, env=_env(tmp_path))  # fmt: skip
-        assert second.returncode == 1 and "already answers" in second.stderr
+        assert second.returncode == 1 and "already serves" in second.stderr
         first.stop(signal.SIGKILL)  # dies without cleaning up: the socket file stays
     assert (tmp_path / "d.sock").exists()
     with DaemonProcess(*args, env=_env(tmp_path)), Client.connect(endpoint, map_memory=False) as c:

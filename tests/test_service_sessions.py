@@ -219,3 +219,38 @@ def test_events_stream_stored_and_removed_pages(daemon: DaemonProcess) -> None:
         assert {e.key for e in removed} == {e.key for e in stored}
         assert [e.seq_no for e in got] == list(range(1, len(got) + 1))
         assert all(e.pool == client.pool and e.epoch == client.epoch for e in got)
+
+
+def test_a_pool_subscription_gets_no_events_of_a_pool_whose_name_extends_it(
+    daemon: DaemonProcess,
+) -> None:
+    short = fresh_pool(daemon)
+    with short, Client.connect(daemon.endpoint, pool=short.pool + "x", layout=LAYOUT,
+                               ephemeral=True) as long:  # fmt: skip
+        sub = EventSubscriber(short.attach_info.events, pool=short.pool)
+        time.sleep(0.3)  # PUB/SUB joins asynchronously
+        long.allocate(1, list(range(4)))
+        long.commit(1, list(range(4)))
+        short.allocate(1, list(range(5)))
+        short.commit(1, list(range(4)))
+        got = list(sub.drain(timeout_ms=500))
+        sub.close()
+    assert [e.pool for e in got] == [short.pool]
+
+
+def test_a_second_daemon_cannot_take_a_stopped_daemons_socket(tmp_path: Path) -> None:
+    """A daemon too busy to answer (here: stopped) still owns its ipc:// endpoint."""
+    import os
+
+    args = ("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", "num_pages=8")
+    with DaemonProcess(*args) as first:
+        assert first.proc is not None
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RuntimeError, match="already serves"):
+                DaemonProcess(*args).start()
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+    with DaemonProcess(*args):  # the lock went with the first daemon
+        pass
+    assert sorted(os.listdir(tmp_path)) == []

@@ -1,9 +1,10 @@
 """The PUB stream of page-stored / page-removed events, for KV-aware routers.
 
 Each event is two frames: ``[topic, payload]``; the topic is the pool name
-(UTF-8), so a subscriber filters by pool with ZeroMQ's prefix subscription,
-and the payload is one msgpack map (:data:`~kvcore_ipc.messages.Event`, tag
-field ``kind``). ``seq_no`` counts a pool's events from 1 without gaps within
+(UTF-8) followed by one NUL byte, so a subscription to :func:`topic`
+(ZeroMQ matches topic prefixes) receives that pool's events and no other
+pool's whose name merely starts the same way; the payload is one msgpack map
+(:data:`~kvcore_ipc.messages.Event`, tag field ``kind``). ``seq_no`` counts a pool's events from 1 without gaps within
 one epoch: a gap tells a subscriber it lost events (PUB drops on a slow
 subscriber) and should rebuild its view from the daemon's current state.
 """
@@ -11,6 +12,7 @@ subscriber) and should rebuild its view from the daemon's current state.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import msgspec
@@ -19,10 +21,15 @@ import zmq
 from kvcore_ipc.messages import Event
 
 
+def topic(pool: str) -> bytes:
+    """The first frame of a pool's events: its name and a NUL terminator."""
+    return pool.encode() + b"\0"
+
+
 class EventPublisher:
     """A PUB socket; publishing never blocks (a slow subscriber loses events)."""
 
-    __slots__ = ("_encoder", "_socket", "endpoint")
+    __slots__ = ("_encoder", "_ipc_path", "_socket", "endpoint")
 
     def __init__(self, endpoint: str) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
@@ -30,16 +37,21 @@ class EventPublisher:
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.bind(endpoint)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ipc_path = self.endpoint[6:] if self.endpoint.startswith("ipc://") else None
         self._socket = sock
         self._encoder = msgspec.msgpack.Encoder()
 
     def publish(self, event: Event) -> None:
         payload = self._encoder.encode(event)
         with contextlib.suppress(zmq.Again):  # dropped: the subscriber sees a seq_no gap
-            self._socket.send_multipart((event.pool.encode(), payload), zmq.NOBLOCK)
+            self._socket.send_multipart((topic(event.pool), payload), zmq.NOBLOCK)
 
     def close(self) -> None:
+        """Close the socket and remove an ipc:// socket file."""
         self._socket.close(linger=0)
+        if self._ipc_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._ipc_path)
 
 
 class EventSubscriber:
@@ -51,7 +63,7 @@ class EventSubscriber:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else pool.encode())
+        sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else topic(pool))
         self._socket = sock
         self._decoder = msgspec.msgpack.Decoder(Event)
 

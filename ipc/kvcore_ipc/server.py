@@ -16,6 +16,7 @@ answers them with an error.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from collections.abc import Callable
 
@@ -26,6 +27,45 @@ Handler = Callable[[bytes], bytes]
 
 class InsecureEndpoint(ValueError):
     """A tcp:// endpoint without CURVE keys and without the insecure opt-out."""
+
+
+class EndpointBusy(OSError):
+    """Another live daemon holds this ipc:// endpoint."""
+
+
+class EndpointLock:
+    """An exclusive lock on an ``ipc://`` endpoint for a daemon's lifetime.
+
+    ``flock`` on ``<socket path>.lock``: a second daemon on the same path is
+    refused even while the first is too busy (or stopped) to answer a probe,
+    and the kernel drops the lock when its holder dies, so the socket file of a
+    crashed daemon may be reclaimed. Other endpoints need no lock (a TCP bind
+    fails by itself). The lock file is removed on :meth:`release`.
+    """
+
+    __slots__ = ("_fd", "_path")
+
+    def __init__(self, endpoint: str) -> None:
+        self._path: str | None = None
+        self._fd: int | None = None
+        if not endpoint.startswith("ipc://"):
+            return
+        path = endpoint[len("ipc://") :] + ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EndpointBusy(f"a daemon already serves {endpoint} (it holds {path})") from None
+        self._path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd is None or self._path is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+        os.close(self._fd)
+        self._fd = self._path = None
 
 
 class RouterServer:
