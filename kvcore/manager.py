@@ -158,8 +158,9 @@ class Manager:
         return Extension(list(fresh), copies)
 
     def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
-        """Publish every full page of ``seq_id`` not yet published; returns the number
-        of the sequence's pages now published.
+        """Publish every full page of ``seq_id`` not yet published; returns how many of
+        the sequence's leading full pages are committed (including pages whose key
+        another sequence published first, which stay private).
 
         ``tokens`` is the sequence's whole token list so far (at most its
         num_tokens); pages already published are neither hashed nor validated again. A page whose

@@ -132,3 +132,19 @@ def test_host_region_shares_bytes_and_unlinks() -> None:
     assert not (Path("/dev/shm") / name).exists()
     with pytest.raises(FileNotFoundError):
         HostRegion.attach(msg.HostMemory(name=name, size=4096))
+
+
+def test_host_region_maps_from_the_exported_offset() -> None:
+    """spec/protocol.md: a host pool is `size` bytes at `offset` into the shm segment."""
+    from kvcore_ipc.memory import HostRegion
+    from kvcore_ipc.messages import HostMemory
+
+    owner = HostRegion.create(4096)
+    try:
+        owner.buffer()[:] = bytes(range(256)) * 16
+        view = HostRegion.attach(HostMemory(name=owner.name, size=100, offset=1000))
+        assert bytes(view.buffer()) == (bytes(range(256)) * 16)[1000:1100]
+        assert view.describe() == HostMemory(name=owner.name, size=100, offset=1000)
+        view.close()
+    finally:
+        owner.close()

@@ -31,15 +31,21 @@ class HostRegion:
     (``attach``) maps it without telling the resource tracker, so the importer's exit
     never unlinks the daemon's pool."""
 
-    __slots__ = ("_map", "_name", "_shm", "owner", "size")
+    __slots__ = ("_map", "_name", "_shm", "offset", "owner", "size")
 
     def __init__(
-        self, name: str, size: int, shm: shared_memory.SharedMemory | None, mm: mmap.mmap | None
+        self,
+        name: str,
+        size: int,
+        shm: shared_memory.SharedMemory | None,
+        mm: mmap.mmap | None,
+        offset: int = 0,
     ) -> None:
         self._name = name
         self._shm = shm  # set for the owner
         self._map = mm  # set for an importer
-        self.size = size
+        self.size = size  # bytes of the region, from ``offset`` (bytes) into the segment
+        self.offset = offset
         self.owner = shm is not None
 
     @classmethod
@@ -64,22 +70,24 @@ class HostRegion:
             mm = mmap.mmap(fd, total)
         finally:
             os.close(fd)
-        return cls(memory.name, memory.size, None, mm)
+        return cls(memory.name, memory.size, None, mm, memory.offset)
 
     @property
     def name(self) -> str:
         return self._name
 
     def describe(self) -> HostMemory:
-        return HostMemory(name=self._name, size=self.size)
+        return HostMemory(name=self._name, size=self.size, offset=self.offset)
 
     def buffer(self) -> memoryview:
+        """The region's bytes: ``size`` bytes from ``offset`` into the segment."""
+        end = self.offset + self.size
         if self._shm is not None:
             buf = self._shm.buf
             assert buf is not None, "region is closed"
-            return buf[: self.size]
+            return buf[self.offset : end]
         assert self._map is not None, "region is closed"
-        return memoryview(self._map)[: self.size]
+        return memoryview(self._map)[self.offset : end]
 
     def as_tensor(self) -> torch.Tensor:
         """A flat uint8 CPU tensor over the region (zero-copy)."""
