@@ -22,6 +22,7 @@ Invalid configuration raises :class:`~kvcore.errors.BadRequest`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -32,6 +33,9 @@ from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 
 SOCKET_NAME = "kvcore.sock"
+MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
+MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is plenty
+MAX_BATCH = 1 << 20  # operations
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
 
@@ -80,8 +84,17 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"pool names repeat: {names}")
         for pool in self.pools:
             pool.layout()
-        if self.lease_timeout_s <= 0 or self.max_frame_bytes < 1024 or self.max_batch < 1:
-            raise BadRequest("lease_timeout_s > 0, max_frame_bytes >= 1024, max_batch >= 1")
+        if not (
+            math.isfinite(self.lease_timeout_s)
+            and 0 < self.lease_timeout_s <= MAX_LEASE_S
+            and 1024 <= self.max_frame_bytes <= MAX_FRAME_BYTES
+            and 1 <= self.max_batch <= MAX_BATCH
+        ):
+            raise BadRequest(
+                f"need 0 < lease_timeout_s <= {MAX_LEASE_S} (seconds), "
+                f"1024 <= max_frame_bytes <= {MAX_FRAME_BYTES}, 1 <= max_batch <= {MAX_BATCH}; "
+                f"got {self.lease_timeout_s}, {self.max_frame_bytes}, {self.max_batch}"
+            )
 
 
 def parse_size(size: int | str) -> int:
@@ -109,7 +122,8 @@ def parse_pool_spec(spec: str) -> PoolConfig:
         if not sep:
             raise BadRequest(f"--pool: {item!r} is not key=value")
         key = key.strip().replace("-", "_")
-        fields[key] = int(value) if value.strip().isdigit() else value.strip()
+        value = value.strip()
+        fields[key] = int(value) if re.fullmatch(r"[0-9]+", value) else value
     try:
         return msgspec.convert(fields, PoolConfig)
     except msgspec.ValidationError as exc:

@@ -7,9 +7,11 @@ unlinks its pools and removes its socket).
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 
@@ -28,6 +30,19 @@ class DaemonProcess:
         self.lines: list[str] = []
         self.endpoint = ""
         self.proc: subprocess.Popen[str] | None = None
+        self._tmpdir: str | None = None  # removed once the daemon has stopped
+
+    @classmethod
+    def private(
+        cls, *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0
+    ) -> DaemonProcess:
+        """A daemon on an ipc:// socket in a fresh temporary directory, which is removed
+        when the daemon stops (the demo and benchmarks: no clash with a user's daemon)."""
+        tmpdir = tempfile.mkdtemp(prefix="kvcore-")
+        daemon = cls("--endpoint", f"ipc://{tmpdir}/kvcore.sock", *args, env=env,
+                     timeout_s=timeout_s)  # fmt: skip
+        daemon._tmpdir = tmpdir
+        return daemon
 
     def start(self) -> DaemonProcess:
         self.proc = subprocess.Popen(
@@ -60,11 +75,15 @@ class DaemonProcess:
         assert self.proc is not None, "not started"
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=self.timeout_s)
+        status = self.proc.wait(timeout=self.timeout_s)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        return status
 
     def __enter__(self) -> DaemonProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is not None:
             self.stop()

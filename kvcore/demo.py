@@ -23,7 +23,6 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -57,9 +56,8 @@ def main(args: argparse.Namespace) -> int:
     if args.endpoint:
         return _run(console, args.endpoint, args.pool, args.new_tokens, owned=False)
     flag = spec.pool_flag(page_size=PAGE_SIZE, num_pages=512, name=args.pool)
-    endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvcore-demo-')}/kvcore.sock"
     with console.status("starting kvcore serve ..."):
-        daemon = DaemonProcess("--endpoint", endpoint, "--pool", flag).start()
+        daemon = DaemonProcess.private("--pool", flag).start()
     try:
         console.print(f"daemon: {daemon.lines[0].strip()}")
         console.print(f"        {daemon.lines[1].strip()}")

@@ -42,6 +42,7 @@ def fetch(endpoint: str, timeout_s: float) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    import zmq
     from kvcore_ipc.channel import ChannelTimeout
 
     from kvcore.config import default_endpoint
@@ -52,6 +53,9 @@ def main(args: argparse.Namespace) -> int:
         stats = fetch(endpoint, args.timeout)
     except ChannelTimeout:
         print(f"kvcore stats: no daemon answers on {endpoint}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as exc:  # e.g. an endpoint that is not a ZeroMQ address
+        print(f"kvcore stats: cannot reach {endpoint!r}: {exc}", file=sys.stderr)
         return 1
     except KVCoreError as exc:
         print(f"kvcore stats: {exc.code}: {exc}", file=sys.stderr)

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with Client.connect(args.endpoint, pool=args.pool, namespace="bench-e2e") as client:
             return _measure(args, spec, model, client)
     flag = spec.pool_flag(dtype=args.dtype, page_size=args.page_size, num_pages=4096)
-    with DaemonProcess("--pool", flag, "--endpoint", _private_endpoint()) as daemon:
+    with DaemonProcess.private("--pool", flag) as daemon:
         client = Client.connect(daemon.endpoint, namespace="bench-e2e")
         try:
             return _measure(args, spec, model, client)
@@ -146,10 +146,3 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
         "pool_hit_rate": stats.hit_rate,
         "targets_met": decode_ratio >= 0.8 and ttft_ratio <= 0.5,
     }  # fmt: skip
-
-
-def _private_endpoint() -> str:
-    import os
-    import tempfile
-
-    return f"ipc://{tempfile.mkdtemp(prefix='kvcore-bench-')}/{os.getpid()}.sock"
