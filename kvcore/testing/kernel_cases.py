@@ -12,6 +12,7 @@ tokens per page, ``head_dim`` is elements.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -148,10 +149,16 @@ class Case:
     pad_cols: int  # extra block-table columns past the longest sequence
     pad_value: str  # what unused table entries hold: "minus_one", "past_end", "valid"
     seed: int
+    scale_factor: float = 1.0  # the softmax scale is scale_factor / sqrt(head_dim)
 
     @property
     def num_q_heads(self) -> int:
         return self.num_kv_heads * self.group
+
+    @property
+    def scale(self) -> float:
+        """The scale passed to decode/prefill: a backend that ignores it fails."""
+        return self.scale_factor / math.sqrt(self.head_dim)
 
     def pages_of(self, seq_len: int) -> int:
         return -(-seq_len // self.page_size)
@@ -191,6 +198,7 @@ def case_st(
         pad_cols=draw(st.integers(0, 2)),
         pad_value=draw(st.sampled_from(("minus_one", "past_end", "valid"))),
         seed=draw(st.integers(0, 2**31 - 1)),
+        scale_factor=draw(st.sampled_from((1.0, 0.25, 2.0))),
     )
 
 
@@ -298,5 +306,5 @@ def build(case: Case, device: torch.device) -> Built:
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         decode_query=torch.randn(len(case.seq_lens), hq, d, generator=gen).to(device, dtype),
         prefill_query=torch.randn(cu[-1], hq, d, generator=gen).to(device, dtype),
-        scale=d**-0.5,
+        scale=case.scale,
     )

@@ -221,7 +221,7 @@ class Suite:
                     slots = kc.token_slots(table[b], kv.shape[0], ps).to(self.device)
                     cache[slots // ps, :, slots % ps] = kv.to(self.device)
                 out = self.backend.decode(
-                    query.to(self.device), cache, table.to(self.device), seq_lens, d**-0.5
+                    query.to(self.device), cache, table.to(self.device), seq_lens, case.scale
                 )
                 outs.append(out)
             self._close(outs[1], outs[0], case, f"decode at page size {other}")
@@ -266,7 +266,7 @@ class Suite:
             cu = [0]
             for q_len, n in zip(case.q_lens, case.seq_lens, strict=True):
                 q = torch.randn(q_len, case.num_q_heads, d, generator=gen).to(dtype)
-                ref = dense_attention(q, key[start : start + n], value[start : start + n], d**-0.5)
+                ref = dense_attention(q, key[start : start + n], value[start : start + n], case.scale)
                 queries.append(q)
                 expected.append(ref.to(dtype))
                 start += n
@@ -274,10 +274,10 @@ class Suite:
             query = torch.cat(queries).to(self.device)
             cu_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
             table_d = table.to(self.device)
-            out = self.backend.prefill(query, cache, table_d, cu_t, seq_lens, d**-0.5)
+            out = self.backend.prefill(query, cache, table_d, cu_t, seq_lens, case.scale)
             self._close(out.cpu(), torch.cat(expected), case, "prefill vs dense SDPA")
             last = cu_t[1:].long() - 1
-            dec = self.backend.decode(query[last], cache, table_d, seq_lens, d**-0.5)
+            dec = self.backend.decode(query[last], cache, table_d, seq_lens, case.scale)
             self._close(dec.cpu(), torch.cat(expected)[last.cpu()], case, "decode vs dense SDPA")
 
         # distinct pages: shared pages would make two sequences write one slot
