@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_helpers import SMALL, daemon, held, padded, private_client
-from transformers import LogitsProcessor, LogitsProcessorList
+from hf_helpers import SMALL, daemon, held, padded, private_client, reference
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
 from kvcore.integrations.tiny_llama import greedy
@@ -61,6 +61,69 @@ def test_a_forward_failing_midway_frees_every_sequence_at_once(
             client.check_integrity()
         finally:
             handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_second_generate_on_one_cache_is_refused_before_writing(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    """Its forward restarts the positions: fed on top of the first call's pages, its K/V
+    would be wrong and (at close) committed under the rows' tokens for later requests."""
+    first, second = SMALL.prompt(20, seed=6), SMALL.prompt(20, seed=7)
+    with private_client(endpoint, SMALL) as client:
+        reused = KVCoreCache(client, model)  # no `with`: the refused forward must free
+        greedy(model, torch.tensor([first]), 3, cache=reused)
+        with pytest.raises(BadRequest, match="one generate call"):
+            greedy(model, torch.tensor([second]), 3, cache=reused)
+        assert held(client) == (0, 0)
+        reused.close()
+        ids, mask = padded([first, second])  # padded rows: the mask width gives it away
+        with KVCoreCache(client, model) as cache:
+            greedy(model, ids, 2, attention_mask=mask, cache=cache)
+            with pytest.raises(BadRequest, match="one generate call"):
+                greedy(model, ids, 2, attention_mask=mask, cache=cache)
+            assert held(client) == (0, 0)
+        # only the first call's own pages were published: a fresh cache still matches
+        with KVCoreCache(client, model) as cache:
+            out = greedy(model, torch.tensor([first + second[:12]]), 4, cache=cache)
+            assert cache.num_cached_tokens == 16
+        assert torch.equal(out, reference(model, [first + second[:12]], 4))
+        client.check_integrity()
+
+
+class _InterruptAt(_FailAt):
+    def __call__(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.calls += 1
+        if self.calls == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_keyboard_interrupt_in_a_forward_ends_the_step_as_failed(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    prompts = [SMALL.prompt(20, seed=8), SMALL.prompt(27, seed=9)]
+    ids, mask = padded(prompts)
+    want = reference(model, prompts, 5)
+    hidden = model.model(ids, attention_mask=mask, cache=DynamicCache()).last_hidden_state  # type: ignore[operator,union-attr]
+    layer = model.model.layers[0]  # type: ignore[union-attr,index]
+    handle = layer.register_forward_hook(_InterruptAt(step=3))  # prefill, 1 decode, then ^C
+    with private_client(endpoint, SMALL) as client:
+        try:
+            cache = KVCoreCache(client, model)  # no `with`: the step itself must free
+            with pytest.raises(KeyboardInterrupt):
+                greedy(model, ids, 5, attention_mask=mask, cache=cache)
+        finally:
+            handle.remove()
+        assert held(client) == (0, 0)
+        with pytest.raises(BadRequest, match="spent"):
+            greedy(model, ids, 2, attention_mask=mask, cache=cache)
+        # the inner model (no pre-forward of the bound model runs) is transformers' own again
+        again = model.model(ids, attention_mask=mask, cache=DynamicCache()).last_hidden_state  # type: ignore[operator,union-attr]
+        assert torch.equal(again, hidden)
+        assert torch.equal(reference(model, prompts, 5), want)
+        cache.close()
+        assert held(client) == (0, 0)
+        client.check_integrity()
     assert model.config._attn_implementation == "sdpa"
 
 

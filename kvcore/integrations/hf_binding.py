@@ -10,16 +10,21 @@ Once per model (reference-counted over the caches bound to it):
   any other forward both fall back to ``<original>`` (``sdpa`` when the original
   is not in the registry, e.g. ``eager``), so a DynamicCache run of a bound
   model is transformers' own.
-* A forward pre-hook calls ``cache.begin(args, kwargs)`` (which may rewrite the
-  inputs) and marks the cache active in this thread; an always-called forward
-  hook calls ``cache.end(failed)``: ``failed`` is True when the forward raised.
+* ``model.forward`` is wrapped (an instance attribute over the previous one):
+  a forward whose ``cache`` is the bound cache type calls
+  ``cache.begin(args, kwargs)`` (which may rewrite the inputs), runs with the
+  cache marked active in this thread, and always ends with
+  ``cache.end(failed)``: ``failed`` is True when begin or the forward raised
+  anything, a KeyboardInterrupt included (torch's always-called forward hooks
+  run only on ``Exception``, which would leave a step half-alive).
 
-The last :func:`detach` removes the hooks and restores the original
-implementation.
+The last :func:`detach` restores the previous ``forward`` (unless something wrapped
+it again since; the wrapper then passes through) and the original implementation.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -57,7 +62,7 @@ def detach(model: torch.nn.Module) -> None:
 
 
 class _Binding:
-    """Per model: how many caches are bound, the hooks, the implementation to restore."""
+    """Per model: how many caches are bound, the forward wrapper, what to restore."""
 
     _by_model: ClassVar[weakref.WeakKeyDictionary[torch.nn.Module, _Binding]] = (
         weakref.WeakKeyDictionary()
@@ -66,8 +71,10 @@ class _Binding:
     def __init__(self, original: str, cache_type: type) -> None:
         self.original = original  # the implementation to restore
         self.cache_type = cache_type
-        self.handles: list[Any] = []
         self.count = 0  # caches bound to the model
+        self.bound = True  # False once detached: a wrapper left in place passes through
+        self.saved_forward: Any = None  # the instance attribute ``forward`` we covered, if any
+        self.wrapper: Any = None
 
     @classmethod
     def attach(cls, model: torch.nn.Module, cache_type: type) -> None:
@@ -76,12 +83,9 @@ class _Binding:
             config: Any = model.config
             binding = cls(str(config._attn_implementation), cache_type)
             model.set_attn_implementation(_register(binding.original))  # type: ignore[operator]
-            binding.handles = [
-                model.register_forward_pre_hook(binding.pre_forward, with_kwargs=True),
-                model.register_forward_hook(
-                    binding.post_forward, with_kwargs=True, always_call=True
-                ),
-            ]
+            binding.saved_forward = model.__dict__.get("forward")
+            binding.wrapper = binding.wrap(model.forward)
+            model.forward = binding.wrapper
             cls._by_model[model] = binding
         elif binding.cache_type is not cache_type:
             raise Unsupported(f"the model is bound to {binding.cache_type.__name__} caches")
@@ -94,33 +98,43 @@ class _Binding:
             return
         binding.count -= 1
         if binding.count == 0:
-            for handle in binding.handles:
-                handle.remove()
+            binding.bound = False
+            if model.__dict__.get("forward") is binding.wrapper:
+                if binding.saved_forward is None:
+                    del model.forward
+                else:
+                    model.forward = binding.saved_forward
+            binding.wrapper = binding.saved_forward = None
             model.set_attn_implementation(binding.original)  # type: ignore[operator]
             del cls._by_model[model]
 
     def _cache_of(self, kwargs: dict[str, Any]) -> Forward | None:
+        if not self.bound:
+            return None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         return cast("Forward", cache) if isinstance(cache, self.cache_type) else None
 
-    def pre_forward(
-        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        cache = self._cache_of(kwargs)
-        _ACTIVE.cache = None
-        if cache is None:
-            return None
-        args, kwargs = cache.begin(args, kwargs)
-        _ACTIVE.cache = cache
-        return args, kwargs
+    def wrap(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` run as one step of its cache: begin, the forward, end (always)."""
 
-    def post_forward(
-        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> None:
-        cache = self._cache_of(kwargs)
-        _ACTIVE.cache = None
-        if cache is not None:
-            cache.end(failed=output is None)
+        @functools.wraps(forward)  # generate reads the signature through __wrapped__
+        def step(*args: Any, **kwargs: Any) -> Any:
+            cache = self._cache_of(kwargs)
+            _ACTIVE.cache = None
+            if cache is None:
+                return forward(*args, **kwargs)
+            failed = True
+            try:
+                args, kwargs = cache.begin(args, kwargs)
+                _ACTIVE.cache = cache
+                output = forward(*args, **kwargs)
+                failed = False
+            finally:  # any BaseException, KeyboardInterrupt included, fails the step
+                _ACTIVE.cache = None
+                cache.end(failed)
+            return output
+
+        return step
 
 
 def _register(original: str) -> str:

@@ -12,8 +12,7 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
 ``cache.update`` and then the attention interface, e.g. Llama, Mistral, Qwen2):
 
 * Binding. The cache switches ``model``'s attention implementation to
-  ``"kvcore+<original>"`` and adds one forward pre-hook and one always-called
-  forward hook to ``model``. Forwards whose ``cache`` is a KVCoreCache run
+  ``"kvcore+<original>"`` and wraps ``model.forward`` (hf_binding). Forwards whose ``cache`` is a KVCoreCache run
   kvcore's paged kernels; every other forward (a DynamicCache run of the same
   model) falls back to the original implementation (``sdpa`` when the original
   is not in transformers' registry, e.g. ``eager``). The last cache bound to a
@@ -24,18 +23,23 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   token per row) or ``prefill``: nothing dense is kept, nothing is concatenated.
 * Prefix reuse. The first forward allocates every row in the daemon; rows whose
   leading full pages are committed in the session's namespace get a hit, and
-  the pre-hook drops the leading columns every row has cached from
+  first forward drops the leading columns every row has cached from
   ``input_ids``/``position_ids`` (the model computes only the rest; the
   logits of that forward cover only the fed columns). Full pages are committed
   as soon as every layer has written them (at the next forward, and at close).
 * Batches. Left padding only (BadRequest otherwise); padding never reaches the
   pool. Rows with identical tokens, as ``num_return_sequences`` makes them, are
   forks of one sequence (pages shared, copy-on-write of the last page).
-* One generate call per cache. Beam search, cache reordering, cropping,
+* One generate call per cache. A later forward must continue the rows: its
+  ``position_ids`` (per row: the tokens held so far, then on), ``cache_position``
+  and attention mask width (the columns seen so far plus the fed ones) are
+  checked, and a second generate call (which restarts them) is a BadRequest
+  before anything is written. Beam search, cache reordering, cropping,
   assisted decoding and sliding-window attention raise Unsupported.
 * Life cycle. :meth:`close` (or leaving ``with``) commits the written full
   pages and frees every sequence. A forward that raises frees them at once
-  (the cache is then spent), so a failed generate leaves nothing held.
+  (the cache is then spent), so a failed generate leaves nothing held; so does
+  a KeyboardInterrupt (any BaseException) inside a forward.
 * Sequence ids are random 63-bit ints (ids are pool-wide). The Client is
   driven from the thread that runs generate.
 """
@@ -177,7 +181,7 @@ class KVCoreCache(Cache):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the forward hooks (hf_binding.Forward) ------------------------------------------------------------
+    # -- each forward of the model (hf_binding.Forward) ---------------------------------
 
     def begin(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -199,6 +203,7 @@ class KVCoreCache(Cache):
             if skip:
                 args, kwargs = _drop_columns(args, kwargs, skip)
             return args, kwargs
+        _check_continues(self.rows, self.seen_columns, input_ids, kwargs)
         if mask is not None and not bool(mask[:, -input_ids.shape[1] :].ne(0).all()):
             raise BadRequest("new tokens after the prompt must not be padding")
         self._plan = self.rows.step(input_ids.tolist())
@@ -271,6 +276,36 @@ def _drop_columns(
         if isinstance(value, torch.Tensor):
             kwargs[key] = value[..., skip:]
     return args, kwargs
+
+
+def _check_continues(
+    rows: PagedRows, seen: int, input_ids: torch.Tensor, kwargs: dict[str, Any]
+) -> None:
+    """BadRequest unless a later forward feeds the columns right after those the rows hold.
+
+    A second generate call on the cache restarts its positions (its K/V would be
+    computed at wrong positions and committed under the rows' tokens)."""
+    q = input_ids.shape[-1]
+    again = "a KVCoreCache serves one generate call (make a new one); this forward "
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] != seen + q:
+        raise BadRequest(
+            f"{again}has a {mask.shape[1]}-column attention mask; the cache holds {seen} "
+            f"columns and {q} are fed"
+        )
+    cache_position = kwargs.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        first = int(cache_position.reshape(-1)[0])
+        if first != seen:
+            raise BadRequest(f"{again}starts at cache position {first}, not {seen}")
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() in (1, 2) and positions.numel():
+        firsts = positions.reshape(-1, positions.shape[-1])[:, 0].tolist()
+        want = [len(row.tokens) for row in rows.rows]
+        if len(firsts) == 1:
+            firsts = firsts * len(want)
+        if firsts != want:
+            raise BadRequest(f"{again}starts at positions {firsts}, the rows hold {want} tokens")
 
 
 def _check_layout(client: Client, model: torch.nn.Module) -> None:
