@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvcore import Client, KVLayout
@@ -24,6 +25,18 @@ def daemon(tmp: Path) -> Iterator[DaemonProcess]:
     with DaemonProcess("--endpoint", f"ipc://{tmp / 'kv.sock'}", "--allow-ephemeral",
                        "--pool", SMALL.pool_flag(num_pages=8)) as d:  # fmt: skip
         yield d
+
+
+def module_endpoint(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[str]:
+    """Body of a module-scoped ``endpoint`` fixture: a daemon, with torch on one thread
+    while the module runs (small matmuls: threads only contend on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with daemon(tmp_path_factory.mktemp(name)) as d:
+            yield d.endpoint
+    finally:
+        torch.set_num_threads(threads)
 
 
 def private_client(endpoint: str, spec: TinyLlama, *, dtype: str = "float32",

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_helpers import SMALL, daemon, held, padded, private_client, reference
+from hf_helpers import SMALL, held, module_endpoint, padded, private_client, reference
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvcore.integrations.tiny_llama import greedy
@@ -24,11 +24,7 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls: threads only contend on a busy 2-core machine
-    with daemon(tmp_path_factory.mktemp("hf")) as d:
-        yield d.endpoint
-    torch.set_num_threads(threads)
+    yield from module_endpoint(tmp_path_factory, "hf")
 
 
 @pytest.fixture(scope="module")

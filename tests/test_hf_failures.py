@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_helpers import SMALL, daemon, held, padded, private_client, reference
+from hf_helpers import SMALL, daemon, held, module_endpoint, padded, private_client, reference
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
@@ -17,11 +17,7 @@ from kvcore.integrations.transformers import KVCoreCache
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with daemon(tmp_path_factory.mktemp("hf-fail")) as d:
-        yield d.endpoint
-    torch.set_num_threads(threads)
+    yield from module_endpoint(tmp_path_factory, "hf-fail")
 
 
 @pytest.fixture(scope="module")

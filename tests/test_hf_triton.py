@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_helpers import daemon, held, padded, private_client
+from hf_helpers import held, module_endpoint, padded, private_client
 
 from kvcore.backend import Backend, get
 from kvcore.errors import Unsupported
@@ -31,11 +31,7 @@ def triton() -> Backend:
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with daemon(tmp_path_factory.mktemp("hf-triton")) as d:
-        yield d.endpoint
-    torch.set_num_threads(threads)
+    yield from module_endpoint(tmp_path_factory, "hf-triton")
 
 
 @pytest.mark.parametrize(
