@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import secrets
 import signal
 import sys
@@ -445,12 +444,11 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         endpoint = config.endpoint or default_endpoint()
-        probe = msgspec.msgpack.encode(msg.Request(id=1, body=msg.GetStats()))
         lock = EndpointLock(endpoint)  # ipc://: held until exit, so no probe can be fooled
-        if not endpoint.startswith("ipc://") and endpoint_in_use(endpoint, probe):
-            raise EndpointBusy(f"a daemon already serves {endpoint}")
-        if endpoint.startswith("ipc://") and os.path.exists(endpoint[6:]):
-            os.unlink(endpoint[6:])  # we hold the lock: a stale file of a daemon that died
+        if not endpoint.startswith("ipc://"):
+            probe = msgspec.msgpack.encode(msg.Request(id=1, body=msg.GetStats()))
+            if endpoint_in_use(endpoint, probe):
+                raise EndpointBusy(f"a daemon already serves {endpoint}")
     except EndpointBusy as exc:
         print(f"kvcore serve: {exc}", file=sys.stderr)
         return 1

@@ -38,9 +38,10 @@ class EndpointLock:
 
     ``flock`` on ``<socket path>.lock``: a second daemon on the same path is
     refused even while the first is too busy (or stopped) to answer a probe,
-    and the kernel drops the lock when its holder dies, so the socket file of a
-    crashed daemon may be reclaimed. Other endpoints need no lock (a TCP bind
-    fails by itself). The lock file is removed on :meth:`release`.
+    and the kernel drops the lock when its holder dies, so whoever takes the
+    lock removes the socket file a crashed daemon left. Other endpoints need no
+    lock (a TCP bind fails by itself; see :func:`endpoint_in_use`). The lock
+    file is removed on :meth:`release`.
     """
 
     __slots__ = ("_fd", "_path")
@@ -58,6 +59,8 @@ class EndpointLock:
             os.close(fd)
             raise EndpointBusy(f"a daemon already serves {endpoint} (it holds {path})") from None
         self._path, self._fd = path, fd
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(endpoint[len("ipc://") :])  # the lock was free: a dead daemon's socket
 
     def release(self) -> None:
         if self._fd is None or self._path is None:
@@ -146,11 +149,11 @@ class RouterServer:
 
 
 def endpoint_in_use(endpoint: str, probe: bytes, timeout_ms: int = 300) -> bool:
-    """True if something answers ``probe`` at ``endpoint`` (a live daemon owns it)."""
+    """True if something answers ``probe`` at ``endpoint`` (a live daemon owns it).
+
+    For transports without a lock; ``ipc://`` endpoints are guarded by :class:`EndpointLock`."""
     if "*" in endpoint:
         return False  # a wildcard port is never in use
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
-        return False
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
