@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore import errors
 from kvcore.errors import KVCoreError
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation, Extension, Manager, Stats
+from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 
 if TYPE_CHECKING:
     from kvcore.client import Client
@@ -25,6 +25,7 @@ __all__ = [
     "KVCoreError",
     "KVLayout",
     "Manager",
+    "PrefixHit",
     "Stats",
     "errors",
 ]

@@ -1,4 +1,4 @@
-"""Manager: the one state machine of kvcore (ARCHITECTURE.md, "The state machine").
+"""Manager: the one state machine of kvcore (docs/architecture.md, "The state machine").
 
 It owns no memory: it decides which page of the pool holds which tokens of
 which sequence, who shares a page, and which pages hold which committed
@@ -12,8 +12,13 @@ Token ranges of one sequence, page_size = 4, 10 tokens::
     committed  key0      key1                  full pages published by commit()
     a prefix hit covers at most (n - 1) // page_size pages: never the last token
 
+The Manager does no I/O. Changes of the prefix index queue
+:class:`~kvcore.prefix.PageStored` / :class:`~kvcore.prefix.PageRemoved` events
+that :meth:`Manager.take_events` hands over (the daemon publishes them after
+each request).
+
 Every public method either succeeds or raises a :class:`~kvcore.errors.KVCoreError`
-having changed nothing (stats counters included). Invariants, checked by
+having changed nothing (stats counters and the event queue included). Invariants, checked by
 :meth:`check_integrity` after every step of the conformance state machine:
 
 * free + evictable + held == total pages;
@@ -31,7 +36,15 @@ from dataclasses import dataclass, field
 from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
-from kvcore.prefix import EventSink, PrefixIndex, PrefixKey, encode_tokens, page_key, root_key
+from kvcore.prefix import (
+    PageEvent,
+    PageStored,
+    PrefixIndex,
+    PrefixKey,
+    encode_tokens,
+    page_key,
+    root_key,
+)
 
 DEFAULT_NAMESPACE = "default"
 MAX_SEQ_ID = (1 << 64) - 1
@@ -60,6 +73,22 @@ class Extension:
 
     new_pages: list[int]
     copies: list[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """Result of :meth:`Manager.lookup`: what :meth:`Manager.allocate` of the same
+    tokens would reuse now.
+
+    ``num_cached_tokens`` (tokens) = hit pages x page_size; ``num_evictable_pages``
+    (pages) of those hit pages are unreferenced now, so allocate would pin them out
+    of the LRU. An allocate of ``n`` tokens therefore fits iff::
+
+        pages_for(n) - hit_pages <= free + evictable - num_evictable_pages
+    """
+
+    num_cached_tokens: int
+    num_evictable_pages: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +122,19 @@ class _Sequence:
 class Manager:
     """The page-pool state machine for one :class:`KVLayout`. Not thread-safe."""
 
-    def __init__(self, layout: KVLayout, *, event_sink: EventSink | None = None) -> None:
+    def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self._pages = PageAllocator(layout.num_pages)
-        self._index = PrefixIndex(event_sink)
+        self._index = PrefixIndex()
         self._seqs: dict[int, _Sequence] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        # The keys of the last prompt matched, so that a lookup followed by an
+        # allocate of the same prompt hashes it once: (root, token bytes, keys of
+        # its leading pages). Keys are a pure function of (root, bytes), so this
+        # changes no result; it is compared by bytes, never by identity.
+        self._memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
     # -- operations -------------------------------------------------------------
 
@@ -157,25 +191,42 @@ class Manager:
         seq.num_tokens = total
         return Extension(list(fresh), copies)
 
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
         """Publish every full page of ``seq_id`` not yet published; returns how many of
         the sequence's leading full pages are committed (including pages whose key
         another sequence published first, which stay private).
 
-        ``tokens`` is the sequence's whole token list so far (at most its
-        num_tokens); pages already published are neither hashed nor validated again. A page whose
-        key is already indexed (another sequence committed the same prefix first)
-        stays private. BadRequest if the tokens contradict a page's published key.
+        ``tokens`` are the sequence's tokens ``[start, start + len(tokens))``::
+
+            sequence   | committed pages | written, not committed  | . .
+            tokens                 [start ..................... start + len)
+                       start: a page boundary at or before the first page not committed
+
+        ``start`` (tokens) is a multiple of page_size, at most committed pages x
+        page_size, and ``start + len(tokens)`` at most the sequence's num_tokens;
+        BadRequest otherwise. Pages already published are neither hashed nor
+        validated again, so a client sends only what is new. A page whose key is
+        already indexed (another sequence committed the same prefix first) stays
+        private. BadRequest if the tokens contradict a page's published key.
         """
         seq = self._get(seq_id)
-        if len(tokens) > seq.num_tokens:
-            raise BadRequest(
-                f"commit of {len(tokens)} tokens; sequence {seq_id} holds {seq.num_tokens}"
-            )
         page_size = self.layout.page_size
-        first, end = len(seq.keys), len(tokens) // page_size  # pages to publish: [first, end)
+        first = len(seq.keys)  # pages to publish: [first, end)
+        if not _is_int(start) or not 0 <= start <= first * page_size or start % page_size:
+            raise BadRequest(
+                f"commit start must be a multiple of {page_size} tokens in "
+                f"[0, {first * page_size}] (the committed pages), got {start!r}"
+            )
+        if start + len(tokens) > seq.num_tokens:
+            raise BadRequest(
+                f"commit of tokens up to {start + len(tokens)}; sequence {seq_id} holds "
+                f"{seq.num_tokens}"
+            )
+        end = (start + len(tokens)) // page_size
+        if end <= first:
+            return first
         # Only the new pages' tokens are encoded, so a commit per page stays O(page).
-        token_bytes = encode_tokens(tokens[first * page_size : end * page_size])
+        token_bytes = encode_tokens(tokens[first * page_size - start : end * page_size - start])
         stride = 4 * page_size
         parent = seq.keys[-1] if seq.keys else seq.root
         new: list[tuple[PrefixKey, PrefixKey, PageId]] = []
@@ -217,12 +268,25 @@ class Manager:
         for page in reversed(seq.pages):
             self._pages.release(page, cached=self._index.is_indexed(page))
 
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> int:
-        """Tokens of ``tokens`` that allocate would serve from the cache now. Read-only:
-        no pins, no LRU update, no stats."""
+    def lookup(
+        self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
+    ) -> PrefixHit:
+        """What allocate of ``tokens`` in ``namespace`` would serve from the cache now
+        (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events."""
         token_bytes = encode_tokens(tokens)
         _, pages = self._match(self._root(namespace), token_bytes, len(tokens))
-        return len(pages) * self.layout.page_size
+        evictable = sum(1 for page in pages if self._pages.is_evictable(page))
+        return PrefixHit(len(pages) * self.layout.page_size, evictable)
+
+    def take_events(self) -> list[PageEvent]:
+        """The prefix index's events since the last call, oldest first (PageStored when
+        a page is committed, PageRemoved when it is evicted); clears the queue."""
+        return self._index.take_events()
+
+    def prefix_snapshot(self) -> list[PageStored]:
+        """Every indexed page with its key and parent key, each parent before its
+        children: what a subscriber that lost events rebuilds its view from. O(index)."""
+        return self._index.snapshot()
 
     # -- queries ----------------------------------------------------------------
 
@@ -272,11 +336,21 @@ class Manager:
         at least the last token uncovered. Hashes one page past the match at most."""
         max_pages = max(num_tokens - 1, 0) // self.layout.page_size
         stride = 4 * self.layout.page_size
+        memo = self._memo
+        if memo is not None and memo[0] == root and memo[1] == token_bytes:
+            known = memo[2]
+        else:
+            known = []
+            self._memo = (root, token_bytes, known)
         keys: list[PrefixKey] = []
         pages: list[PageId] = []
         parent = root
         for i in range(max_pages):
-            key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
+            if i < len(known):
+                key = known[i]
+            else:
+                key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
+                known.append(key)
             page = self._index.get(key)
             if page is None:
                 break

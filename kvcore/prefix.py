@@ -13,9 +13,14 @@ So equal keys mean equal namespace, equal extra inputs and equal tokens from the
 first token on, in every process, language and run; a cryptographic hash means
 nobody can force a collision into another tenant's cache.
 
-The index maps key <-> page for committed pages. A key is indexed at most once:
+The index maps key <-> page for committed pages, and remembers each key's
+parent key (for :meth:`PrefixIndex.snapshot`). A key is indexed at most once:
 if two sequences compute the same page independently, the first commit wins and
 the second page stays a private, unindexed page.
+
+The index does no I/O: every change queues a :class:`PageStored` or
+:class:`PageRemoved` event, in the order of the changes, until
+:meth:`PrefixIndex.take_events` hands the queue over (the daemon publishes it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -106,27 +111,29 @@ class PageRemoved:
 
 
 PageEvent = PageStored | PageRemoved
-EventSink = Callable[[PageEvent], None]
 
 
 class PrefixIndex:
-    """Bijection key <-> page over committed pages; O(1) per key.
+    """Bijection key <-> page over committed pages, with each key's parent; O(1) per key.
 
-    Invariant: ``len(_page_of) == len(_key_of)`` and the two maps are inverse.
+    Invariants: ``_stored`` (key -> its PageStored entry) and ``_key_of``
+    (page -> key) are inverse maps of equal size; ``_events`` holds the changes
+    not yet taken, oldest first.
     """
 
-    __slots__ = ("_key_of", "_page_of", "_sink")
+    __slots__ = ("_events", "_key_of", "_stored")
 
-    def __init__(self, sink: EventSink | None = None) -> None:
-        self._page_of: dict[PrefixKey, PageId] = {}
+    def __init__(self) -> None:
+        self._stored: dict[PrefixKey, PageStored] = {}
         self._key_of: dict[PageId, PrefixKey] = {}
-        self._sink = sink
+        self._events: list[PageEvent] = []
 
     def __len__(self) -> int:
-        return len(self._page_of)
+        return len(self._stored)
 
     def get(self, key: PrefixKey) -> PageId | None:
-        return self._page_of.get(key)
+        entry = self._stored.get(key)
+        return None if entry is None else entry.page
 
     def key_of(self, page: PageId) -> PrefixKey | None:
         return self._key_of.get(page)
@@ -136,23 +143,47 @@ class PrefixIndex:
 
     def insert(self, key: PrefixKey, parent_key: PrefixKey, page: PageId) -> bool:
         """Index ``page`` under ``key``; False (and no change) if the key is already indexed."""
-        if key in self._page_of:
+        if key in self._stored:
             return False
         assert page not in self._key_of, f"page {page} is indexed under another key"
-        self._page_of[key] = page
+        entry = PageStored(key, parent_key, page)
+        self._stored[key] = entry
         self._key_of[page] = key
-        if self._sink is not None:
-            self._sink(PageStored(key, parent_key, page))
+        self._events.append(entry)
         return True
 
     def remove(self, page: PageId) -> None:
         """Drop an indexed page (eviction)."""
         key = self._key_of.pop(page)
-        del self._page_of[key]
-        if self._sink is not None:
-            self._sink(PageRemoved(key, page))
+        del self._stored[key]
+        self._events.append(PageRemoved(key, page))
+
+    def take_events(self) -> list[PageEvent]:
+        """The queued events, oldest first; the queue is empty afterwards."""
+        events, self._events = self._events, []
+        return events
+
+    def snapshot(self) -> list[PageStored]:
+        """Every indexed page, each parent before its children. O(index).
+
+        A page whose parent key is not indexed (evicted, or indexed by nobody)
+        starts a chain of its own; siblings keep their order of insertion.
+        """
+        heads: list[PageStored] = []
+        children: dict[PrefixKey, list[PageStored]] = {}
+        for entry in self._stored.values():
+            if entry.parent_key in self._stored:
+                children.setdefault(entry.parent_key, []).append(entry)
+            else:
+                heads.append(entry)
+        order = heads
+        for entry in order:  # breadth first; ``order`` grows while we walk it
+            order.extend(children.get(entry.key, ()))
+        return order
 
     def check_integrity(self) -> None:
-        assert len(self._page_of) == len(self._key_of), "index maps differ in size"
-        for key, page in self._page_of.items():
-            assert self._key_of.get(page) == key, f"index maps disagree on page {page}"
+        assert len(self._stored) == len(self._key_of), "index maps differ in size"
+        for key, entry in self._stored.items():
+            assert entry.key == key, f"entry of {key.hex()} names {entry.key.hex()}"
+            assert self._key_of.get(entry.page) == key, f"index maps disagree on page {entry.page}"
+        assert len(self.snapshot()) == len(self._stored), "a cycle of parent keys"

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore import KVLayout, Manager
+from kvcore import KVLayout, Manager, PrefixHit, prefix
+from kvcore import manager as manager_module
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
-from kvcore.prefix import PageRemoved, PageStored
+from kvcore.prefix import PageRemoved, PageStored, PrefixKey, chain_keys, encode_tokens, root_key
 
 PAGE = 4
 
 
-def make(num_pages: int = 16, **kw: object) -> Manager:
-    return Manager(KVLayout(2, 2, 8, PAGE, "float16", num_pages), **kw)  # type: ignore[arg-type]
+def make(num_pages: int = 16) -> Manager:
+    return Manager(KVLayout(2, 2, 8, PAGE, "float16", num_pages))
+
+
+def cached(m: Manager, tokens: list[int], namespace: str = "default") -> int:
+    return m.lookup(tokens, namespace=namespace).num_cached_tokens
 
 
 def snapshot(m: Manager) -> tuple[object, ...]:
-    return (m.stats(), {s: m.block_table(s) for s in range(100) if s in m})
+    return (m.stats(), {s: m.block_table(s) for s in range(100) if s in m}, m.prefix_snapshot())
 
 
 def test_allocate_pages_and_refcounts() -> None:
@@ -39,8 +44,8 @@ def test_hit_after_commit_and_free_never_covers_last_token() -> None:
     b = m.allocate(2, prompt)
     # The last token must be computed by the engine: only two of the three pages hit.
     assert b.num_cached_tokens == 8
-    assert m.lookup(prompt) == 8
-    assert m.lookup([*prompt, 99]) == 12
+    assert cached(m, prompt) == 8
+    assert cached(m, [*prompt, 99]) == 12
     m.check_integrity()
 
 
@@ -48,11 +53,11 @@ def test_pages_visible_only_after_commit() -> None:
     m = make()
     prompt = list(range(9))
     m.allocate(1, prompt)
-    assert m.lookup(prompt) == 0
+    assert cached(m, prompt) == 0
     assert m.commit(1, prompt[:5]) == 1  # one full page published
-    assert m.lookup(prompt) == 4
+    assert cached(m, prompt) == 4
     assert m.commit(1, prompt) == 2
-    assert m.lookup(prompt) == 8
+    assert cached(m, prompt) == 8
     assert m.allocate(2, prompt).num_cached_tokens == 8  # shared while still held by 1
     assert m.stats().held_pages == 3 + 1
 
@@ -62,8 +67,8 @@ def test_namespaces_isolate() -> None:
     prompt = list(range(9))
     m.allocate(1, prompt, namespace="a")
     m.commit(1, prompt)
-    assert m.lookup(prompt, namespace="a") == 8
-    assert m.lookup(prompt, namespace="b") == 0
+    assert cached(m, prompt, "a") == 8
+    assert cached(m, prompt, "b") == 0
     assert m.allocate(2, prompt, namespace="b").num_cached_tokens == 0
 
 
@@ -101,8 +106,7 @@ def test_no_copy_when_last_page_full_or_nothing_written() -> None:
 
 
 def test_eviction_lru_and_tails_first_only_when_free_queue_empty() -> None:
-    events: list[object] = []
-    m = make(num_pages=6, event_sink=events.append)
+    m = make(num_pages=6)
     a = list(range(8))
     b = list(range(100, 108))
     m.allocate(1, a); m.commit(1, a); m.free(1)  # noqa: E702
@@ -112,9 +116,10 @@ def test_eviction_lru_and_tails_first_only_when_free_queue_empty() -> None:
     assert m.stats().evictions == 0
     m.allocate(4, [9])  # free queue empty: evict the least recently released chain's tail
     assert m.stats().evictions == 1
-    assert m.lookup([*a, 0]) == 4  # a's tail page went first, its head stays
-    assert m.lookup([*b, 0]) == 8
-    assert [type(e) for e in events] == [PageStored] * 4 + [PageRemoved]
+    assert cached(m, [*a, 0]) == 4  # a's tail page went first, its head stays
+    assert cached(m, [*b, 0]) == 8
+    assert [type(e) for e in m.take_events()] == [PageStored] * 4 + [PageRemoved]
+    assert m.take_events() == []
     m.check_integrity()
 
 
@@ -125,13 +130,14 @@ def test_hit_refreshes_lru_position() -> None:
         m.allocate(seq, toks); m.commit(seq, toks); m.free(seq)  # noqa: E702
     m.allocate(3, [*a, 1]); m.free(3)  # noqa: E702  (a is now the most recently used)
     m.allocate(4, [1] * 12)  # needs 3 pages: 2 free + 1 eviction, which must hit b
-    assert m.lookup([*a, 1]) == 4 and m.lookup([*b, 1]) == 0
+    assert cached(m, [*a, 1]) == 4 and cached(m, [*b, 1]) == 0
 
 
 def test_failures_are_typed_and_atomic() -> None:
     m = make(num_pages=4)
     m.allocate(1, list(range(6)))
     m.commit(1, list(range(6)))
+    m.take_events()
     before = snapshot(m)
     cases = [
         (OutOfPages, lambda: m.allocate(2, list(range(20)))),
@@ -147,6 +153,10 @@ def test_failures_are_typed_and_atomic() -> None:
         (BadRequest, lambda: m.allocate(-1, [1])),
         (BadRequest, lambda: m.extend(1, -2)),
         (BadRequest, lambda: m.commit(1, list(range(7)))),
+        (BadRequest, lambda: m.commit(1, [], start=8)),  # start past the committed page
+        (BadRequest, lambda: m.commit(1, [1, 2], start=2)),  # not a page boundary
+        (BadRequest, lambda: m.commit(1, [], start=-4)),
+        (BadRequest, lambda: m.commit(1, list(range(3)), start=4)),  # past num_tokens
         (BadRequest, lambda: m.lookup([1], namespace=7)),  # type: ignore[arg-type]
     ]
     for error, call in cases:
@@ -154,6 +164,7 @@ def test_failures_are_typed_and_atomic() -> None:
             call()
         assert info.value.code == error.code
         assert snapshot(m) == before
+        assert m.take_events() == [], f"{call} failed but queued events"
     m.check_integrity()
 
 
@@ -227,3 +238,104 @@ def test_import_is_light() -> None:
     code = "import sys, kvcore; m = kvcore.Manager; print(sorted({'torch', 'zmq', 'triton'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_commit_with_start_sends_only_what_is_new() -> None:
+    m = make()
+    tokens = list(range(13))
+    m.allocate(1, tokens)
+    assert m.commit(1, tokens[:5]) == 1
+    assert m.commit(1, tokens[4:9], start=4) == 2  # tokens [4, 9): page 1 is new
+    assert m.commit(1, tokens[4:13], start=4) == 3  # page 1 again: neither hashed nor checked
+    assert m.commit(1, [], start=12) == 3
+    whole = make()
+    whole.allocate(1, tokens)
+    whole.commit(1, tokens)
+    assert m.prefix_snapshot() == whole.prefix_snapshot()  # same keys, parents and pages
+    assert cached(m, [*tokens[:12], 0]) == 12
+
+
+def test_lookup_counts_the_evictable_pages_of_its_hit() -> None:
+    m = make(num_pages=6)
+    prompt = list(range(13))  # four pages, three of them full
+    m.allocate(1, prompt)
+    m.commit(1, prompt)
+    m.allocate(2, prompt[:9])  # holds pages 0 and 1 of the hit (page 2 is not covered)
+    m.free(1)  # pages 3 (private) free again, 2 evictable; 0 and 1 still held by 2
+    hit = m.lookup(prompt)
+    assert hit == PrefixHit(num_cached_tokens=12, num_evictable_pages=1)
+    s = m.stats()
+    # allocate fits iff pages_for(n) - hit_pages <= free + evictable - num_evictable_pages
+    assert s.free_pages + s.evictable_pages - hit.num_evictable_pages >= 4 - 3
+    m.allocate(3, prompt)
+    assert m.lookup(prompt).num_evictable_pages == 0  # now pinned
+
+
+def test_events_are_queued_in_order_and_taken_once() -> None:
+    m = make(num_pages=3)
+    a = list(range(8))
+    m.allocate(1, a)
+    assert m.commit(1, a) == 2
+    k0, k1 = (e.key for e in m.prefix_snapshot())
+    p0, p1 = m.block_table(1)
+    root = root_key("default")
+    assert m.take_events() == [PageStored(k0, root, p0), PageStored(k1, k0, p1)]
+    assert m.take_events() == []
+    m.free(1)
+    m.allocate(2, [9] * 9)  # one free page, then the LRU: p1 (the tail) before p0
+    assert m.take_events() == [PageRemoved(k1, p1), PageRemoved(k0, p0)]
+    assert m.prefix_snapshot() == []
+
+
+def test_prefix_snapshot_lists_parents_before_children() -> None:
+    m = make(num_pages=8)
+    prompt = list(range(9))
+    m.allocate(1, prompt[:5])
+    m.allocate(2, prompt)
+    m.commit(1, prompt[:5])  # 1 publishes page 0 first
+    m.commit(2, prompt)  # 2's page 0 stays private; its page 1 is indexed under 1's page 0
+    m.free(1)
+    m.allocate(3, [7] * 4 * 5)  # 3 free pages + 2 evicted: 1's page 0 (the parent) goes
+    assert [type(e) for e in m.take_events()] == [PageStored] * 2 + [PageRemoved]
+    m.free(3)
+    m.allocate(4, prompt[:5])
+    m.commit(4, prompt[:5])  # page 0 indexed again, after its child
+    entries = m.prefix_snapshot()
+    keys = [e.key for e in entries]
+    assert len(entries) == 2 and entries[1].parent_key == entries[0].key
+    assert keys == [e.key for e in chain_entries(m, prompt)]
+
+
+def chain_entries(m: Manager, tokens: list[int]) -> list[PageStored]:
+    by_key = {e.key: e for e in m.prefix_snapshot()}
+    keys = chain_keys(root_key("default"), encode_tokens(tokens), PAGE)
+    return [by_key[k] for k in keys if k in by_key]
+
+
+def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = make(num_pages=32)
+    prompt = list(range(40))  # ten pages
+    m.allocate(1, prompt)
+    m.commit(1, prompt)
+    m.free(1)
+    calls = 0
+    real = prefix.page_key
+
+    def counting(parent: PrefixKey, page_tokens: bytes, extra: bytes = b"") -> PrefixKey:
+        nonlocal calls
+        calls += 1
+        return real(parent, page_tokens, extra)
+
+    monkeypatch.setattr(prefix, "page_key", counting)
+    monkeypatch.setattr(manager_module, "page_key", counting)
+    query = [*prompt[:30], 99, 98, 97]  # pages 0-6 hit, page 7 differs
+    assert m.lookup(query).num_cached_tokens == 28
+    assert calls == 8  # seven hits and the first miss
+    assert m.allocate(2, list(query)).num_cached_tokens == 28  # an equal list, not the same
+    assert m.lookup(tuple(query)).num_cached_tokens == 28
+    assert calls == 8
+    other = [*query[:-1], 96]  # other bytes: hashed again
+    m.lookup(other)
+    assert calls == 16
+    assert m.lookup(query, namespace="b").num_cached_tokens == 0  # other root: hashed again
+    assert calls == 17

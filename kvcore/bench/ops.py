@@ -29,7 +29,7 @@ from typing import Any
 from kvcore.bench import capacity
 from kvcore.bench.simulate import PagedPool, simulate
 from kvcore.errors import KVCoreError
-from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager
+from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit
 
 OPS = ("allocate", "extend", "commit", "free", "fork", "lookup")
 
@@ -101,9 +101,9 @@ class TimedManager(Manager):
         self.copies += len(result.copies)
         return result
 
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
         t = time.perf_counter_ns()
-        published = super().commit(seq_id, tokens)
+        published = super().commit(seq_id, tokens, start=start)
         elapsed = time.perf_counter_ns() - t
         self.times["commit"].add(elapsed, published - self._published.get(seq_id, 0))
         self._published[seq_id] = published
@@ -123,11 +123,12 @@ class TimedManager(Manager):
         self._published[child_id] = self._published.get(parent_id, 0)
         return table
 
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> int:
+    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
         t = time.perf_counter_ns()
-        cached = super().lookup(tokens, namespace=namespace)
-        self.times["lookup"].add(time.perf_counter_ns() - t, cached // self.layout.page_size)
-        return cached
+        hit = super().lookup(tokens, namespace=namespace)
+        elapsed = time.perf_counter_ns() - t
+        self.times["lookup"].add(elapsed, hit.num_cached_tokens // self.layout.page_size)
+        return hit
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

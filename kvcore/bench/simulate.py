@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from kvcore.bench.trace import Request, Trace
 from kvcore.errors import BadRequest, OutOfPages
-from kvcore.manager import Manager
+from kvcore.manager import Manager, PrefixHit
 
 
 class Pool(Protocol):
@@ -107,10 +107,10 @@ class PagedPool:
 
     def admit(self, rid: int, tokens: Sequence[int], num_running: int) -> int | None:
         mgr = self.manager
-        cached = mgr.lookup(tokens) if self.prefix else 0
-        need = mgr.layout.pages_for(len(tokens)) - cached // mgr.layout.page_size
+        hit = mgr.lookup(tokens) if self.prefix else PrefixHit(0, 0)
+        need = mgr.layout.pages_for(len(tokens)) - hit.num_cached_tokens // mgr.layout.page_size
         stats = mgr.stats()
-        spare = stats.free_pages + stats.evictable_pages - need
+        spare = stats.free_pages + stats.evictable_pages - hit.num_evictable_pages - need
         if spare < 0 or (num_running > 0 and spare < self.watermark_pages):
             return None
         try:

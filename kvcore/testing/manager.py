@@ -14,7 +14,19 @@ After every step it checks, through the subject's public API:
 * every block table equals the model's and has ``ceil(num_tokens / page_size)`` pages;
 * the set of pages an allocation takes is exactly the free pages plus the
   least recently released evictable pages, when the free ones do not suffice;
-* ``lookup`` and allocation hits agree with the model; failed calls change nothing.
+* ``lookup`` and allocation hits agree with the model, and so does the number of
+  a hit's pages that are evictable (``PrefixHit.num_evictable_pages``);
+* ``commit`` with a ``start`` offset publishes what the model does, and a bad
+  ``start`` is a BadRequest; failed calls change nothing;
+* when the subject has ``take_events`` (the in-process Manager), the events of
+  each step are exactly the model's index changes in order: PageStored when the
+  model indexes a page, PageRemoved when it evicts one; failed calls queue none;
+* when it has ``prefix_snapshot``, the snapshot is the model's index, each
+  parent before its children.
+
+``check_integrity``, ``take_events`` and ``prefix_snapshot`` are optional: a
+:class:`~kvcore.Client` has none of them (the daemon runs ``check_integrity``
+itself), so :class:`ManagerAPI` lists only what every subject has.
 
 Usage (a fresh subject with an empty pool per example)::
 
@@ -32,9 +44,19 @@ from typing import Any, Protocol
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvcore.allocator import PageId
 from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation, Extension, Stats
+from kvcore.manager import Allocation, Extension, PrefixHit, Stats
+from kvcore.prefix import (
+    PageEvent,
+    PageRemoved,
+    PageStored,
+    PrefixKey,
+    encode_tokens,
+    page_key,
+    root_key,
+)
 
 
 class ManagerAPI(Protocol):
@@ -44,10 +66,10 @@ class ManagerAPI(Protocol):
         self, seq_id: int, tokens: Sequence[int], *, namespace: str = ...
     ) -> Allocation: ...
     def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> int: ...
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = ...) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> list[int]: ...
     def free(self, seq_id: int) -> None: ...
-    def lookup(self, tokens: Sequence[int], *, namespace: str = ...) -> int: ...
+    def lookup(self, tokens: Sequence[int], *, namespace: str = ...) -> PrefixHit: ...
     def block_table(self, seq_id: int) -> list[int]: ...
     def num_tokens(self, seq_id: int) -> int: ...
     def stats(self) -> Stats: ...
@@ -55,6 +77,7 @@ class ManagerAPI(Protocol):
 
 Factory = Callable[[KVLayout], Any]
 PrefixId = tuple[str, tuple[int, ...]]  # (namespace, tokens from 0 to the end of a full page)
+ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
 
 
 @dataclass
@@ -67,13 +90,14 @@ class ModelSeq:
 
 @dataclass
 class Model:
-    """Reference semantics of ARCHITECTURE.md's state machine, in the plainest terms."""
+    """Reference semantics of docs/architecture.md's state machine, in the plainest terms."""
 
     page_size: int
     num_pages: int
     seqs: dict[int, ModelSeq] = field(default_factory=dict)
     index: dict[PrefixId, int] = field(default_factory=dict)  # first committer wins
     lru: list[int] = field(default_factory=list)  # evictable pages, least recent first
+    events: list[ModelEvent] = field(default_factory=list)  # index changes not yet checked
 
     def refcounts(self) -> Counter[int]:
         return Counter(page for seq in self.seqs.values() for page in seq.pages)
@@ -115,7 +139,39 @@ class Model:
             f"took {sorted(got)}; policy says free {sorted(free)} + LRU head {evicted}"
         )
         self.lru = self.lru[len(evicted) :]
-        self.index = {k: p for k, p in self.index.items() if p not in evicted}
+        prefix_of = {p: k for k, p in self.index.items()}
+        for page in evicted:  # in LRU order, as they are taken
+            self.events.append((False, prefix_of[page], page))
+            del self.index[prefix_of[page]]
+
+    def publish(self, seq: ModelSeq, start: int, tokens: Sequence[int]) -> None:
+        """Index the full pages of ``tokens`` (the sequence's from ``start``) not yet
+        offered; a prefix or page already indexed stays as it is (first commit wins)."""
+        indexed = self.indexed_pages()
+        upto = seq.tokens[: start + len(tokens)]
+        for i in range(seq.committed, len(upto) // self.page_size):
+            prefix = self.prefix_id(seq.namespace, upto, i + 1)
+            if prefix not in self.index and seq.pages[i] not in indexed:
+                self.index[prefix] = seq.pages[i]
+                indexed.add(seq.pages[i])
+                self.events.append((True, prefix, seq.pages[i]))
+        seq.committed = max(seq.committed, len(upto) // self.page_size)
+
+    def key(self, prefix: PrefixId) -> PrefixKey:
+        """The prefix key of spec/hashing.md for a prefix (the root for no tokens)."""
+        namespace, tokens = prefix
+        key = root_key(namespace)
+        for i in range(len(tokens) // self.page_size):
+            page = tokens[i * self.page_size : (i + 1) * self.page_size]
+            key = page_key(key, encode_tokens(page))
+        return key
+
+    def event(self, event: ModelEvent) -> PageEvent:
+        stored, (namespace, tokens), page = event
+        if stored:
+            parent = (namespace, tokens[: len(tokens) - self.page_size])
+            return PageStored(self.key((namespace, tokens)), self.key(parent), PageId(page))
+        return PageRemoved(self.key((namespace, tokens)), PageId(page))
 
     def release(self, pages: Sequence[int]) -> None:
         counts = self.refcounts()
@@ -215,20 +271,48 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
 
         @rule(seq_id=SEQ_IDS, cut=st.integers(0, 20))
         def commit(self, seq_id: int, cut: int) -> None:
+            """commit as old clients call it: the tokens from the first one, no start."""
             m = self.model
             seq = m.seqs.get(seq_id)
             if seq is None:
                 return self.expect_error(UnknownSequence, partial(self.subject.commit, seq_id, []))
             tokens = seq.tokens[: min(cut, len(seq.tokens))]
             published = self.subject.commit(seq_id, tokens)
-            indexed = m.indexed_pages()
-            for i in range(seq.committed, len(tokens) // m.page_size):
-                key = m.prefix_id(seq.namespace, tokens, i + 1)
-                if key not in m.index and seq.pages[i] not in indexed:
-                    m.index[key] = seq.pages[i]
-                    indexed.add(seq.pages[i])
-            seq.committed = max(seq.committed, len(tokens) // m.page_size)
+            m.publish(seq, 0, tokens)
             assert published == seq.committed, f"commit says {published}, model {seq.committed}"
+
+        @precondition(lambda self: bool(self.model.seqs))
+        @rule(data=st.data(), cut=st.integers(0, 20))
+        def commit_from(self, data: st.DataObject, cut: int) -> None:
+            """commit of only the tokens from a page boundary at or before the first
+            page not yet committed (what a client that remembers its commits sends)."""
+            m = self.model
+            seq_id = data.draw(st.sampled_from(sorted(m.seqs)), label="seq_id")
+            seq = m.seqs[seq_id]
+            start = data.draw(st.integers(0, seq.committed), label="start_pages") * m.page_size
+            tokens = seq.tokens[start : max(start, min(cut, len(seq.tokens)))]
+            published = self.subject.commit(seq_id, tokens, start=start)
+            m.publish(seq, start, tokens)
+            assert published == seq.committed, f"commit says {published}, model {seq.committed}"
+
+        @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["unaligned", "beyond", "negative", "long"]))
+        def commit_bad_start(self, seq_id: int, bad: str) -> None:
+            """A start that is not a page boundary, lies past the committed pages, is
+            negative, or makes the tokens run past the sequence: BadRequest."""
+            m = self.model
+            seq = m.seqs.get(seq_id)
+            if seq is None:
+                return
+            committed = seq.committed * m.page_size
+            if bad == "unaligned":
+                if m.page_size == 1:
+                    return
+                start = committed - m.page_size + 1 if committed else 1
+            else:
+                start = {"beyond": committed + m.page_size, "negative": -m.page_size,
+                         "long": committed}[bad]  # fmt: skip
+            tokens = [*seq.tokens[max(start, 0) :], 0] if bad == "long" else []
+            self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens, start=start))
 
         @rule(seq_id=SEQ_IDS)
         def commit_too_many(self, seq_id: int) -> None:
@@ -270,9 +354,11 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
 
         @rule(tokens=TOKENS, namespace=NAMESPACES)
         def lookup(self, tokens: list[int], namespace: str) -> None:
-            expected = len(self.model.hit_pages(namespace, tokens)) * self.model.page_size
+            m = self.model
+            hits = m.hit_pages(namespace, tokens)
             got = self.subject.lookup(tokens, namespace=namespace)
-            assert got == expected, f"lookup {got} tokens, model says {expected}"
+            expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in m.lru))
+            assert got == expected, f"lookup {got}, model says {expected}"
 
         @precondition(lambda self: bool(self.model.seqs))
         @rule(data=st.data())
@@ -318,5 +404,35 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
                 assert table == seq.pages, f"seq {seq_id}: table {table} != model {seq.pages}"
                 assert len(table) == m.pages_for(len(seq.tokens))
                 assert self.subject.num_tokens(seq_id) == len(seq.tokens)
+
+        @invariant()
+        def events_agree_with_model(self) -> None:
+            """The step's events are the model's index changes; the snapshot is its index."""
+            if not hasattr(self, "model"):
+                return
+            m = self.model
+            expected = [m.event(event) for event in m.events]
+            m.events.clear()
+            take_events = getattr(self.subject, "take_events", None)
+            if take_events is not None:
+                got = take_events()
+                assert got == expected, f"events {got}, model says {expected}"
+            snapshot = getattr(self.subject, "prefix_snapshot", None)
+            if snapshot is None:
+                return
+            entries: list[PageStored] = snapshot()
+            model = {
+                m.event((True, prefix, page)) for prefix, page in m.index.items()
+            }  # fmt: skip
+            assert len(entries) == len(model) and set(entries) == model, (
+                f"snapshot {entries}, model index {model}"
+            )
+            seen: set[PrefixKey] = set()
+            keys = {entry.key for entry in entries}
+            for entry in entries:
+                assert entry.parent_key not in keys or entry.parent_key in seen, (
+                    f"snapshot lists {entry.key.hex()} before its parent"
+                )
+                seen.add(entry.key)
 
     return ManagerConformance
