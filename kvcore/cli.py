@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvcore.service", "run the manager daemon"),
+    "serve": ("kvcore.daemon.serve", "run the manager daemon"),
     "stats": ("kvcore.statsview", "print a running daemon's pools, sessions and cache figures"),
     "demo": ("kvcore.demo", "two engine processes sharing one prefix cache"),
     "bench": ("kvcore.bench", "benchmarks: capacity, ops, rpc, kernels, e2e"),

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
@@ -28,6 +27,7 @@ from kvcore_ipc.channel import ChannelTimeout, DealerChannel
 from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
+from kvcore import ops
 from kvcore.config import default_endpoint
 from kvcore.errors import (
     BadRequest,
@@ -38,7 +38,8 @@ from kvcore.errors import (
     error_from_code,
 )
 from kvcore.layout import KVLayout
-from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Stats
+from kvcore.manager import DEFAULT_NAMESPACE, Stats
+from kvcore.ops import Operation, Queued
 
 if TYPE_CHECKING:
     import torch
@@ -167,35 +168,21 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the Manager's operations ---------------------------------------------------------
+    # -- the Manager's operations (kvcore.ops: signature, docstring and result types) ------
 
-    def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str | None = None
-    ) -> Allocation:
-        ok = self._call(msg.Allocate(seq_id, _tokens(tokens), namespace), msg.AllocateOk)
-        return Allocation(ok.pages, ok.num_cached_tokens)
+    allocate = ops.allocate
+    extend = ops.extend
+    commit = ops.commit
+    fork = ops.fork
+    free = ops.free
+    lookup = ops.lookup
+    block_table = ops.block_table
+    num_tokens = ops.num_tokens
 
-    def extend(self, seq_id: int, num_tokens: int) -> Extension:
-        ok = self._call(msg.Extend(seq_id, num_tokens), msg.ExtendOk)
-        return Extension(ok.new_pages, ok.copies)
-
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> int:
-        return self._call(msg.Commit(seq_id, _tokens(tokens)), msg.CommitOk).num_committed
-
-    def fork(self, parent_id: int, child_id: int) -> list[int]:
-        return self._call(msg.Fork(parent_id, child_id), msg.PagesOk).pages
-
-    def free(self, seq_id: int) -> None:
-        self._call(msg.Free(seq_id), msg.Empty)
-
-    def lookup(self, tokens: Sequence[int], *, namespace: str | None = None) -> int:
-        return self._call(msg.Lookup(_tokens(tokens), namespace), msg.LookupOk).num_cached_tokens
-
-    def block_table(self, seq_id: int) -> list[int]:
-        return self._call(msg.BlockTable(seq_id), msg.PagesOk).pages
-
-    def num_tokens(self, seq_id: int) -> int:
-        return self._call(msg.NumTokens(seq_id), msg.NumTokensOk).num_tokens
+    def run_op(self, op: Operation[Any, T], request: msg.BatchOp) -> T:
+        """One Manager operation over the wire: its result, as the Manager returns it."""
+        result: T = op.decode(self._call(request, op.result))
+        return result
 
     def stats(self) -> Stats:
         """This pool's figures, as Manager.stats() returns them."""
@@ -211,8 +198,14 @@ class Client:
         return self._call(msg.GetStats(), msg.StatsOk)
 
     def check_integrity(self) -> None:
-        """Run the pool's integrity check in the daemon; InternalError if it fails."""
+        """Run the daemon's integrity checks (every pool, every session); InternalError
+        if one fails."""
         self._call(msg.Check(), msg.Empty)
+
+    def snapshot(self) -> msg.SnapshotOk:
+        """This pool's prefix index as of event ``seq_no`` (to rebuild a view after a gap
+        in the event stream: apply the events numbered after ``seq_no`` on top)."""
+        return self._call(msg.Snapshot(), msg.SnapshotOk)
 
     def batch(self) -> Batch:
         """Collect operations and send them in one round trip (see :class:`Batch`)."""
@@ -256,62 +249,54 @@ class Client:
 class Batch:
     """Operations collected for one round trip; ``run()`` (or leaving ``with``) sends them.
 
+    Each method queues the Manager operation of the same name (kvcore.ops); run()
+    returns their results in order, as the Manager returns them.
+
     Not atomic (spec/protocol.md): the ops run in order and the first failing op
     stops the batch. Then run() raises that op's typed error, with
     ``error.batch_results`` (the results of the ops before it) and
     ``error.batch_index`` (its index) set; the failing op changed nothing.
     """
 
+    allocate = Queued(ops.allocate)
+    extend = Queued(ops.extend)
+    commit = Queued(ops.commit)
+    fork = Queued(ops.fork)
+    free = Queued(ops.free)
+    lookup = Queued(ops.lookup)
+    block_table = Queued(ops.block_table)
+    num_tokens = Queued(ops.num_tokens)
+
     def __init__(self, client: Client) -> None:
         self._client = client
-        self._ops: list[msg.BatchOp] = []
+        self._ops: list[tuple[Operation[Any, Any], msg.BatchOp]] = []
         self.results: list[Any] = []
 
     def __len__(self) -> int:
         return len(self._ops)
 
-    def allocate(self, seq_id: int, tokens: Sequence[int], *, namespace: str | None = None) -> None:
-        self._ops.append(msg.Allocate(seq_id, _tokens(tokens), namespace))
-
-    def extend(self, seq_id: int, num_tokens: int) -> None:
-        self._ops.append(msg.Extend(seq_id, num_tokens))
-
-    def commit(self, seq_id: int, tokens: Sequence[int]) -> None:
-        self._ops.append(msg.Commit(seq_id, _tokens(tokens)))
-
-    def fork(self, parent_id: int, child_id: int) -> None:
-        self._ops.append(msg.Fork(parent_id, child_id))
-
-    def free(self, seq_id: int) -> None:
-        self._ops.append(msg.Free(seq_id))
-
-    def lookup(self, tokens: Sequence[int], *, namespace: str | None = None) -> None:
-        self._ops.append(msg.Lookup(_tokens(tokens), namespace))
-
-    def block_table(self, seq_id: int) -> None:
-        self._ops.append(msg.BlockTable(seq_id))
-
-    def num_tokens(self, seq_id: int) -> None:
-        self._ops.append(msg.NumTokens(seq_id))
+    def queue_op(self, op: Operation[Any, Any], request: msg.BatchOp) -> None:
+        self._ops.append((op, request))
 
     def run(self) -> list[Any]:
         """Send the ops; the list of their results (the Manager's result types)."""
-        ops, self._ops = self._ops, []
-        kinds = {type(op) for op in ops}
+        queued, self._ops = self._ops, []
+        requests = msg.Batch([request for _, request in queued])
+        kinds = {op for op, _ in queued}
         error: msg.ErrorBody | None
         if len(kinds) == 1:  # one scheduler step is usually all extends: decode in one pass
-            kind = kinds.pop()
-            batch_type: Any = msg.TypedBatchOk[_RESULT_TYPES[kind]]  # type: ignore[valid-type]
-            typed: msg.TypedBatchOk[Any] = self._client._call(msg.Batch(ops), batch_type)
-            convert = _CONVERT[kind]
-            self.results = [convert(r) for r in typed.results]
+            op = kinds.pop()
+            typed: msg.TypedBatchOk[Any] = self._client._call(
+                requests, msg.TypedBatchOk[op.result]  # type: ignore[name-defined]
+            )
+            self.results = [op.decode(r) for r in typed.results]
             error = typed.error
         else:
             codec = self._client._codec
-            raw = self._client._call(msg.Batch(ops), msg.RawBatchOk)
+            raw = self._client._call(requests, msg.RawBatchOk)
             self.results = [
-                _CONVERT[type(op)](codec.decode_result(r, _RESULT_TYPES[type(op)]))
-                for op, r in zip(ops, raw.results, strict=False)
+                op.decode(codec.decode_result(r, op.result))
+                for (op, _), r in zip(queued, raw.results, strict=False)
             ]
             error = raw.error
         if error is not None:
@@ -327,29 +312,6 @@ class Batch:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is None:
             self.run()
-
-
-_RESULT_TYPES: dict[type, type] = {
-    msg.Allocate: msg.AllocateOk, msg.Extend: msg.ExtendOk, msg.Commit: msg.CommitOk,
-    msg.Fork: msg.PagesOk, msg.Free: msg.Empty, msg.Lookup: msg.LookupOk,
-    msg.BlockTable: msg.PagesOk, msg.NumTokens: msg.NumTokensOk,
-}  # fmt: skip
-
-
-_CONVERT: dict[type, Callable[[Any], Any]] = {  # wire result -> what the Manager returns
-    msg.Allocate: lambda r: Allocation(r.pages, r.num_cached_tokens),
-    msg.Extend: lambda r: Extension(r.new_pages, r.copies),
-    msg.Commit: lambda r: r.num_committed,
-    msg.Fork: lambda r: r.pages,
-    msg.Free: lambda r: None,
-    msg.Lookup: lambda r: r.num_cached_tokens,
-    msg.BlockTable: lambda r: r.pages,
-    msg.NumTokens: lambda r: r.num_tokens,
-}
-
-
-def _tokens(tokens: Sequence[int]) -> list[int]:
-    return tokens if isinstance(tokens, list) else list(tokens)
 
 
 class _Heartbeat:

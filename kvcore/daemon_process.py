@@ -16,7 +16,7 @@ import threading
 
 
 class DaemonProcess:
-    """``python -m kvcore.service ARGS`` as a child process, for tests, benchmarks and demos.
+    """``python -m kvcore.daemon ARGS`` as a child process, for tests, benchmarks and demos.
 
     ``with DaemonProcess("--endpoint", ep) as daemon:`` returns once the daemon
     prints that it listens; leaving the block stops it with SIGTERM. Its output
@@ -46,7 +46,7 @@ class DaemonProcess:
 
     def start(self) -> DaemonProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcore.service", *self.args], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "kvcore.daemon", *self.args], stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env=self.env,
         )  # fmt: skip
         ready = threading.Event()

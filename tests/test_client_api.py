@@ -13,7 +13,7 @@ from kvcore import Client, statsview
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import NotAttached, OutOfPages, Timeout, UnknownSequence
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation, Extension, Stats
+from kvcore.manager import Allocation, Extension, PrefixHit, Stats
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=2, dtype="bfloat16", num_pages=8)
 
@@ -39,7 +39,7 @@ def test_results_have_the_manager_types(client: Client) -> None:
     assert client.fork(1, 2) == [0, 1]
     assert client.extend(2, 2) == Extension([2], [(1, 3)])  # copy-on-write of the shared last page
     assert client.block_table(2) == [0, 3, 2] and client.num_tokens(2) == 5
-    assert client.lookup((5, 6, 7)) == 2  # any sequence of ints
+    assert client.lookup((5, 6, 7)) == PrefixHit(2, 0)  # any sequence of ints; page 0 is held
     stats = client.stats()
     assert isinstance(stats, Stats) and stats.held_pages == 4 and stats.cached_pages == 1
     client.free(1)
@@ -65,7 +65,9 @@ def test_batch_results_and_partial_failure(client: Client) -> None:
         batch.block_table(2)
         batch.num_tokens(2)
         batch.free(2)
-    assert batch.results == [Allocation([0, 1], 0), Extension([], []), 2, [0, 1], 4, [0, 1], 4, None]
+    assert batch.results == [
+        Allocation([0, 1], 0), Extension([], []), 2, [0, 1], PrefixHit(4, 0), [0, 1], 4, None
+    ]
     failing = client.batch()
     failing.extend(1, 2)
     failing.free(77)

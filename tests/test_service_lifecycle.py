@@ -57,7 +57,7 @@ def test_default_daemon_serves_and_stops_cleanly(
 
 def test_tcp_needs_curve_or_insecure(tmp_path: Path) -> None:
     refused = subprocess.run(
-        [sys.executable, "-m", "kvcore.service", "--endpoint", "tcp://127.0.0.1:*",
+        [sys.executable, "-m", "kvcore.daemon", "--endpoint", "tcp://127.0.0.1:*",
          "--pool", "num_pages=4,num_layers=1"],
         capture_output=True, text=True, timeout=30, env=_env(tmp_path),
     )  # fmt: skip
@@ -110,7 +110,7 @@ def test_bad_config_exits_with_a_message(tmp_path: Path) -> None:
     bad.write_text('[[pools]]\nname = "x"\ndtype = "int3"\n')
     for args in (["--config", str(bad)], ["--pool", "size=12parsecs"], ["--pool", "bogus=1"]):
         done = subprocess.run(
-            [sys.executable, "-m", "kvcore.service", "--endpoint", f"ipc://{tmp_path}/x.sock", *args],
+            [sys.executable, "-m", "kvcore.daemon", "--endpoint", f"ipc://{tmp_path}/x.sock", *args],
             capture_output=True, text=True, timeout=30, env=_env(tmp_path),
         )  # fmt: skip
         assert done.returncode == 2, done
@@ -123,7 +123,7 @@ def test_second_daemon_on_a_live_endpoint_is_refused_and_stale_socket_reused(
     endpoint = f"ipc://{tmp_path / 'd.sock'}"
     args = ("--endpoint", endpoint, "--pool", "num_pages=4,num_layers=1")
     with DaemonProcess(*args, env=_env(tmp_path)) as first:
-        second = subprocess.run([sys.executable, "-m", "kvcore.service", *args],
+        second = subprocess.run([sys.executable, "-m", "kvcore.daemon", *args],
                                 capture_output=True, text=True, timeout=30, env=_env(tmp_path))  # fmt: skip
         assert second.returncode == 1 and "already serves" in second.stderr
         first.stop(signal.SIGKILL)  # dies without cleaning up: the socket file stays

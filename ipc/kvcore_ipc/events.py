@@ -1,12 +1,13 @@
 """The PUB stream of page-stored / page-removed events, for KV-aware routers.
 
-Each event is two frames: ``[topic, payload]``; the topic is the pool name
+Each message is two frames: ``[topic, payload]``; the topic is the pool name
 (UTF-8) followed by one NUL byte, so a subscription to :func:`topic`
 (ZeroMQ matches topic prefixes) receives that pool's events and no other
-pool's whose name merely starts the same way; the payload is one msgpack map
-(:data:`~kvcore_ipc.messages.Event`, tag field ``kind``). ``seq_no`` counts a pool's events from 1 without gaps within
-one epoch: a gap tells a subscriber it lost events (PUB drops on a slow
-subscriber) and should rebuild its view from the daemon's current state.
+pool's whose name merely starts the same way; the payload is one msgpack map,
+an :class:`~kvcore_ipc.messages.EventBatch`: the events one request caused on
+one pool, numbered from ``first_seq_no``. Numbers count a pool's events from 1
+without gaps within one epoch: a gap tells a subscriber it lost events (PUB
+drops on a slow subscriber) and should rebuild its view from a snapshot.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 import msgspec
 import zmq
 
-from kvcore_ipc.messages import Event
+from kvcore_ipc.messages import EventBatch
 
 
 def topic(pool: str) -> bytes:
@@ -41,10 +42,10 @@ class EventPublisher:
         self._socket = sock
         self._encoder = msgspec.msgpack.Encoder()
 
-    def publish(self, event: Event) -> None:
-        payload = self._encoder.encode(event)
+    def publish(self, batch: EventBatch) -> None:
+        payload = self._encoder.encode(batch)
         with contextlib.suppress(zmq.Again):  # dropped: the subscriber sees a seq_no gap
-            self._socket.send_multipart((topic(event.pool), payload), zmq.NOBLOCK)
+            self._socket.send_multipart((topic(batch.pool), payload), zmq.NOBLOCK)
 
     def close(self) -> None:
         """Close the socket and remove an ipc:// socket file."""
@@ -65,19 +66,19 @@ class EventSubscriber:
         sock.connect(endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else topic(pool))
         self._socket = sock
-        self._decoder = msgspec.msgpack.Decoder(Event)
+        self._decoder = msgspec.msgpack.Decoder(EventBatch)
 
-    def recv(self, timeout_ms: int) -> Event | None:
-        """The next event, or None after ``timeout_ms``."""
+    def recv(self, timeout_ms: int) -> EventBatch | None:
+        """The next batch of events, or None after ``timeout_ms``."""
         if not self._socket.poll(timeout_ms):
             return None
         _topic, payload = self._socket.recv_multipart()
-        event: Event = self._decoder.decode(payload)
-        return event
+        batch: EventBatch = self._decoder.decode(payload)
+        return batch
 
-    def drain(self, timeout_ms: int = 0) -> Iterator[Event]:
-        while (event := self.recv(timeout_ms)) is not None:
-            yield event
+    def drain(self, timeout_ms: int = 0) -> Iterator[EventBatch]:
+        while (batch := self.recv(timeout_ms)) is not None:
+            yield batch
 
     def close(self) -> None:
         self._socket.close(linger=0)

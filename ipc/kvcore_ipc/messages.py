@@ -9,6 +9,12 @@ range) before any handler runs.
 Units: page ids and page counts are in pages; ``tokens``, ``num_tokens`` and
 ``num_cached_tokens`` are in tokens; sizes and offsets are in bytes.
 
+Each operation is declared once, as its request struct: its ``op`` tag, its
+fields, its result struct (``Result``) and whether a batch may carry it
+(``batchable``). The unions (:data:`Op`, :data:`BatchOp`), :data:`OP_NAMES`
+and :data:`RESULTS` are derived from those declarations; kvcore/ops.py adds
+what the daemon and the client do with each operation.
+
 Schema evolution (spec/protocol.md, "Versioning"): a new field always has a
 default, so an old peer's message still decodes; decoders ignore fields they do
 not know, so a new peer's message decodes on an old peer; a new operation is
@@ -20,7 +26,7 @@ This module knows nothing about kvcore: it imports msgspec only.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Union
 
 import msgspec
 from msgspec import Meta, Struct
@@ -33,7 +39,8 @@ U64 = Annotated[int, Meta(ge=0)]  # < 2**64; the daemon checks the upper bound
 U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 NonNeg = Annotated[int, Meta(ge=0)]
 Token = U32
-Namespace = Annotated[str, Meta(max_length=1024)]  # the daemon checks the 256-byte UTF-8 limit
+# At most 256 UTF-8 *bytes* (the daemon checks bytes; a schema can bound only characters).
+Namespace = Annotated[str, Meta(max_length=256)]
 
 # Stable error codes carried by ErrorBody.code (spec/protocol.md, "Errors").
 ERROR_CODES: tuple[str, ...] = (
@@ -105,120 +112,12 @@ class ErrorBody(_Message):
     message: str = ""
 
 
-# -- operations (request bodies) ---------------------------------------------------
-
-
-class _Op(_Message, tag_field="op"):
-    pass
-
-
-class Attach(_Op, tag="attach"):
-    """Open a session on ``pool``; answered with AttachOk."""
-
-    version: int  # PROTOCOL_VERSION of the client
-    pool: str = "default"
-    namespace: Namespace = "default"  # default prefix-cache namespace of the session
-    layout: PoolLayout | None = None  # expected layout; None = accept any
-    ephemeral: bool = False  # create a fresh private pool of ``layout`` (daemon flag needed)
-    pid: NonNeg = 0  # informational
-    name: Annotated[str, Meta(max_length=256)] = ""  # informational
-
-
-class Detach(_Op, tag="detach"):
-    """End the session; every sequence it owns is freed."""
-
-
-class Heartbeat(_Op, tag="heartbeat"):
-    """Renew the lease (every request renews it; this one does nothing else)."""
-
-
-class Allocate(_Op, tag="allocate"):
-    seq: U64
-    tokens: list[Token]
-    namespace: Namespace | None = None  # None: the session's namespace
-
-
-class Extend(_Op, tag="extend"):
-    seq: U64
-    num_tokens: NonNeg
-
-
-class Commit(_Op, tag="commit"):
-    seq: U64
-    tokens: list[Token]  # the sequence's tokens from token 0 (at most its num_tokens)
-
-
-class Fork(_Op, tag="fork"):
-    parent: U64
-    child: U64
-
-
-class Free(_Op, tag="free"):
-    seq: U64
-
-
-class Lookup(_Op, tag="lookup"):
-    tokens: list[Token]
-    namespace: Namespace | None = None
-
-
-class BlockTable(_Op, tag="block_table"):
-    seq: U64
-
-
-class NumTokens(_Op, tag="num_tokens"):
-    seq: U64
-
-
-class GetStats(_Op, tag="stats"):
-    """Pools, sessions and counters; allowed without a session."""
-
-
-class Check(_Op, tag="check"):
-    """Debug: run the pool's integrity check in the daemon; ok or an ``internal`` error."""
-
-
-BatchOp = Allocate | Extend | Commit | Fork | Free | Lookup | BlockTable | NumTokens
-
-
-class Batch(_Op, tag="batch"):
-    """Run ``ops`` in order; the first failing op stops the batch (not atomic)."""
-
-    ops: list[BatchOp]
-
-
-Op = (
-    Attach | Detach | Heartbeat | Allocate | Extend | Commit | Fork | Free | Lookup
-    | BlockTable | NumTokens | GetStats | Check | Batch
-)  # fmt: skip
-
-OP_NAMES: frozenset[str] = frozenset(
-    cls.__struct_config__.tag  # type: ignore[misc]
-    for cls in (
-        Attach, Detach, Heartbeat, Allocate, Extend, Commit, Fork, Free, Lookup,
-        BlockTable, NumTokens, GetStats, Check, Batch,
-    )
-)  # fmt: skip
-
-
-class Request(_Message):
-    """The envelope. ``id`` is chosen by the client (> 0) and echoed in the reply.
-
-    ``session`` and ``epoch`` come from AttachOk; attach and stats send 0.
-    """
-
-    id: U64
-    body: Op
-    session: U64 = 0
-    epoch: U64 = 0
-
-
 # -- results (the ``result`` of a reply) ----------------------------------------------
 
 
 class AttachOk(_Message):
-    session: int
-    epoch: int
+    session: int  # u64 (< 2**63 today): above 2**53, see spec/protocol.md "Encoding"
+    epoch: int  # u64, as session
     version: int
     pool: str
     device: str  # "cpu" or "cuda:N" (the daemon's numbering; map CudaMemory.device_uuid)
@@ -240,12 +139,15 @@ class AllocateOk(_Message):
 
 
 class ExtendOk(_Message):
+    """``new_pages`` are appended to the block table; each copy ``(src, dst)`` replaces
+    the table's last page ``src`` by ``dst`` (copy-on-write; ``dst`` is not in new_pages)."""
+
     new_pages: list[int]
     copies: list[tuple[int, int]]  # (src, dst) page copies to run before writing
 
 
 class CommitOk(_Message):
-    num_committed: int  # pages of the sequence now published
+    num_committed: int  # leading full pages of the sequence committed so far (running total)
 
 
 class PagesOk(_Message):
@@ -255,7 +157,8 @@ class PagesOk(_Message):
 
 
 class LookupOk(_Message):
-    num_cached_tokens: int
+    num_cached_tokens: int  # whole pages, never covering the last token
+    num_evictable_pages: int = 0  # of the hit's pages, how many an allocate would pin from the LRU
 
 
 class NumTokensOk(_Message):
@@ -277,6 +180,7 @@ class PoolStats(_Message):
     evictions: int
     num_sessions: int
     ephemeral: bool = False
+    event_seq_no: int = 0  # seq_no of the pool's last published event
 
 
 class SessionStats(_Message):
@@ -304,6 +208,22 @@ class StatsOk(_Message):
     counters: ServerCounters
 
 
+class SnapshotPage(_Message):
+    """One indexed page: what a ``stored`` event said about it."""
+
+    key: bytes  # 32-byte prefix key (spec/hashing.md)
+    parent: bytes  # the previous page's key, or the namespace root
+    page: int
+
+
+class SnapshotOk(_Message):
+    """The pool's prefix index as of event ``seq_no`` (parents listed before children)."""
+
+    epoch: int
+    seq_no: int  # events with seq_no <= this are reflected; apply later ones on top
+    pages: list[SnapshotPage]
+
+
 class BatchOk(_Message):
     """``results[i]`` answers ``ops[i]``; if ``error`` is set, op ``len(results)`` failed
     (and changed nothing) and the ops after it did not run."""
@@ -312,10 +232,158 @@ class BatchOk(_Message):
     error: ErrorBody | None = None
 
 
-RESULTS: tuple[type[Struct], ...] = (
-    AttachOk, Empty, AllocateOk, ExtendOk, CommitOk, PagesOk, LookupOk, NumTokensOk,
-    StatsOk, BatchOk,
-)  # fmt: skip
+# -- operations (request bodies) ---------------------------------------------------
+
+
+class _Op(_Message, tag_field="op"):
+    """An operation's request body; ``op`` (the tag) names it on the wire."""
+
+    Result: ClassVar[type[_Message]]  # the struct of the reply's ``result``
+    batchable: ClassVar[bool] = False  # may appear in Batch.ops
+
+
+class Attach(_Op, tag="attach"):
+    """Open a session on ``pool``; answered with AttachOk."""
+
+    Result = AttachOk
+
+    version: int  # PROTOCOL_VERSION of the client
+    pool: str = "default"
+    namespace: Namespace = "default"  # default prefix-cache namespace of the session
+    layout: PoolLayout | None = None  # expected layout; None = accept any
+    ephemeral: bool = False  # create a fresh private pool of ``layout`` (daemon flag needed)
+    pid: NonNeg = 0  # informational
+    name: Annotated[str, Meta(max_length=256)] = ""  # informational
+
+
+class Detach(_Op, tag="detach"):
+    """End the session; every sequence it owns is freed."""
+
+    Result = Empty
+
+
+class Heartbeat(_Op, tag="heartbeat"):
+    """Renew the lease (every request renews it; this one does nothing else)."""
+
+    Result = Empty
+
+
+class Allocate(_Op, tag="allocate"):
+    Result = AllocateOk
+    batchable = True
+
+    seq: U64
+    tokens: list[Token]
+    namespace: Namespace | None = None  # None: the session's namespace
+
+
+class Extend(_Op, tag="extend"):
+    Result = ExtendOk
+    batchable = True
+
+    seq: U64
+    num_tokens: NonNeg  # tokens added (not the new total)
+
+
+class Commit(_Op, tag="commit"):
+    Result = CommitOk
+    batchable = True
+
+    seq: U64
+    tokens: list[Token]  # the sequence's tokens [start, start + len(tokens))
+    start: NonNeg = 0  # token offset: a multiple of page_size, <= tokens committed so far
+
+
+class Fork(_Op, tag="fork"):
+    Result = PagesOk
+    batchable = True
+
+    parent: U64
+    child: U64
+
+
+class Free(_Op, tag="free"):
+    Result = Empty
+    batchable = True
+
+    seq: U64
+
+
+class Lookup(_Op, tag="lookup"):
+    Result = LookupOk
+    batchable = True
+
+    tokens: list[Token]
+    namespace: Namespace | None = None
+
+
+class BlockTable(_Op, tag="block_table"):
+    Result = PagesOk
+    batchable = True
+
+    seq: U64
+
+
+class NumTokens(_Op, tag="num_tokens"):
+    Result = NumTokensOk
+    batchable = True
+
+    seq: U64
+
+
+class GetStats(_Op, tag="stats"):
+    """Pools, sessions and counters; allowed without a session."""
+
+    Result = StatsOk
+
+
+class Check(_Op, tag="check"):
+    """Debug: run the pool's integrity checks in the daemon; ok or an ``internal`` error."""
+
+    Result = Empty
+
+
+class Snapshot(_Op, tag="snapshot"):
+    """The session's pool's prefix index, to rebuild a view after an event gap."""
+
+    Result = SnapshotOk
+
+
+BATCH_OPS: tuple[type[_Op], ...] = tuple(op for op in _Op.__subclasses__() if op.batchable)
+
+if TYPE_CHECKING:
+    BatchOp = _Op
+    Op = _Op
+else:  # the tagged unions msgspec decodes, derived from the declarations above
+    BatchOp = Union[BATCH_OPS]  # noqa: UP007
+
+
+class Batch(_Op, tag="batch"):
+    """Run ``ops`` in order; the first failing op stops the batch (not atomic)."""
+
+    Result = BatchOk
+
+    ops: list[BatchOp]
+
+
+OPS: tuple[type[_Op], ...] = tuple(_Op.__subclasses__())  # every operation, in declaration order
+OP_NAMES: frozenset[str] = frozenset(op.__struct_config__.tag for op in OPS)  # type: ignore[misc]
+RESULTS: tuple[type[_Message], ...] = tuple(dict.fromkeys(op.Result for op in OPS))
+
+if not TYPE_CHECKING:
+    Op = Union[OPS]  # noqa: UP007
+
+
+class Request(_Message):
+    """The envelope. ``id`` is chosen by the client (> 0) and echoed in the reply.
+
+    ``session`` and ``epoch`` come from AttachOk; attach and stats send 0.
+    """
+
+    id: U64
+    body: Op
+    session: U64 = 0
+    epoch: U64 = 0
 
 
 class Reply(_Message):
@@ -344,20 +412,14 @@ class TypedReply(_Message, Generic[R]):
 class PageStoredEvent(_Message, tag="stored", tag_field="kind"):
     """A page was committed: prefix lookups with ``key`` now hit ``page``."""
 
-    pool: str
-    epoch: int
-    seq_no: int  # per pool, from 1, no gaps: a gap means the subscriber lost events
     key: bytes  # 32-byte prefix key (spec/hashing.md)
     parent: bytes  # the previous page's key, or the namespace root
     page: int
 
 
 class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):
-    """A page was evicted: ``key`` no longer hits."""
+    """A page left the index (evicted, or its pool closed): ``key`` no longer hits."""
 
-    pool: str
-    epoch: int
-    seq_no: int
     key: bytes
     page: int
 
@@ -365,9 +427,23 @@ class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):
 Event = PageStoredEvent | PageRemovedEvent
 
 
+class EventBatch(_Message):
+    """The events of one request (or one batch) on one pool, in order.
+
+    ``events[i]`` has sequence number ``first_seq_no + i``; numbers count a pool's
+    events from 1 within an epoch without gaps, so a subscriber that sees a gap
+    lost events and rebuilds its view from the ``snapshot`` operation.
+    """
+
+    pool: str
+    epoch: int
+    first_seq_no: int
+    events: list[Event]
+
+
 def json_schema() -> dict[str, Any]:
     """The machine-readable schema (JSON Schema) of every message; spec/protocol.schema.json."""
-    types: tuple[Any, ...] = (Request, Reply, *RESULTS, Event)
+    types: tuple[Any, ...] = (Request, Reply, *RESULTS, EventBatch)
     schemas, components = msgspec.json.schema_components(types, ref_template="#/$defs/{name}")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -378,7 +454,7 @@ def json_schema() -> dict[str, Any]:
             "request": schemas[0],
             "reply": schemas[1],
             "results": {t.__name__: s for t, s in zip(RESULTS, schemas[2:-1], strict=True)},
-            "event": schemas[-1],
+            "events": schemas[-1],
         },
         "$defs": components,
     }

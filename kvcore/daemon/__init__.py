@@ -1,0 +1,13 @@
+"""The daemon (`kvcore serve`): the Manager of each pool served over kvcore_ipc.
+
+Parts, one job each (docs/architecture.md, "The daemon"):
+
+* :mod:`.sessions` — leases and sequence ownership in both directions;
+* :mod:`.pools` — a pool's memory region, its Manager, its event numbering;
+* :mod:`.handler` — one frame in, one frame out, through :mod:`kvcore.ops`;
+* :mod:`.serve` — the Daemon assembly, the command line, locks, signals, logs.
+"""
+
+from kvcore.daemon.serve import Daemon
+
+__all__ = ["Daemon"]

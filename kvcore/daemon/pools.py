@@ -1,0 +1,127 @@
+"""Pools: a memory region, the Manager of its pages, and the numbering of its events.
+
+The Manager does no I/O: it queues page events, and :meth:`PoolTable.publish`
+drains every pool's queue after each request (or batch) into one
+:class:`~kvcore_ipc.messages.EventBatch` per pool, numbered on from the pool's
+last event. Numbers are kept per pool *name* for the whole epoch, so a pool
+that is closed and created again goes on counting (a subscriber never sees a
+number twice in one epoch). Closing a pool publishes a ``removed`` event for
+every page still in its prefix index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcore_ipc import messages as msg
+from kvcore_ipc.events import EventPublisher
+from kvcore_ipc.memory import CudaRegion, HostRegion
+
+from kvcore.errors import BadRequest, UnknownPool
+from kvcore.layout import KVLayout
+from kvcore.manager import Manager
+from kvcore.prefix import PageEvent, PageStored
+
+MAX_EPHEMERAL_BYTES = 1 << 30
+MAX_EPHEMERAL_PAGES = 1 << 20
+
+
+@dataclass(slots=True, eq=False)
+class Pool:
+    """One served pool. ``manager`` is changed only by the request handler."""
+
+    name: str
+    device: str  # "cpu" or "cuda:N"
+    manager: Manager
+    region: HostRegion | CudaRegion
+    ephemeral: bool = False  # created by an attach; closed when its last session leaves
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.manager.layout
+
+    def layout_message(self) -> msg.PoolLayout:
+        return msg.PoolLayout(**self.layout.to_dict())
+
+
+class PoolTable:
+    """The daemon's pools by name, and their event streams."""
+
+    __slots__ = ("_publisher", "_seq_no", "epoch", "pools")
+
+    def __init__(self, epoch: int, publisher: EventPublisher | None) -> None:
+        self.epoch = epoch
+        self.pools: dict[str, Pool] = {}
+        self._publisher = publisher
+        self._seq_no: dict[str, int] = {}  # pool name -> seq_no of its last event (this epoch)
+
+    def get(self, name: str) -> Pool:
+        pool = self.pools.get(name)
+        if pool is None:
+            raise UnknownPool(f"no pool {name!r}; serving {sorted(self.pools)}")
+        return pool
+
+    def open(self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False) -> Pool:
+        """Create the pool's memory and Manager. BadRequest if the name is taken."""
+        if name in self.pools:
+            raise BadRequest(f"pool {name!r} exists")
+        if ephemeral and (
+            layout.total_bytes > MAX_EPHEMERAL_BYTES or layout.num_pages > MAX_EPHEMERAL_PAGES
+        ):
+            raise BadRequest("ephemeral pools are limited to 1 GiB and 2**20 pages")
+        region: HostRegion | CudaRegion
+        if device == "cpu":
+            region = HostRegion.create(layout.total_bytes)
+        else:
+            region = CudaRegion.create(layout.total_bytes, device)
+        pool = Pool(name, device, Manager(layout), region, ephemeral)
+        self.pools[name] = pool
+        return pool
+
+    def close(self, name: str) -> None:
+        """Remove a pool: publish its pending events and a removal of every cached page,
+        then unlink its memory."""
+        pool = self.pools.pop(name)
+        removed: list[msg.Event] = [
+            msg.PageRemovedEvent(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()
+        ]
+        self._send(name, [*map(_wire, pool.manager.take_events()), *removed])
+        pool.region.close()
+
+    def close_all(self) -> None:
+        for name in list(self.pools):
+            self.close(name)
+
+    def publish(self) -> None:
+        """Publish what each pool's Manager queued since the last call (one message a pool)."""
+        for pool in self.pools.values():
+            events = pool.manager.take_events()
+            if events:
+                self._send(pool.name, [_wire(event) for event in events])
+
+    def last_seq_no(self, name: str) -> int:
+        return self._seq_no.get(name, 0)
+
+    def snapshot(self, pool: Pool) -> msg.SnapshotOk:
+        """The pool's prefix index as of its last published event."""
+        self.publish()  # so that seq_no covers every change the snapshot shows
+        pages = [
+            msg.SnapshotPage(entry.key, entry.parent_key, entry.page)
+            for entry in pool.manager.prefix_snapshot()
+        ]
+        return msg.SnapshotOk(self.epoch, self.last_seq_no(pool.name), pages)
+
+    def _send(self, name: str, events: list[msg.Event]) -> None:
+        """Number ``events`` on from the pool's last one; publish them if events are on."""
+        if not events:
+            return
+        first = self._seq_no.get(name, 0) + 1
+        self._seq_no[name] = first + len(events) - 1
+        if self._publisher is not None:
+            self._publisher.publish(msg.EventBatch(name, self.epoch, first, events))
+
+
+def _wire(event: PageEvent) -> msg.Event:
+    if isinstance(event, PageStored):
+        return msg.PageStoredEvent(event.key, event.parent_key, event.page)
+    return msg.PageRemovedEvent(event.key, event.page)

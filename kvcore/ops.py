@@ -1,0 +1,267 @@
+"""The operation table: each Manager operation of the protocol, declared once.
+
+An :class:`Operation` ties together
+
+* the request struct (kvcore_ipc.messages; it declares the ``op`` tag, the
+  fields, the result struct and whether a batch may carry it),
+* the :class:`~kvcore.manager.Manager` method it runs (whose signature and
+  docstring are the operation's API, in-process and over the wire),
+* how the call's arguments become a request (``encode``, client side), how the
+  daemon runs the request on a Manager and answers (``serve``), and how the
+  answer becomes the Manager's result type again (``decode``, client side),
+* the ownership rule: which request fields name sequences the session must own
+  (``owns``), create (``creates``, the session claims it) or end (``ends``).
+
+Everything else is derived from :data:`OPERATIONS`: the daemon's dispatch
+(kvcore/daemon/handler.py), the methods of :class:`~kvcore.client.Client` and
+:class:`~kvcore.client.Batch` (an Operation is a typed descriptor: as a class
+attribute of a client it is the bound method, with the Manager method's
+signature and docstring), and tests hold the table, the schema and
+spec/protocol.md to each other. Session-level operations (attach, detach,
+heartbeat, stats, check, batch) touch no Manager and live in the handler.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, overload
+
+from kvcore_ipc import messages as msg
+from msgspec import Struct
+
+from kvcore.manager import Allocation, Extension, Manager, PrefixHit
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Caller(Protocol):
+    """What an Operation binds to as a method: something that runs a request."""
+
+    def run_op(self, op: Operation[Any, T], request: msg.BatchOp) -> T: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Operation(Generic[P, T]):
+    """One protocol operation over a Manager method; see the module docstring.
+
+    ``serve(manager, request, namespace)`` gets the session's namespace (the
+    default of per-call namespaces) and returns the wire result struct.
+    """
+
+    method: Callable[Concatenate[Manager, P], T]
+    request: type[msg.BatchOp]
+    encode: Callable[P, msg.BatchOp]
+    serve: Callable[[Manager, Any, str], Struct]
+    decode: Callable[[Any], T]
+    owns: tuple[str, ...] = ()  # request fields naming sequences the session must own
+    creates: str | None = None  # request field naming the sequence the op creates
+    ends: str | None = None  # request field naming the sequence the op ends
+    signature: inspect.Signature = field(init=False)
+
+    def __post_init__(self) -> None:
+        """The remote signature: the Manager method's, with the defaults of ``encode``
+        (``namespace=None`` means the session's namespace over the wire)."""
+        sig = inspect.signature(self.method)
+        remote = inspect.signature(self.encode).parameters
+        params = [
+            p.replace(default=remote[p.name].default) if p.name in remote else p
+            for p in list(sig.parameters.values())[1:]  # without self
+        ]
+        object.__setattr__(self, "signature", sig.replace(parameters=params))
+
+    @property
+    def name(self) -> str:
+        """The wire name (the request's ``op`` tag) and the method name."""
+        tag: str = self.request.__struct_config__.tag  # type: ignore[assignment]
+        return tag
+
+    @property
+    def result(self) -> type[Struct]:
+        """The wire result struct (declared by the request)."""
+        return self.request.Result
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Operation[P, T]: ...
+    @overload
+    def __get__(self, obj: Caller, owner: type) -> Callable[P, T]: ...
+    def __get__(self, obj: Caller | None, owner: type) -> Operation[P, T] | Callable[P, T]:
+        if obj is None:
+            return self
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> T:
+            return obj.run_op(self, self.encode(*args, **kwargs))
+
+        _describe(call, self)
+        return call
+
+
+class Queuer(Protocol):
+    def queue_op(self, op: Operation[Any, Any], request: msg.BatchOp) -> None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Queued(Generic[P]):
+    """An Operation as a method that queues it instead of running it: as a class
+    attribute of a Batch, ``batch.allocate(...)`` queues an allocate (run() returns
+    its result)."""
+
+    op: Operation[P, Any]
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Queued[P]: ...
+    @overload
+    def __get__(self, obj: Queuer, owner: type) -> Callable[P, None]: ...
+    def __get__(self, obj: Queuer | None, owner: type) -> Queued[P] | Callable[P, None]:
+        if obj is None:
+            return self
+        op = self.op
+
+        def queue(*args: P.args, **kwargs: P.kwargs) -> None:
+            obj.queue_op(op, op.encode(*args, **kwargs))
+
+        _describe(queue, op, queued=True)
+        return queue
+
+
+def _describe(function: Callable[..., Any], op: Operation[Any, Any], queued: bool = False) -> None:
+    """Give a bound operation the name, signature and docstring of its Manager method."""
+    function.__name__ = function.__qualname__ = op.name
+    doc = inspect.getdoc(op.method) or ""
+    if queued:
+        doc = f"Queue ``{op.name}``; Batch.run() returns its result in order.\n\n{doc}"
+    function.__doc__ = f"{doc}\n\nWire: ``{op.name}`` -> {op.result.__name__} (spec/protocol.md)."
+    function.__signature__ = op.signature  # type: ignore[attr-defined]
+
+
+def _tokens(tokens: Sequence[int]) -> list[int]:
+    return tokens if isinstance(tokens, list) else list(tokens)
+
+
+def _namespace(requested: str | None, session: str) -> str:
+    return session if requested is None else requested
+
+
+# -- encode: a call's arguments -> the request (client side) ----------------------------
+# ``namespace=None`` means the session's namespace (fixed at attach).
+
+
+def _allocate(seq_id: int, tokens: Sequence[int], *, namespace: str | None = None) -> msg.Allocate:
+    return msg.Allocate(seq_id, _tokens(tokens), namespace)
+
+
+def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit:
+    return msg.Commit(seq_id, _tokens(tokens), start)
+
+
+def _lookup(tokens: Sequence[int], *, namespace: str | None = None) -> msg.Lookup:
+    return msg.Lookup(_tokens(tokens), namespace)
+
+
+# -- the table ------------------------------------------------------------------------
+
+allocate = Operation(
+    Manager.allocate,
+    msg.Allocate,
+    _allocate,
+    serve=lambda m, r, ns: msg.AllocateOk(
+        *_allocation(m.allocate(r.seq, r.tokens, namespace=_namespace(r.namespace, ns)))
+    ),
+    decode=lambda r: Allocation(r.pages, r.num_cached_tokens),
+    creates="seq",
+)
+extend = Operation(
+    Manager.extend,
+    msg.Extend,
+    msg.Extend,
+    serve=lambda m, r, ns: msg.ExtendOk(*_extension(m.extend(r.seq, r.num_tokens))),
+    decode=lambda r: Extension(r.new_pages, r.copies),
+    owns=("seq",),
+)
+commit = Operation(
+    Manager.commit,
+    msg.Commit,
+    _commit,
+    serve=lambda m, r, ns: msg.CommitOk(m.commit(r.seq, r.tokens, start=r.start)),
+    decode=lambda r: r.num_committed,
+    owns=("seq",),
+)
+fork = Operation(
+    Manager.fork,
+    msg.Fork,
+    msg.Fork,
+    serve=lambda m, r, ns: msg.PagesOk(m.fork(r.parent, r.child)),
+    decode=lambda r: r.pages,
+    owns=("parent",),
+    creates="child",
+)
+free = Operation(
+    Manager.free,
+    msg.Free,
+    msg.Free,
+    serve=lambda m, r, ns: _free(m, r.seq),
+    decode=lambda r: None,
+    owns=("seq",),
+    ends="seq",
+)
+lookup = Operation(
+    Manager.lookup,
+    msg.Lookup,
+    _lookup,
+    serve=lambda m, r, ns: msg.LookupOk(
+        *_hit(m.lookup(r.tokens, namespace=_namespace(r.namespace, ns)))
+    ),
+    decode=lambda r: PrefixHit(r.num_cached_tokens, r.num_evictable_pages),
+)
+block_table = Operation(
+    Manager.block_table,
+    msg.BlockTable,
+    msg.BlockTable,
+    serve=lambda m, r, ns: msg.PagesOk(m.block_table(r.seq)),
+    decode=lambda r: r.pages,
+    owns=("seq",),
+)
+num_tokens = Operation(
+    Manager.num_tokens,
+    msg.NumTokens,
+    msg.NumTokens,
+    serve=lambda m, r, ns: msg.NumTokensOk(m.num_tokens(r.seq)),
+    decode=lambda r: r.num_tokens,
+    owns=("seq",),
+)
+
+
+def _allocation(a: Allocation) -> tuple[list[int], int]:
+    return a.pages, a.num_cached_tokens
+
+
+def _extension(e: Extension) -> tuple[list[int], list[tuple[int, int]]]:
+    return e.new_pages, e.copies
+
+
+def _free(manager: Manager, seq_id: int) -> msg.Empty:
+    manager.free(seq_id)
+    return msg.Empty()
+
+
+def _hit(h: PrefixHit) -> tuple[int, int]:
+    return h.num_cached_tokens, h.num_evictable_pages
+
+
+OPERATIONS: dict[type[msg.BatchOp], Operation[Any, Any]] = {
+    op.request: op
+    for op in (allocate, extend, commit, fork, free, lookup, block_table, num_tokens)
+}
+"""Every Manager operation by request type; exactly the batchable ops of the protocol."""
+
+SESSION_OPS: frozenset[str] = frozenset(
+    {"attach", "detach", "heartbeat", "stats", "check", "snapshot", "batch"}
+)
+"""Operations on the session or the daemon, served by the handler itself."""
+
+assert set(OPERATIONS) == set(msg.BATCH_OPS), "the table and the batchable ops differ"
+assert {op.name for op in OPERATIONS.values()} | SESSION_OPS == msg.OP_NAMES, (
+    "an operation of kvcore_ipc.messages is neither in the table nor served by the session"
+)
