@@ -57,6 +57,39 @@ for layer in range(L):
 assert call("commit", seq=1, tokens=tokens)["result"] == {"num_committed": 2}
 assert call("lookup", tokens=tokens)["result"] == {"num_cached_tokens": 4}
 assert call("lookup", tokens=tokens, namespace="other")["result"] == {"num_cached_tokens": 0}
+assert call("lookup", tokens=tokens[:4])["result"] == {"num_cached_tokens": 2}  # never the last token
+
+# extend counts tokens added; a copy replaces the last page, dst is not in new_pages
+assert call("fork", parent=1, child=2)["result"] == {"pages": alloc["pages"]}
+ext = call("extend", seq=2, num_tokens=2)["result"]
+(src, dst), = ext["copies"]
+assert src == alloc["pages"][-1] and dst not in ext["new_pages"] and len(ext["new_pages"]) == 1
+table = call("block_table", seq=2)["result"]["pages"]
+assert table == alloc["pages"][:-1] + [dst] + ext["new_pages"]
+assert call("num_tokens", seq=2)["result"] == {"num_tokens": 7}
+# commit with a start offset sends only the new page's tokens; num_committed is the running total
+assert call("commit", seq=2, tokens=[11, 12], start=4)["result"] == {"num_committed": 3}
+assert call("commit", seq=2, tokens=[11], start=3)["error"]["code"] == "bad_request"  # not a page boundary
+assert call("commit", seq=2, tokens=[11, 12], start=6)["error"]["code"] == "bad_request"  # past committed
+assert call("free", seq=2)["result"] == {}
+hit = call("lookup", tokens=[7, 8, 9, 10, 11, 12, 0])["result"]
+assert hit == {"num_cached_tokens": 6, "num_evictable_pages": 1}  # seq 2's third page is unreferenced
+snap = call("snapshot")["result"]
+seen = set()
+for entry in snap["pages"]:  # parents before children; chains start at a namespace root
+    assert entry["parent"] in seen or entry["parent"] not in {e["key"] for e in snap["pages"]}
+    seen.add(entry["key"])
+assert len(snap["pages"]) == 3 and snap["epoch"] == epoch
+
+# namespaces are bounded in UTF-8 bytes, not characters
+assert call("lookup", tokens=[1], namespace="\u00e9" * 128)["result"] == {"num_cached_tokens": 0}
+assert call("lookup", tokens=[1], namespace="\u00e9" * 129)["error"]["code"] == "bad_request"
+# u64 ids above 2**53 are exact (a double would round big + 1 to big)
+big = 2**63 + 12345
+assert call("fork", parent=1, child=big)["result"] == {"pages": alloc["pages"]}
+assert call("num_tokens", seq=big)["result"] == {"num_tokens": 5}
+assert call("num_tokens", seq=big + 1)["error"]["code"] == "unknown_sequence"
+assert call("free", seq=big)["result"] == {}
 
 errors = {
     "unknown_sequence": call("free", seq=99),
@@ -107,7 +140,7 @@ def test_spec_only_client_against_a_real_daemon(tmp_path: Path) -> None:
                     flat = client.kv_caches[layer][page].flatten().tolist()
                     want = [layer * 100.0 + i + j / 1000.0 for j in range(len(flat))]
                     assert flat == pytest.approx(want, abs=1e-4)  # float32
-            assert client.lookup([7, 8, 9, 10, 11]) == 4
+            assert client.lookup([7, 8, 9, 10, 11]).num_cached_tokens == 4
         out, err = proc.communicate("go\n", timeout=60)
         assert proc.returncode == 0, err
         assert json.loads(out) == {"ok": True}
