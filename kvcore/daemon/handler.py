@@ -203,9 +203,8 @@ class Handler:
 
     def check_integrity(self) -> None:
         """Assert every pool's Manager invariants and the session table's ownership."""
+        self.pools.check_integrity()
         pools = self.pools.pools
-        for pool in pools.values():
-            pool.manager.check_integrity()
         self.sessions.check_integrity(
             {name: pool.manager.stats().num_sequences for name, pool in pools.items()},
             lambda name, seq: seq in pools[name].manager,

@@ -111,6 +111,11 @@ class PoolTable:
         ]
         return msg.SnapshotOk(self.epoch, self.last_seq_no(pool.name), pages)
 
+    def check_integrity(self) -> None:
+        """Assert every pool's Manager invariants."""
+        for pool in self.pools.values():
+            pool.manager.check_integrity()
+
     def _send(self, name: str, events: list[msg.Event]) -> None:
         """Number ``events`` on from the pool's last one; publish them if events are on."""
         if not events:
