@@ -1,4 +1,4 @@
-"""The kernel API every backend plugin implements, and the registry.
+"""The kernel contract every backend plugin implements, and the registry.
 
 All operations work on one layer's cache tensor::
 
@@ -9,15 +9,34 @@ Page tables are int32 (``block_table [B, max_pages]``); slots are int64,
 ``slot = page * page_size + offset`` (tokens), and a negative slot is skipped.
 Offsets inside kernels are computed in int64.
 
-A backend subclasses :class:`Backend` and implements the ``_``-prefixed
-methods. The public methods validate at the boundary (shapes, dtypes, devices,
-int32 tables, page indices in range, the backend's declared capabilities) and
-raise :class:`~kvcore.errors.BadRequest` or :class:`~kvcore.errors.Unsupported`;
-an out-of-range page index never reaches a kernel. The value checks (lengths,
-page indices, slots) are a handful of vectorised tensor ops whose flags are read
-back at once, so every public call synchronises with the device; a caller that
-needs a sync-free path (CUDA graphs) validates once and calls the ``_`` methods.
+Plan once per step, run per layer (FlashInfer's plan/run split)::
+
+    plan = backend.plan_decode(kv[0], block_table, seq_lens, slots=slots)   # one sync
+    for layer in range(num_layers):
+        backend.write_kv(plan.write, kv[layer], key, value)                 # no sync
+        out = backend.decode(plan, query, kv[layer], scale)                 # no sync
+
+* ``plan_decode`` / ``plan_prefill`` (and ``plan_write`` / ``plan_copy`` for a
+  write or copy on its own) take the index tensors of a step, check their shapes,
+  dtypes and devices, and their values (lengths, every page index a sequence
+  uses, slots, copy pairs) with vectorised tensor ops whose flags are read back
+  in *one* transfer, the only device synchronisation of the step. They raise
+  :class:`~kvcore.errors.BadRequest` for bad input and
+  :class:`~kvcore.errors.Unsupported` outside the backend's capabilities, and
+  return an immutable plan: the validated index tensors (contiguous), host copies
+  of the lengths, the geometry they were validated against (:class:`CacheSpec`)
+  and whatever the backend precomputes (gather indices, split counts).
+* ``decode`` / ``prefill`` / ``write_kv`` / ``copy_pages`` take a plan and one
+  layer's tensors. They check shapes, dtypes and devices against the plan (no
+  tensor value is read, nothing synchronises), so they may run in a CUDA graph.
+  Any cache of the plan's geometry is valid (every layer of a pool), whatever
+  its strides. An out-of-range page index never reaches a kernel.
+
 Empty inputs (B = 0, total_q = 0, T = 0, N = 0) return without calling a kernel.
+
+A backend subclasses :class:`Backend` and implements the protected hooks
+(``_decode``, ``_prefill``, ``_write_kv``, ``_copy_pages``, and optionally the
+``_prepare_*`` precomputations); only this base class calls them.
 
 Backends are found through the entry-point group ``kvcore.backends``
 (``name = "module:Class"``); :func:`get` instantiates one by name.
@@ -26,19 +45,22 @@ Backends are found through the entry-point group ``kvcore.backends``
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvcore.backend_checks import (
+    ValueChecks,
     check_cache,
+    check_copies,
+    check_cu_seqlens,
     check_float,
     check_heads,
     check_index,
+    check_last_dim,
     check_scale,
+    check_slots,
     check_table,
-    first_bad,
-    raise_first,
 )
 from kvcore.errors import BadRequest, Unsupported
 
@@ -84,213 +106,291 @@ class Capabilities:
         return page_size in self.page_sizes
 
 
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """The one-layer cache geometry a plan was validated against.
+
+    Every layer of a pool has it, so one plan serves every layer. Strides are not
+    part of it: a run accepts any view of this shape with a contiguous last dim.
+    """
+
+    num_pages: int
+    page_size: int  # tokens per page
+    num_kv_heads: int
+    head_dim: int  # elements
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> CacheSpec:
+        num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
+        return cls(num_pages, page_size, num_kv_heads, head_dim, kv_cache.dtype, kv_cache.device)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def check(self, kv_cache: object) -> torch.Tensor:
+        """BadRequest unless ``kv_cache`` has this geometry (reads no data)."""
+        import torch
+
+        if not isinstance(kv_cache, torch.Tensor):
+            raise BadRequest(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        if (
+            kv_cache.shape != self.shape
+            or kv_cache.dtype != self.dtype
+            or kv_cache.device != self.device
+        ):
+            raise BadRequest(
+                f"kv_cache {list(kv_cache.shape)} {kv_cache.dtype} on {kv_cache.device} is not "
+                f"the cache the plan was made for: {list(self.shape)} {self.dtype} on {self.device}"
+            )
+        check_last_dim(kv_cache, "kv_cache")
+        return kv_cache
+
+
+@dataclass(frozen=True, slots=True)
+class WritePlan:
+    """Validated slots of a write: every non-negative slot < num_pages * page_size
+    and distinct. ``prepared`` is the backend's own (opaque to callers)."""
+
+    backend: str  # name of the backend that made it; only that backend runs it
+    cache: CacheSpec
+    slots: torch.Tensor  # [T] int64, contiguous; slot < 0 is skipped
+    skips: bool  # some slot is negative
+    prepared: object = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slots.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """Validated copy-on-write pairs: pages in [0, num_pages), ``dst`` distinct and
+    disjoint from ``src``, so the copies are independent and run in any order."""
+
+    backend: str
+    cache: CacheSpec
+    src: torch.Tensor  # [N] int64 pages
+    dst: torch.Tensor  # [N] int64 pages
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    """One query token per sequence, over tables validated once.
+
+    Sequence b attends its ``seq_lens[b]`` tokens (>= 1), held in pages
+    ``block_table[b, :ceil(seq_lens[b] / page_size)]``, each in [0, num_pages);
+    the rest of the row is padding and is never read. ``write`` / ``copy`` are the
+    step's own write and copy plans (validated in the same transfer), or None.
+    """
+
+    backend: str
+    cache: CacheSpec
+    block_table: torch.Tensor  # [B, max_pages] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32, tokens
+    host_seq_lens: tuple[int, ...]  # seq_lens read back in the validating transfer
+    write: WritePlan | None = None
+    copy: CopyPlan | None = None
+    prepared: object = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.host_seq_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence, in tokens (0 for an empty batch)."""
+        return max(self.host_seq_lens, default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """Varlen causal queries over tables validated once.
+
+    The queries of sequence b are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of the
+    query; they are its *last* q_len[b] <= seq_lens[b] tokens (bottom-right aligned):
+    query i of b attends tokens ``0 .. seq_lens[b] - q_len[b] + i``. Table rules,
+    ``write`` and ``copy`` as in :class:`DecodePlan`.
+    """
+
+    backend: str
+    cache: CacheSpec
+    block_table: torch.Tensor  # [B, max_pages] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, from 0, non-decreasing
+    seq_lens: torch.Tensor  # [B] int32, tokens
+    host_seq_lens: tuple[int, ...]
+    host_cu_seqlens_q: tuple[int, ...]
+    write: WritePlan | None = None
+    copy: CopyPlan | None = None
+    prepared: object = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.host_seq_lens)
+
+    @property
+    def total_q(self) -> int:
+        """Query rows: cu_seqlens_q[-1]."""
+        return self.host_cu_seqlens_q[-1]
+
+
+Plan = DecodePlan | PrefillPlan | WritePlan | CopyPlan
+P = TypeVar("P", DecodePlan, PrefillPlan, WritePlan, CopyPlan)
+
+
 class Backend(abc.ABC):
     """Paged-attention kernels over one layer's cache. Subclass per backend."""
 
     name: str
     capabilities: Capabilities
 
-    # -- what a backend implements: inputs arrive validated -------------------------
-    # (the public wrappers with the boundary checks follow below)
+    # -- plan: once per step, validates values (one device sync) ---------------------
 
-    @abc.abstractmethod
-    def _write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        """Scatter ``key``/``value`` [T, Hkv, D] into ``slots`` [T] int64; slot < 0 skipped."""
-
-    @abc.abstractmethod
-    def _decode(
+    def plan_decode(
         self,
-        query: torch.Tensor,
         kv_cache: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One query token per sequence: query [B, Hq, D] -> out [B, Hq, D].
+        *,
+        slots: torch.Tensor | None = None,
+        copies: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> DecodePlan:
+        """Validate a decode step: ``block_table`` [B, max_pages] int32, ``seq_lens``
+        [B] int32 (tokens, >= 1, <= max_pages * page_size), only the first
+        ceil(seq_lens[b] / page_size) entries of row b read and in [0, num_pages).
 
-        Sequence b attends its ``seq_lens[b]`` tokens, held in pages
-        ``block_table[b, :ceil(seq_lens[b] / page_size)]``.
+        ``kv_cache`` is any layer's cache (its geometry, dtype and device are read,
+        not its values). ``slots`` / ``copies`` add the step's write and copy-on-write
+        plans (see :meth:`plan_write`, :meth:`plan_copy`) to the same transfer.
+        Synchronises with the device once.
         """
+        spec = self._spec(kv_cache)
+        checks = ValueChecks()
+        table, lens = check_table(checks, block_table, seq_lens, kv_cache, None)
+        at = checks.fetch(lens)
+        side = _Side(checks, kv_cache, slots, copies)
+        host = checks.run()
+        plan = DecodePlan(
+            self.name, spec, table, lens, tuple(host[at]),
+            write=self._write_plan(side, spec, kv_cache, host), copy=side.copy_plan(self, spec),
+        )  # fmt: skip
+        prepared = self._prepare_decode(plan, kv_cache)
+        return plan if prepared is None else replace(plan, prepared=prepared)
 
-    @abc.abstractmethod
-    def _prefill(
+    def plan_prefill(
         self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """Varlen causal attention: query [total_q, Hq, D] -> out [total_q, Hq, D].
-
-        The queries of sequence b are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
-        and are its *last* q_len tokens (bottom-right aligned): query i of b
-        attends tokens ``0 .. seq_lens[b] - q_len + i``.
-        """
-
-    @abc.abstractmethod
-    def _copy_pages(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy page ``src[i]`` to page ``dst[i]`` (K and V), for copy-on-write."""
-
-    # -- the public, validated operations -------------------------------------------
-    # Each checks its inputs (one host<->device synchronisation: the value checks are
-    # gathered into one flag vector read back once), then check_supported, then calls
-    # the backend's ``_`` method. Index tensors (slots, tables, lengths, src/dst)
-    # reach the ``_`` methods contiguous; float tensors keep their strides.
-
-    def write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-    ) -> None:
-        """Scatter ``key``/``value`` [T, Hkv, D] (cache dtype) into ``slots`` [T] int64.
-
-        ``slot = page * page_size + offset`` (tokens); a negative slot is skipped.
-        Non-negative slots must be < num_pages * page_size and distinct.
-        Synchronises with the device (validation reads flags back).
-        """
-        import torch
-
-        check_cache(kv_cache)
-        _, _, page_size, hkv, d = kv_cache.shape
-        check_float(key, "key", kv_cache, (None, hkv, d))
-        check_float(value, "value", kv_cache, tuple(key.shape))
-        slots = check_index(slots, "slots", kv_cache, torch.int64, (key.shape[0],))
-        n_slots = kv_cache.shape[0] * page_size
-        masked = torch.where(
-            slots >= 0, slots, -1 - torch.arange(slots.numel(), device=slots.device)
-        )
-        ordered = masked.sort().values
-        raise_first(
-            [
-                (slots >= n_slots).any(),
-                (ordered[1:] == ordered[:-1]).any(),
-            ],
-            [
-                lambda: (
-                    f"slots must be < num_pages * page_size = {n_slots}; got {int(slots.max())}"
-                ),
-                lambda: "slots must not repeat a non-negative slot (the winner would be undefined)",
-            ],
-        )
-        self.check_supported(kv_cache)
-        if slots.numel() > 0:
-            self._write_kv(kv_cache, key, value, slots)
-
-    def decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """One query token per sequence: query [B, Hq, D] -> out [B, Hq, D] (query dtype).
-
-        ``block_table`` [B, max_pages] int32, ``seq_lens`` [B] int32 (tokens, >= 1,
-        <= max_pages * page_size); only the first ceil(seq_lens[b] / page_size)
-        entries of row b are read and must lie in [0, num_pages); padding may hold
-        anything. ``scale`` multiplies q.k before the softmax. Hq must be a multiple
-        of Hkv. Synchronises with the device.
-        """
-        import torch
-
-        check_cache(kv_cache)
-        check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
-        check_heads(query, kv_cache)
-        batch = query.shape[0]
-        block_table, seq_lens = check_table(block_table, seq_lens, kv_cache, batch)
-        check_scale(scale)
-        self.check_supported(kv_cache)
-        if batch == 0:
-            return torch.empty_like(query)
-        return self._decode(query, kv_cache, block_table, seq_lens, float(scale))
-
-    def prefill(
-        self,
-        query: torch.Tensor,
         kv_cache: torch.Tensor,
         block_table: torch.Tensor,
         cu_seqlens_q: torch.Tensor,
         seq_lens: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        """Varlen causal attention: query [total_q, Hq, D] -> out [total_q, Hq, D].
-
-        ``cu_seqlens_q`` [B+1] int32 starts at 0, never decreases and ends at
-        total_q; q_len[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b] must be
-        <= seq_lens[b]. The q_len queries of b are its *last* q_len tokens (their
-        K/V must already be written): query i of b attends tokens
-        ``0 .. seq_lens[b] - q_len[b] + i`` (bottom-right aligned causal mask).
-        Table rules as in :meth:`decode`. Synchronises with the device.
+        *,
+        slots: torch.Tensor | None = None,
+        copies: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> PrefillPlan:
+        """Validate a prefill step: ``cu_seqlens_q`` [B+1] int32 starts at 0, never
+        decreases; q_len[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b] <= seq_lens[b]; the
+        query of the run has cu_seqlens_q[-1] rows. Tables, ``slots`` and ``copies``
+        as in :meth:`plan_decode`. Synchronises with the device once.
         """
         import torch
 
-        check_cache(kv_cache)
-        check_float(query, "query", kv_cache, (None, None, kv_cache.shape[4]))
-        check_heads(query, kv_cache)
-        total_q = query.shape[0]
-        cu = check_index(cu_seqlens_q, "cu_seqlens_q", kv_cache, torch.int32, (None,))
+        spec = self._spec(kv_cache)
+        checks = ValueChecks()
+        cu = check_index(cu_seqlens_q, "cu_seqlens_q", spec.device, torch.int32, (None,))
         if cu.shape[0] < 1:
             raise BadRequest("cu_seqlens_q must hold B + 1 >= 1 entries")
-        batch = cu.shape[0] - 1
-        block_table, seq_lens = check_table(block_table, seq_lens, kv_cache, batch)
-        check_scale(scale)
-        q_lens = cu[1:].long() - cu[:-1].long()
-        raise_first(
-            [
-                cu[0] != 0,
-                cu[-1] != total_q,
-                (q_lens < 0).any(),
-                (q_lens > seq_lens.long()).any(),
-            ],
-            [
-                lambda: f"cu_seqlens_q[0] must be 0, got {int(cu[0])}",
-                lambda: f"cu_seqlens_q[-1] must equal total_q = {total_q}, got {int(cu[-1])}",
-                lambda: f"cu_seqlens_q must not decrease: {cu.tolist()[:16]}",
-                lambda: (
-                    "each q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b] must be <= seq_lens[b]; "
-                    f"first bad b = {int((q_lens > seq_lens.long()).nonzero()[0, 0])}"
-                ),
-            ],
-        )
-        self.check_supported(kv_cache)
-        if total_q == 0:
-            return torch.empty_like(query)
-        return self._prefill(query, kv_cache, block_table, cu, seq_lens, float(scale))
+        table, lens = check_table(checks, block_table, seq_lens, kv_cache, cu.shape[0] - 1)
+        check_cu_seqlens(checks, cu, lens)
+        at_lens, at_cu = checks.fetch(lens), checks.fetch(cu)
+        side = _Side(checks, kv_cache, slots, copies)
+        host = checks.run()
+        plan = PrefillPlan(
+            self.name, spec, table, cu, lens, tuple(host[at_lens]), tuple(host[at_cu]),
+            write=self._write_plan(side, spec, kv_cache, host), copy=side.copy_plan(self, spec),
+        )  # fmt: skip
+        prepared = self._prepare_prefill(plan, kv_cache)
+        return plan if prepared is None else replace(plan, prepared=prepared)
 
-    def copy_pages(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy page ``src[i]`` to page ``dst[i]`` (K and V), for copy-on-write.
+    def plan_write(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> WritePlan:
+        """Validate ``slots`` [T] int64 on their own: non-negative slots must be
+        < num_pages * page_size and distinct; negative ones are skipped.
+        Synchronises with the device once."""
+        spec = self._spec(kv_cache)
+        checks = ValueChecks()
+        side = _Side(checks, kv_cache, slots, None)
+        plan = self._write_plan(side, spec, kv_cache, checks.run())
+        assert plan is not None
+        return plan
 
-        ``src``/``dst`` [N] int64 page indices in [0, num_pages); ``dst`` holds no
-        duplicate and no page of ``src`` (so the copies are independent and may run
-        in any order). Synchronises with the device.
-        """
-        import torch
+    def plan_copy(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> CopyPlan:
+        """Validate copy-on-write pairs on their own: ``src``/``dst`` [N] int64 pages in
+        [0, num_pages); ``dst`` holds no duplicate and no page of ``src``.
+        Synchronises with the device once."""
+        spec = self._spec(kv_cache)
+        checks = ValueChecks()
+        side = _Side(checks, kv_cache, None, (src, dst))
+        checks.run()
+        plan = side.copy_plan(self, spec)
+        assert plan is not None
+        return plan
 
-        check_cache(kv_cache)
-        src = check_index(src, "src", kv_cache, torch.int64, (None,))
-        dst = check_index(dst, "dst", kv_cache, torch.int64, (src.shape[0],))
-        num_pages = kv_cache.shape[0]
-        ordered = dst.sort().values
-        raise_first(
-            [
-                ((src < 0) | (src >= num_pages)).any(),
-                ((dst < 0) | (dst >= num_pages)).any(),
-                (ordered[1:] == ordered[:-1]).any(),
-                torch.isin(dst, src).any(),
-            ],
-            [
-                lambda: f"src pages must lie in [0, {num_pages}): {first_bad(src, num_pages)}",
-                lambda: f"dst pages must lie in [0, {num_pages}): {first_bad(dst, num_pages)}",
-                lambda: "dst must not repeat a page",
-                lambda: "dst must not name a page that src also names",
-            ],
-        )
-        self.check_supported(kv_cache)
-        if src.numel() > 0:
-            self._copy_pages(kv_cache, src, dst)
+    # -- run: per layer, shape/dtype/device checks only, never a sync -----------------
+
+    def decode(
+        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """query [B, Hq, D] (cache dtype, Hq a multiple of Hkv) -> out [B, Hq, D] (query
+        dtype): softmax(scale * q.k) v over each sequence's tokens of ``kv_cache``."""
+        spec = self._own(plan, DecodePlan).cache
+        kv_cache = spec.check(kv_cache)
+        query = check_float(query, "query", spec.device, spec.dtype,
+                            (plan.batch, None, spec.head_dim))  # fmt: skip
+        check_heads(query.shape[1], spec.num_kv_heads)
+        scale = check_scale(scale)
+        if plan.batch == 0:
+            return query.new_empty(query.shape)
+        return self._decode(plan, query, kv_cache, scale)
+
+    def prefill(
+        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """query [total_q, Hq, D] -> out [total_q, Hq, D]: bottom-right aligned causal
+        attention of each sequence's queries (see :class:`PrefillPlan`); K/V of the
+        queried tokens must already be written."""
+        spec = self._own(plan, PrefillPlan).cache
+        kv_cache = spec.check(kv_cache)
+        query = check_float(query, "query", spec.device, spec.dtype, (None, None, spec.head_dim))
+        if query.shape[0] != plan.total_q:
+            raise BadRequest(
+                f"query has {query.shape[0]} rows; cu_seqlens_q[-1] of the plan must equal "
+                f"total_q = {query.shape[0]}, got {plan.total_q}"
+            )
+        check_heads(query.shape[1], spec.num_kv_heads)
+        scale = check_scale(scale)
+        if plan.total_q == 0:
+            return query.new_empty(query.shape)
+        return self._prefill(plan, query, kv_cache, scale)
+
+    def write_kv(
+        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Scatter ``key``/``value`` [T, Hkv, D] (cache dtype) into the plan's slots."""
+        spec = self._own(plan, WritePlan).cache
+        kv_cache = spec.check(kv_cache)
+        pattern = (plan.num_tokens, spec.num_kv_heads, spec.head_dim)
+        key = check_float(key, "key", spec.device, spec.dtype, pattern)
+        value = check_float(value, "value", spec.device, spec.dtype, pattern)
+        if plan.num_tokens > 0:
+            self._write_kv(plan, kv_cache, key, value)
+
+    def copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
+        """Copy page ``src[i]`` to page ``dst[i]`` (K and V) of ``kv_cache``."""
+        spec = self._own(plan, CopyPlan).cache
+        kv_cache = spec.check(kv_cache)
+        if plan.src.shape[0] > 0:
+            self._copy_pages(plan, kv_cache)
 
     def check_supported(self, kv_cache: torch.Tensor) -> None:
         """Unsupported unless the capabilities cover this cache's device, dtype and shape."""
@@ -301,6 +401,91 @@ class Backend(abc.ABC):
                 f"backend {self.name!r} does not support device={kv_cache.device.type} "
                 f"dtype={dtype} head_dim={head_dim} page_size={page_size}"
             )
+
+    # -- what a backend implements; called only by the methods above -----------------
+    # Inputs arrive checked: the plan's tables are valid, kv_cache has its geometry,
+    # query/key/value have the shapes, dtype and device stated above; none is empty.
+
+    @abc.abstractmethod
+    def _decode(
+        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _prefill(
+        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _write_kv(
+        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None: ...
+
+    def _prepare_decode(self, plan: DecodePlan, kv_cache: torch.Tensor) -> object:
+        """Precomputation stored as ``plan.prepared`` (host work; no sync). None: none."""
+        return None
+
+    def _prepare_prefill(self, plan: PrefillPlan, kv_cache: torch.Tensor) -> object:
+        return None
+
+    def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> object:
+        return None
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _spec(self, kv_cache: object) -> CacheSpec:
+        """Shape checks of the planning cache, then the capabilities (before any value
+        is read: an undeclared device, meta included, never runs a check)."""
+        cache = check_cache(kv_cache)
+        self.check_supported(cache)
+        return CacheSpec.of(cache)
+
+    def _write_plan(
+        self, side: _Side, spec: CacheSpec, kv_cache: torch.Tensor, host: list[list[int]]
+    ) -> WritePlan | None:
+        if side.slots is None:
+            return None
+        plan = WritePlan(self.name, spec, side.slots, bool(host[side.at_skips][0]))
+        prepared = self._prepare_write(plan, kv_cache)
+        return plan if prepared is None else replace(plan, prepared=prepared)
+
+    def _own(self, plan: object, kind: type[P]) -> P:
+        if not isinstance(plan, kind):
+            raise BadRequest(f"expected a {kind.__name__}, got {type(plan).__name__}")
+        if plan.backend != self.name:
+            raise BadRequest(f"a plan of backend {plan.backend!r} given to {self.name!r}")
+        return plan
+
+
+class _Side:
+    """The write and copy-on-write parts of a step plan: their checks join the step's
+    transfer; the plans are built from its result."""
+
+    def __init__(
+        self,
+        checks: ValueChecks,
+        kv_cache: torch.Tensor,
+        slots: object | None,
+        copies: tuple[object, object] | None,
+    ) -> None:
+        self.slots: torch.Tensor | None = None
+        self.copies: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.at_skips = -1
+        if slots is not None:
+            self.slots = check_slots(checks, slots, kv_cache)
+            self.at_skips = checks.fetch((self.slots < 0).any())
+        if copies is not None:
+            if not isinstance(copies, tuple) or len(copies) != 2:
+                raise BadRequest("copies must be a (src, dst) pair of tensors")
+            self.copies = check_copies(checks, copies[0], copies[1], kv_cache)
+
+    def copy_plan(self, backend: Backend, spec: CacheSpec) -> CopyPlan | None:
+        if self.copies is None:
+            return None
+        return CopyPlan(backend.name, spec, *self.copies)
 
 
 def available() -> list[str]:

@@ -1,14 +1,18 @@
 """Boundary checks of the kernel API (kvcore.backend): BadRequest for bad input.
 
-Shape, dtype and device checks read no tensor data. Value checks (lengths, page
-indices, slots) are vectorised and their flags are read back in one transfer by
-:func:`raise_first`, so a validated call synchronises with the device once.
+Two kinds. Shape, dtype and device checks read no tensor data; the run methods
+(``decode``/``prefill``/``write_kv``/``copy_pages`` of a plan) use only these.
+Value checks (lengths, page indices, slots) are vectorised tensor expressions
+collected in a :class:`ValueChecks` and read back in one transfer, together with
+whatever host copies the plan keeps, so planning a step synchronises with the
+device once.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
@@ -22,8 +26,9 @@ def fmt_shape(pattern: tuple[int | None, ...]) -> str:
 
 
 def check_tensor(
-    t: object, name: str, kv_cache: torch.Tensor, pattern: tuple[int | None, ...]
+    t: object, name: str, device: torch.device, pattern: tuple[int | None, ...]
 ) -> torch.Tensor:
+    """A tensor of ``pattern`` (None: any size) on ``device``; reads no data."""
     import torch
 
     if not isinstance(t, torch.Tensor):
@@ -32,12 +37,12 @@ def check_tensor(
         want is not None and got != want for got, want in zip(t.shape, pattern, strict=True)
     ):
         raise BadRequest(f"{name} must have shape {fmt_shape(pattern)}, got {list(t.shape)}")
-    if t.device != kv_cache.device:
-        raise BadRequest(f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
+    if t.device != device:
+        raise BadRequest(f"{name} is on {t.device}, kv_cache on {device}")
     return t
 
 
-def check_cache(kv_cache: object) -> None:
+def check_cache(kv_cache: object) -> torch.Tensor:
     """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1], last dim contiguous."""
     import torch
 
@@ -50,6 +55,7 @@ def check_cache(kv_cache: object) -> None:
             f"with every dim >= 1, got {list(shape)}"
         )
     check_last_dim(kv_cache, "kv_cache")
+    return kv_cache
 
 
 def check_last_dim(t: torch.Tensor, name: str) -> None:
@@ -58,57 +64,110 @@ def check_last_dim(t: torch.Tensor, name: str) -> None:
 
 
 def check_float(
-    t: object, name: str, kv_cache: torch.Tensor, pattern: tuple[int | None, ...]
-) -> None:
+    t: object,
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    pattern: tuple[int | None, ...],
+) -> torch.Tensor:
     """A query/key/value tensor: shape, the cache's dtype and device, last dim contiguous."""
-    t = check_tensor(t, name, kv_cache, pattern)
-    if t.dtype != kv_cache.dtype:
-        raise BadRequest(f"{name} has dtype {t.dtype}, kv_cache {kv_cache.dtype}: they must match")
+    t = check_tensor(t, name, device, pattern)
+    if t.dtype != dtype:
+        raise BadRequest(f"{name} has dtype {t.dtype}, kv_cache {dtype}: they must match")
     check_last_dim(t, name)
+    return t
 
 
-def check_heads(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    hq, hkv = query.shape[1], kv_cache.shape[3]
-    if hq < 1 or hq % hkv != 0:
-        raise BadRequest(f"query heads ({hq}) must be a positive multiple of kv heads ({hkv})")
+def check_heads(num_q_heads: int, num_kv_heads: int) -> None:
+    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise BadRequest(
+            f"query heads ({num_q_heads}) must be a positive multiple of kv heads ({num_kv_heads})"
+        )
 
 
 def check_index(
     t: object,
     name: str,
-    kv_cache: torch.Tensor,
+    device: torch.device,
     dtype: torch.dtype,
     pattern: tuple[int | None, ...],
 ) -> torch.Tensor:
     """An index tensor: shape, exact integer dtype, device; returned contiguous."""
-    t = check_tensor(t, name, kv_cache, pattern)
+    t = check_tensor(t, name, device, pattern)
     if t.dtype != dtype:
         raise BadRequest(f"{name} must be {dtype}, got {t.dtype}")
     return t.contiguous()
 
 
-def check_scale(scale: object) -> None:
+def check_scale(scale: object) -> float:
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise BadRequest(f"scale must be a finite float, got {scale!r}")
+    return float(scale)
+
+
+@dataclass(slots=True)
+class ValueChecks:
+    """Violation flags (each a 0-dim or 1-element bool tensor, True = bad) with their
+    messages, and integer tensors to copy to the host, all read back in one transfer
+    by :meth:`run`. Messages are built only for the first violation (they may read
+    tensor values: that costs a second transfer on an error path only)."""
+
+    flags: list[torch.Tensor] = field(default_factory=list)
+    messages: list[Callable[[], str]] = field(default_factory=list)
+    fetches: list[torch.Tensor] = field(default_factory=list)
+
+    def check(self, bad: torch.Tensor, message: Callable[[], str]) -> None:
+        self.flags.append(bad.reshape(1))
+        self.messages.append(message)
+
+    def fetch(self, values: torch.Tensor) -> int:
+        """Queue an int tensor for the host; its index in :meth:`run`'s result."""
+        self.fetches.append(values.reshape(-1))
+        return len(self.fetches) - 1
+
+    def run(self) -> list[list[int]]:
+        """Read everything back at once; BadRequest for the first flag set, else the
+        host copies of the fetched tensors, in the order queued."""
+        import torch
+
+        parts = [f.long() for f in self.flags] + [v.long() for v in self.fetches]
+        if not parts:
+            return []
+        values = torch.cat(parts).tolist()
+        for bad, message in zip(values, self.messages, strict=False):
+            if bad:
+                raise BadRequest(message())
+        out: list[list[int]] = []
+        at = len(self.flags)
+        for v in self.fetches:
+            out.append(values[at : at + v.numel()])
+            at += v.numel()
+        return out
 
 
 def check_table(
-    block_table: object, seq_lens: object, kv_cache: torch.Tensor, batch: int
+    checks: ValueChecks,
+    block_table: object,
+    seq_lens: object,
+    kv_cache: torch.Tensor,
+    batch: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """block_table [B, max_pages] int32 and seq_lens [B] int32, values checked.
+    """block_table [B, max_pages] int32 and seq_lens [B] int32; queues their value checks.
 
     Only the pages a sequence uses (the first ceil(seq_len / page_size) entries of
     its row) must be in [0, num_pages); the padding after them is never read.
+    ``batch`` None takes B from the table.
     """
     import torch
 
-    table = check_index(block_table, "block_table", kv_cache, torch.int32, (batch, None))
-    lens = check_index(seq_lens, "seq_lens", kv_cache, torch.int32, (batch,))
+    dev = kv_cache.device
+    table = check_index(block_table, "block_table", dev, torch.int32, (batch, None))
+    lens = check_index(seq_lens, "seq_lens", dev, torch.int32, (table.shape[0],))
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
     max_pages = table.shape[1]
     lens64 = lens.long()
     used = (lens64 + page_size - 1) // page_size  # pages per sequence
-    columns = torch.arange(max_pages, device=table.device)
+    columns = torch.arange(max_pages, device=dev)
     read = columns[None, :] < used[:, None]
     bad_page = read & ((table < 0) | (table >= num_pages))
 
@@ -119,32 +178,77 @@ def check_table(
             f"(sequence {b} holds {int(lens64[b])} tokens = {int(used[b])} pages)"
         )
 
-    raise_first(
-        [(lens64 < 1).any(), (lens64 > max_pages * page_size).any(), bad_page.any()],
-        [
-            lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}",
-            lambda: (
-                f"seq_lens must be <= max_pages * page_size = {max_pages * page_size} "
-                f"(block_table has {max_pages} columns), got max {int(lens64.max())}"
-            ),
-            page_message,
-        ],
+    checks.check((lens64 < 1).any(), lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}")
+    checks.check(
+        (lens64 > max_pages * page_size).any(),
+        lambda: (
+            f"seq_lens must be <= max_pages * page_size = {max_pages * page_size} "
+            f"(block_table has {max_pages} columns), got max {int(lens64.max())}"
+        ),
     )
+    checks.check(bad_page.any(), page_message)
     return table, lens
+
+
+def check_cu_seqlens(checks: ValueChecks, cu: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Queue the value checks of cu_seqlens_q [B + 1] int32 (already shape-checked): it
+    starts at 0, never decreases, and each q_len = cu[b+1] - cu[b] is <= seq_lens[b]."""
+    q_lens = cu[1:].long() - cu[:-1].long()
+    checks.check(cu[0] != 0, lambda: f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    checks.check((q_lens < 0).any(), lambda: f"cu_seqlens_q must not decrease: {cu.tolist()[:16]}")
+    checks.check(
+        (q_lens > seq_lens.long()).any(),
+        lambda: (
+            "each q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b] must be <= seq_lens[b]; "
+            f"first bad b = {int((q_lens > seq_lens.long()).nonzero()[0, 0])}"
+        ),
+    )
+
+
+def check_slots(checks: ValueChecks, slots: object, kv_cache: torch.Tensor) -> torch.Tensor:
+    """slots [T] int64: each < num_pages * page_size; non-negative ones distinct."""
+    import torch
+
+    slots = check_index(slots, "slots", kv_cache.device, torch.int64, (None,))
+    n_slots = kv_cache.shape[0] * kv_cache.shape[2]
+    # negative slots become distinct negatives, so only repeated real slots collide
+    masked = torch.where(slots >= 0, slots, -1 - torch.arange(slots.numel(), device=slots.device))
+    ordered = masked.sort().values
+    checks.check(
+        (slots >= n_slots).any(),
+        lambda: f"slots must be < num_pages * page_size = {n_slots}; got {int(slots.max())}",
+    )
+    checks.check(
+        (ordered[1:] == ordered[:-1]).any(),
+        lambda: "slots must not repeat a non-negative slot (the winner would be undefined)",
+    )
+    return slots
+
+
+def check_copies(
+    checks: ValueChecks, src: object, dst: object, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """src/dst [N] int64 pages in [0, num_pages); dst distinct and disjoint from src."""
+    import torch
+
+    dev = kv_cache.device
+    src = check_index(src, "src", dev, torch.int64, (None,))
+    dst = check_index(dst, "dst", dev, torch.int64, (src.shape[0],))
+    num_pages = kv_cache.shape[0]
+    ordered = dst.sort().values
+    checks.check(
+        ((src < 0) | (src >= num_pages)).any(),
+        lambda: f"src pages must lie in [0, {num_pages}): {first_bad(src, num_pages)}",
+    )
+    checks.check(
+        ((dst < 0) | (dst >= num_pages)).any(),
+        lambda: f"dst pages must lie in [0, {num_pages}): {first_bad(dst, num_pages)}",
+    )
+    checks.check((ordered[1:] == ordered[:-1]).any(), lambda: "dst must not repeat a page")
+    checks.check(torch.isin(dst, src).any(), lambda: "dst must not name a page that src also names")
+    return src, dst
 
 
 def first_bad(pages: torch.Tensor, num_pages: int) -> str:
     i = int(((pages < 0) | (pages >= num_pages)).nonzero()[0, 0])
     return f"entry {i} is {int(pages[i])}"
-
-
-def raise_first(flags: list[torch.Tensor], messages: list[Callable[[], str]]) -> None:
-    """Read all violation flags back in one transfer; raise BadRequest for the first."""
-    import torch
-
-    assert len(flags) == len(messages), "one message per flag"
-    for bad, message in zip(
-        torch.stack([f.reshape(()) for f in flags]).tolist(), messages, strict=True
-    ):
-        if bad:
-            raise BadRequest(message())

@@ -42,6 +42,12 @@ def test_plugin_class_runs_every_property() -> None:
 # -- sanity checks by hand ---------------------------------------------------------
 
 
+def _decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+            scale: float) -> torch.Tensor:  # fmt: skip
+    backend = TorchBackend()
+    return backend.decode(backend.plan_decode(cache, table, lens), q, cache, scale)
+
+
 def _one_page_cache(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
     """Tokens [n, H, D] of K and V in page 1 of a 2-page NaN cache (page 0 is all NaN)."""
     n, h, d = k.shape
@@ -55,7 +61,7 @@ def test_single_token_returns_its_value() -> None:
     cache = _one_page_cache(k, v, page_size=4)
     q = torch.randn(3, 4, 8)  # 3 sequences on the same page, Hq = 4, Hkv = 2
     table = torch.tensor([[1], [1], [1]], dtype=I32)
-    out = TorchBackend().decode(q, cache, table, torch.ones(3, dtype=I32), 0.5)
+    out = _decode(q, cache, table, torch.ones(3, dtype=I32), 0.5)
     # query heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
     expected = v[0].repeat_interleave(2, dim=0).expand(3, 4, 8)
     torch.testing.assert_close(out, expected)
@@ -64,7 +70,7 @@ def test_single_token_returns_its_value() -> None:
 def test_zero_scale_averages_values() -> None:
     k, v = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
     cache = _one_page_cache(k, v, page_size=8)
-    out = TorchBackend().decode(
+    out = _decode(
         torch.randn(1, 2, 4), cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0
     )
     torch.testing.assert_close(out[0], v.mean(0).expand(2, 4))
@@ -75,10 +81,14 @@ def test_prefill_is_causal_bottom_right() -> None:
     k, v = torch.randn(n, 1, 4), torch.randn(n, 1, 4)
     cache = _one_page_cache(k, v, page_size=8)
     q = torch.randn(q_len, 1, 4)
-    out = TorchBackend().prefill(
-        q, cache, torch.tensor([[1]], dtype=I32), torch.tensor([0, q_len], dtype=I32),
-        torch.tensor([n], dtype=I32), 0.7,
-    )  # fmt: skip
+    backend = TorchBackend()
+    plan = backend.plan_prefill(
+        cache,
+        torch.tensor([[1]], dtype=I32),
+        torch.tensor([0, q_len], dtype=I32),
+        torch.tensor([n], dtype=I32),
+    )
+    out = backend.prefill(plan, q, cache, 0.7)
     for i in range(q_len):  # query i sits at token n - q_len + i
         m = n - q_len + i + 1
         w = torch.softmax((k[:m, 0] @ q[i, 0]) * 0.7, dim=0)
@@ -99,18 +109,22 @@ def test_dense_attention_reference_matches_sdpa_is_causal() -> None:
 def test_write_kv_skips_negative_slots_and_copy_pages_copies() -> None:
     cache = torch.zeros(3, 2, 2, 1, 2)
     key, value = torch.ones(3, 1, 2), 2 * torch.ones(3, 1, 2)
-    TorchBackend().write_kv(cache, key, value, torch.tensor([1, -1, 4], dtype=I64))
+    backend = TorchBackend()
+    backend.write_kv(
+        backend.plan_write(cache, torch.tensor([1, -1, 4], dtype=I64)), cache, key, value
+    )
     assert cache[0, :, 1].tolist() == [[[1.0, 1.0]], [[2.0, 2.0]]]
     assert cache[2, :, 0].tolist() == [[[1.0, 1.0]], [[2.0, 2.0]]]
     assert int((cache != 0).sum()) == 8  # two slots x (K + V) x 2 elements
-    TorchBackend().copy_pages(cache, torch.tensor([0], dtype=I64), torch.tensor([1], dtype=I64))
+    copy = backend.plan_copy(cache, torch.tensor([0], dtype=I64), torch.tensor([1], dtype=I64))
+    backend.copy_pages(copy, cache)
     assert torch.equal(cache[1], cache[0])
 
 
 def test_torch_backend_declares_no_float64() -> None:
     cache = torch.zeros(1, 2, 1, 1, 4, dtype=torch.float64)
     with pytest.raises(Unsupported, match="dtype=float64"):
-        TorchBackend().copy_pages(cache, torch.zeros(0, dtype=I64), torch.zeros(0, dtype=I64))
+        TorchBackend().plan_copy(cache, torch.zeros(0, dtype=I64), torch.zeros(0, dtype=I64))
 
 
 # -- registry ----------------------------------------------------------------------
@@ -159,7 +173,8 @@ def test_pytest_plugin_runs_suite_for_a_third_party(tmp_path: Path) -> None:
     env = {**os.environ, "KVCORE_CONFORMANCE_EXAMPLES": "1"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file),
-         "--kvcore-backend", "torch", "--kvcore-profile", "quick"],
+         "--kvcore-backend", "torch", "--kvcore-profile", "quick",
+         "-W", "error::pytest.PytestDeprecationWarning"],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr

@@ -102,7 +102,7 @@ def build(
         slots = own.repeat_interleave(page_size)[:n] * page_size + torch.arange(n) % page_size
         key = torch.randn(n, kv_heads, head_dim, generator=gen).to(DTYPES[dtype])
         value = torch.randn(n, kv_heads, head_dim, generator=gen).to(DTYPES[dtype])
-        backend.write_kv(kv_cache, key, value, slots.to(I64))
+        backend.write_kv(backend.plan_write(kv_cache, slots.to(I64)), kv_cache, key, value)
     paged = Paged(kv_cache, block_table, torch.tensor(seq_lens, dtype=I32), pages)
     return to_device(paged)
 
@@ -172,14 +172,9 @@ def test_prefill_over_cached_prefix_matches_reference(
     head_dim = paged.kv_cache.shape[4]
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
     query = torch.randn(sum(q_lens), num_q_heads, head_dim).to(DTYPES[dtype])
-    out = TritonBackend().prefill(
-        query.to(DEVICE),
-        paged.kv_cache,
-        paged.block_table,
-        cu.to(DEVICE),
-        paged.seq_lens,
-        1 / math.sqrt(head_dim),
-    )
+    backend = TritonBackend()
+    plan = backend.plan_prefill(paged.kv_cache, paged.block_table, cu.to(DEVICE), paged.seq_lens)
+    out = backend.prefill(plan, query.to(DEVICE), paged.kv_cache, 1 / math.sqrt(head_dim))
     for b, pages in enumerate(paged.pages):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         ref = reference(query[rows], paged.kv_cache.cpu(), pages, seq_lens[b])
@@ -191,7 +186,9 @@ def test_prefill_of_a_whole_sequence_is_causal() -> None:
     paged = build([20], page_size=3, kv_heads=2, head_dim=32, dtype="float32", seed=7)
     query = torch.randn(20, 4, 32, device=DEVICE)
     cu = torch.tensor([0, 20], dtype=I32, device=DEVICE)
-    out = TritonBackend().prefill(query, paged.kv_cache, paged.block_table, cu, paged.seq_lens, 0.2)
+    backend = TritonBackend()
+    plan = backend.plan_prefill(paged.kv_cache, paged.block_table, cu, paged.seq_lens)
+    out = backend.prefill(plan, query, paged.kv_cache, 0.2)
     first_page = int(paged.pages[0][0])
     v0 = paged.kv_cache[first_page, 1, 0].repeat_interleave(2, dim=0)  # [Hq, D]
     torch.testing.assert_close(out[0], v0)
@@ -215,9 +212,9 @@ def test_strided_cache_view_gives_the_same_result() -> None:
     qbig = torch.randn(2, 8, 40).to(torch.float16).to(DEVICE)
     query = qbig[:, ::2, :24]  # heads at stride 2: [2, 4, 24]
     backend = TritonBackend()
-    args = (paged.block_table, paged.seq_lens, 0.3)
-    dense = backend.decode(query.contiguous(), paged.kv_cache, *args)
-    strided = backend.decode(query, view, *args)
+    plan = backend.plan_decode(paged.kv_cache, paged.block_table, paged.seq_lens)
+    dense = backend.decode(plan, query.contiguous(), paged.kv_cache, 0.3)
+    strided = backend.decode(plan, query, view, 0.3)  # one plan, any view of its geometry
     torch.testing.assert_close(strided, dense, atol=0, rtol=0)
 
 
@@ -232,7 +229,8 @@ def test_write_kv_is_bit_exact_and_skips_negative_slots(dtype: str) -> None:
     key = torch.randn(6, 2, 40, generator=gen).to(DTYPES[dtype]).to(DEVICE)
     value = torch.randn(6, 2, 40, generator=gen).to(DTYPES[dtype]).to(DEVICE)
     slots = torch.tensor([0, -1, 19, 7, -5, 12], dtype=I64, device=DEVICE)
-    TritonBackend().write_kv(cache, key, value, slots)
+    backend = TritonBackend()
+    backend.write_kv(backend.plan_write(cache, slots), cache, key, value)
     expected = before.clone()
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -246,11 +244,13 @@ def test_copy_pages_copies_exactly_and_touches_nothing_else() -> None:
     cache = torch.randn(6, 2, 3, 2, 24).to(torch.bfloat16).to(DEVICE)
     cache[5, 0, 1, 1, 3] = float("nan")  # NaN bits copy as they are
     before = cache.clone()
-    TritonBackend().copy_pages(
+    backend = TritonBackend()
+    plan = backend.plan_copy(
         cache,
         torch.tensor([5, 1], dtype=I64, device=DEVICE),
         torch.tensor([0, 3], dtype=I64, device=DEVICE),
     )
+    backend.copy_pages(plan, cache)
     expected = before.clone()
     expected[0], expected[3] = before[5], before[1]
     assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
@@ -281,9 +281,9 @@ def test_decode_on_gpu_matches_reference_at_the_benchmark_head_shape() -> None:
         pytest.skip("needs CUDA")
     paged = build([1, 15, 16, 17, 300], 16, kv_heads=8, head_dim=128, dtype="bfloat16", seed=5)
     query = torch.randn(5, 32, 128, device="cuda").to(torch.bfloat16)
-    out = TritonBackend().decode(
-        query, paged.kv_cache, paged.block_table, paged.seq_lens, 128**-0.5
-    )
+    backend = TritonBackend()
+    plan = backend.plan_decode(paged.kv_cache, paged.block_table, paged.seq_lens)
+    out = backend.decode(plan, query, paged.kv_cache, 128**-0.5)
     for b, pages in enumerate(paged.pages):
         ref = reference(query[b : b + 1].cpu(), paged.kv_cache.cpu(), pages, int(paged.seq_lens[b]))
         assert_close(out[b : b + 1], ref, "bfloat16")

@@ -1,6 +1,7 @@
 """Boundary validation of kvcore.backend: every check raises its typed error with a
-clear message, and whatever the input, a kernel (the ``_`` method) only ever sees
-inputs that satisfy the contract."""
+clear message, from the plan (values) or the run (shapes, dtypes, devices), and
+whatever the input, a kernel (the protected hooks) only ever sees inputs that
+satisfy the contract."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_torch import TorchBackend
 
+from kvcore.backend import Backend
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 
 I32, I64 = torch.int32, torch.int64
@@ -31,6 +33,21 @@ def t64(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=I64)
 
 
+def call(backend: Backend, op: str, a: dict[str, Any]) -> Any:
+    """Plan then run ``op`` as an engine does, from one dict of named arguments."""
+    kv = a["kv_cache"]
+    if op == "decode":
+        plan = backend.plan_decode(kv, a["block_table"], a["seq_lens"])
+        return backend.decode(plan, a["query"], kv, a["scale"])
+    if op == "prefill":
+        plan = backend.plan_prefill(kv, a["block_table"], a["cu_seqlens_q"], a["seq_lens"])
+        return backend.prefill(plan, a["query"], kv, a["scale"])
+    if op == "write_kv":
+        return backend.write_kv(backend.plan_write(kv, a["slots"]), kv, a["key"], a["value"])
+    assert op == "copy_pages", op
+    return backend.copy_pages(backend.plan_copy(kv, a["src"], a["dst"]), kv)
+
+
 def decode(**override: Any) -> torch.Tensor:
     args: dict[str, Any] = {
         "query": torch.zeros(2, 4, D),
@@ -39,7 +56,8 @@ def decode(**override: Any) -> torch.Tensor:
         "seq_lens": t32(5, 8),
         "scale": 0.5,
     }
-    return TorchBackend().decode(**{**args, **override})
+    out: torch.Tensor = call(TorchBackend(), "decode", {**args, **override})
+    return out
 
 
 def prefill(**override: Any) -> torch.Tensor:
@@ -51,7 +69,8 @@ def prefill(**override: Any) -> torch.Tensor:
         "seq_lens": t32(5, 8),
         "scale": 0.5,
     }
-    return TorchBackend().prefill(**{**args, **override})
+    out: torch.Tensor = call(TorchBackend(), "prefill", {**args, **override})
+    return out
 
 
 def write_kv(**override: Any) -> None:
@@ -61,12 +80,12 @@ def write_kv(**override: Any) -> None:
         "value": torch.zeros(3, HKV, D),
         "slots": t64(0, -1, 15),
     }
-    TorchBackend().write_kv(**{**args, **override})
+    call(TorchBackend(), "write_kv", {**args, **override})
 
 
 def copy_pages(**override: Any) -> None:
     args: dict[str, Any] = {"kv_cache": cache(), "src": t64(0, 0), "dst": t64(1, 2)}
-    TorchBackend().copy_pages(**{**args, **override})
+    call(TorchBackend(), "copy_pages", {**args, **override})
 
 
 def test_valid_calls_pass() -> None:
@@ -109,7 +128,8 @@ def test_bad_cache_rejected_by_every_operation(what: str, bad: Any, message: str
 
 
 DECODE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
-    ("query rank", {"query": torch.zeros(2, 4)}, r"query must have shape \[\*, \*, 8\]"),
+    ("query rank", {"query": torch.zeros(2, 4)}, r"query must have shape \[2, \*, 8\]"),
+    ("query batch", {"query": torch.zeros(3, 4, D)}, r"query must have shape \[2, \*, 8\]"),
     ("query head dim", {"query": torch.zeros(2, 4, 4)}, r"query must have shape"),
     ("query dtype", {"query": torch.zeros(2, 4, D, dtype=torch.float16)}, "query has dtype"),
     ("query device", {"query": torch.zeros(2, 4, D, device="meta")}, "query is on meta"),
@@ -121,8 +141,12 @@ DECODE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
         {"block_table": torch.zeros(2, 2, dtype=I64)},
         "block_table must be torch.int32",
     ),
-    ("table rank", {"block_table": t32(0, 1)}, r"block_table must have shape \[2, \*\]"),
-    ("table rows", {"block_table": torch.zeros(3, 2, dtype=I32)}, "block_table must have shape"),
+    ("table rank", {"block_table": t32(0, 1)}, r"block_table must have shape \[\*, \*\]"),
+    (
+        "table rows",
+        {"block_table": torch.zeros(3, 2, dtype=I32)},
+        r"seq_lens must have shape \[3\]",
+    ),
     ("lens dtype", {"seq_lens": t64(5, 8)}, "seq_lens must be torch.int32"),
     ("lens rows", {"seq_lens": t32(5)}, r"seq_lens must have shape \[2\]"),
     ("lens zero", {"seq_lens": t32(0, 8)}, "seq_lens must be >= 1"),
@@ -181,12 +205,13 @@ def test_prefill_errors(what: str, bad: dict[str, Any], message: str) -> None:
 
 
 WRITE_ERRORS: list[tuple[str, dict[str, Any], str]] = [
-    ("key heads", {"key": torch.zeros(3, 1, D)}, r"key must have shape \[\*, 2, 8\]"),
+    ("key heads", {"key": torch.zeros(3, 1, D)}, r"key must have shape \[3, 2, 8\]"),
     ("key dtype", {"key": torch.zeros(3, HKV, D, dtype=torch.bfloat16)}, "key has dtype"),
     ("value shape", {"value": torch.zeros(2, HKV, D)}, r"value must have shape \[3, 2, 8\]"),
     ("value strided", {"value": torch.zeros(3, HKV, 2 * D)[..., ::2]}, "value must have a contig"),
     ("slots dtype", {"slots": t32(0, 1, 2)}, "slots must be torch.int64"),
-    ("slots length", {"slots": t64(0, 1)}, r"slots must have shape \[3\]"),
+    ("slots length", {"slots": t64(0, 1)}, r"key must have shape \[2, 2, 8\]"),
+    ("slots rank", {"slots": t64(0, 1, 2).reshape(1, 3)}, r"slots must have shape \[\*\]"),
     ("slot past", {"slots": t64(0, 16, 1)}, "slots must be < num_pages \\* page_size = 16; got 16"),
     ("slot repeated", {"slots": t64(3, -1, 3)}, "must not repeat"),
     ("slots device", {"slots": torch.zeros(3, dtype=I64, device="meta")}, "slots is on meta"),
@@ -225,42 +250,42 @@ def test_undeclared_configurations_are_unsupported() -> None:
         decode(query=torch.zeros(2, 4, D, dtype=torch.float64), kv_cache=cache(torch.float64))
     big = torch.zeros(1, 2, 1, 1, 264)
     with pytest.raises(Unsupported, match="head_dim=264"):
-        TorchBackend().copy_pages(big, t64(), t64())
+        TorchBackend().plan_copy(big, t64(), t64())
     with pytest.raises(Unsupported, match="page_size=129"):
-        TorchBackend().copy_pages(torch.zeros(1, 2, 129, 1, 4), t64(), t64())
+        TorchBackend().plan_copy(torch.zeros(1, 2, 129, 1, 4), t64(), t64())
 
 
 # -- fuzz: bad input never crashes and never reaches a kernel ---------------------------
 
 
 class Guarded(TorchBackend):
-    """Asserts, inside each kernel entry, the contract validation promises."""
+    """Asserts, inside each kernel hook, the contract validation promises."""
 
     name = "guarded"
 
-    def _decode(
-        self, query: Any, kv_cache: Any, block_table: Any, seq_lens: Any, scale: float
-    ) -> Any:
-        _assert_table(kv_cache, block_table, seq_lens)
-        return super()._decode(query, kv_cache, block_table, seq_lens, scale)
+    def _decode(self, plan: Any, query: Any, kv_cache: Any, scale: float) -> Any:
+        _assert_table(kv_cache, plan.block_table, plan.seq_lens)
+        assert query.shape[0] == plan.batch and kv_cache.shape == plan.cache.shape
+        return super()._decode(plan, query, kv_cache, scale)
 
-    def _prefill(
-        self, query: Any, kv_cache: Any, block_table: Any, cu: Any, seq_lens: Any, scale: float
-    ) -> Any:
-        _assert_table(kv_cache, block_table, seq_lens)
+    def _prefill(self, plan: Any, query: Any, kv_cache: Any, scale: float) -> Any:
+        _assert_table(kv_cache, plan.block_table, plan.seq_lens)
+        cu = plan.cu_seqlens_q
         q_lens = cu[1:] - cu[:-1]
         assert int(cu[0]) == 0 and int(cu[-1]) == query.shape[0]
-        assert bool(((q_lens >= 0) & (q_lens <= seq_lens)).all())
-        return super()._prefill(query, kv_cache, block_table, cu, seq_lens, scale)
+        assert bool(((q_lens >= 0) & (q_lens <= plan.seq_lens)).all())
+        return super()._prefill(plan, query, kv_cache, scale)
 
-    def _write_kv(self, kv_cache: Any, key: Any, value: Any, slots: Any) -> None:
+    def _write_kv(self, plan: Any, kv_cache: Any, key: Any, value: Any) -> None:
+        slots = plan.slots
         assert slots.dtype == I64 and bool((slots < kv_cache.shape[0] * kv_cache.shape[2]).all())
-        super()._write_kv(kv_cache, key, value, slots)
+        assert key.shape[0] == value.shape[0] == slots.shape[0]
+        super()._write_kv(plan, kv_cache, key, value)
 
-    def _copy_pages(self, kv_cache: Any, src: Any, dst: Any) -> None:
-        n = kv_cache.shape[0]
+    def _copy_pages(self, plan: Any, kv_cache: Any) -> None:
+        n, src, dst = kv_cache.shape[0], plan.src, plan.dst
         assert bool(((src >= 0) & (src < n) & (dst >= 0) & (dst < n)).all())
-        super()._copy_pages(kv_cache, src, dst)
+        super()._copy_pages(plan, kv_cache)
 
 
 def _assert_table(kv_cache: Any, table: Any, seq_lens: Any) -> None:
@@ -270,6 +295,44 @@ def _assert_table(kv_cache: Any, table: Any, seq_lens: Any) -> None:
         assert 1 <= length <= table.shape[1] * ps
         used = table[b, : -(-length // ps)]
         assert bool(((used >= 0) & (used < n)).all()), "an out-of-range page reached a kernel"
+
+
+# -- plans: made once, checked cheaply at every run ----------------------------------
+
+
+def test_a_plan_runs_only_on_its_backend_and_geometry() -> None:
+    backend = TorchBackend()
+    kv = cache()
+    plan = backend.plan_decode(kv, t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8))
+    query = torch.zeros(2, 4, D)
+    with pytest.raises(BadRequest, match="a plan of backend 'torch' given to 'guarded'"):
+        Guarded().decode(plan, query, kv, 0.5)
+    with pytest.raises(BadRequest, match="expected a PrefillPlan, got DecodePlan"):
+        backend.prefill(plan, query, kv, 0.5)  # type: ignore[arg-type]
+    other = torch.zeros(NUM_PAGES + 1, 2, PAGE, HKV, D)
+    with pytest.raises(BadRequest, match="is not the cache the plan was made for"):
+        backend.decode(plan, query, other, 0.5)
+    with pytest.raises(BadRequest, match="is not the cache the plan was made for"):
+        backend.decode(plan, query.double(), kv.double(), 0.5)
+
+
+def test_one_step_plan_validates_writes_and_copies_too() -> None:
+    backend = TorchBackend()
+    kv, table, lens = cache(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    with pytest.raises(BadRequest, match="must not repeat"):
+        backend.plan_decode(kv, table, lens, slots=t64(3, 3))
+    with pytest.raises(BadRequest, match="dst must not name a page that src"):
+        backend.plan_decode(kv, table, lens, copies=(t64(0, 1), t64(1, 2)))
+    plan = backend.plan_prefill(kv, table, t32(0, 2, 5), lens, slots=t64(4, -1, 5, 6, 7),
+                                copies=(t64(0), t64(3)))  # fmt: skip
+    assert plan.write is not None and plan.write.skips and plan.copy is not None
+    assert plan.host_seq_lens == (5, 8) and plan.total_q == 5
+    k = torch.ones(5, HKV, D)
+    backend.copy_pages(plan.copy, kv)
+    backend.write_kv(plan.write, kv, k, 2 * k)
+    assert kv[1, 0, 0].eq(1).all() and kv[1, 1, 1].eq(2).all() and kv[1, 0, 3].eq(1).all()
+    assert backend.prefill(plan, torch.zeros(5, 4, D), kv, 0.5).shape == (5, 4, D)
+    assert plan.write.prepared is not None  # the scatter index, computed once
 
 
 @st.composite
@@ -355,15 +418,30 @@ def fuzz_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 @settings(max_examples=400, deadline=None)
 @given(fuzz_call())
 def test_bad_input_raises_typed_errors_and_never_reaches_a_kernel(
-    call: tuple[str, dict[str, Any]],
+    case: tuple[str, dict[str, Any]],
 ) -> None:
-    op, kwargs = call
+    op, kwargs = case
     with contextlib.suppress(KVCoreError):  # BadRequest or Unsupported, never a crash
-        getattr(Guarded(), op)(**kwargs)
+        call(Guarded(), op, kwargs)
+
+
+def test_meta_tensors_raise_typed_errors() -> None:
+    """A meta tensor holds no values: the capabilities (no meta device) or the device
+    check refuse it before any value check reads one (seeds 5 and 10 of the fuzz test
+    found this)."""
+    meta = cache().to("meta")
+    with pytest.raises(Unsupported, match="device=meta"):
+        decode(kv_cache=meta, query=torch.zeros(2, 4, D, device="meta"),
+               block_table=t32(0, 1, 2, 3).reshape(2, 2).to("meta"),
+               seq_lens=t32(5, 8).to("meta"))  # fmt: skip
+    with pytest.raises(Unsupported, match="device=meta"):
+        write_kv(kv_cache=meta, slots=t64(0, -1, 15).to("meta"))
+    with pytest.raises(BadRequest, match="seq_lens is on meta"):
+        decode(seq_lens=t32(5, 8).to("meta"))
 
 
 @settings(max_examples=50, deadline=None)
 @given(valid_call())
-def test_valid_random_calls_pass(call: tuple[str, dict[str, Any]]) -> None:
-    op, kwargs = call
-    getattr(Guarded(), op)(**kwargs)
+def test_valid_random_calls_pass(case: tuple[str, dict[str, Any]]) -> None:
+    op, kwargs = case
+    call(Guarded(), op, kwargs)

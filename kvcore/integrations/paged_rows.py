@@ -3,8 +3,8 @@
 This module knows the Client and the backend's table formats, not transformers.
 :class:`PagedRows` turns the token ids of each forward pass into the daemon
 operations of that step (at most one ``Client.batch()`` round trip) and a
-:class:`StepPlan`: the int tensors every layer's ``write_kv`` and
-``decode``/``prefill`` take.
+:class:`StepPlan`: the int tensors of that step, which the backend's
+``plan_decode``/``plan_prefill`` validate once for every layer.
 
 Coordinates. A batch is ``B`` rows, left-padded to ``L`` columns: row ``b``
 holds ``pad[b]`` padding columns, then its ``n[b]`` real tokens. Only real
@@ -85,9 +85,7 @@ class StepPlan:
     cu_seqlens_q: torch.Tensor | None = None
     q_index: torch.Tensor | None = None
     copies: tuple[torch.Tensor, torch.Tensor] | None = None
-    trusted: bool = False  # the tables hold only pages validated in an earlier step
-    checked: set[str] = field(default_factory=set)  # backend ops validated in this step
-    layers_written: int = 0
+    layers_written: int = 0  # counted by the cache's update (every layer must write)
 
     @property
     def decode(self) -> bool:
@@ -210,7 +208,6 @@ class PagedRows:
             slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_table=self._table() if growing or self._last_table is None else self._last_table,
             seq_lens=torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.int32, device=dev),
-            trusted=not growing,
         )  # fmt: skip
         self._last_table = plan.block_table
         if src:

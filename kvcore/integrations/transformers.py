@@ -17,10 +17,13 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   model) falls back to the original implementation (``sdpa`` when the original
   is not in transformers' registry, e.g. ``eager``). The last cache bound to a
   model restores it on :meth:`close`.
-* Storage. ``update`` writes each layer's new K/V into the sequences' pages
-  with the backend's ``write_kv`` and returns them unchanged; the registered
-  attention function reads the pages with the backend's ``decode`` (one new
-  token per row) or ``prefill``: nothing dense is kept, nothing is concatenated.
+* Storage. Each forward plans its kernels once (the backend's ``plan_decode``
+  for one new token per row, else ``plan_prefill``, with the step's slots and
+  copy-on-write pairs: one device sync per forward). ``update`` writes each
+  layer's new K/V into the sequences' pages with ``write_kv`` and returns them
+  unchanged; the registered attention function reads the pages with ``decode``
+  or ``prefill`` of that plan: nothing dense is kept, nothing is concatenated,
+  and no layer synchronises.
 * Prefix reuse. The first forward allocates every row in the daemon; rows whose
   leading full pages are committed in the session's namespace get a hit, and
   first forward drops the leading columns every row has cached from
@@ -58,7 +61,7 @@ from kvcore.integrations import hf_binding
 from kvcore.integrations.paged_rows import PagedRows, StepPlan
 
 if TYPE_CHECKING:
-    from kvcore.backend import Backend
+    from kvcore.backend import Backend, DecodePlan, PrefillPlan
     from kvcore.client import Client
 
 __all__ = ["KVCoreCache"]
@@ -136,6 +139,7 @@ class KVCoreCache(Cache):
         self.num_cached_tokens = 0  # of those, served from the prefix cache
         self.rows = PagedRows(client, self._kv[0].device)
         self._plan: StepPlan | None = None
+        self._kernels: DecodePlan | PrefillPlan | None = None  # the backend's plan of _plan
         self._spent = False  # a forward failed or close ran: no more forwards
         self._model: torch.nn.Module | None = model
         hf_binding.attach(model, KVCoreCache)
@@ -145,19 +149,20 @@ class KVCoreCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Write this forward's K/V ([B, Hkv, q, D]) of layer ``layer_idx`` into the pages."""
-        plan = self._plan
-        if plan is None:
+        plan, kernels = self._plan, self._kernels
+        if plan is None or kernels is None:
             raise BadRequest("KVCoreCache.update outside a forward of the model it is bound to")
         kv = self._kv[layer_idx]
         batch, hkv, q, dim = key_states.shape
-        if plan.copies is not None:
-            self._op("copy_pages", kv, *plan.copies)
+        if kernels.copy is not None:
+            self.backend.copy_pages(kernels.copy, kv)
         if q == 1:
             key, value = key_states[:, :, 0], value_states[:, :, 0]
         else:
             key = key_states.transpose(1, 2).reshape(batch * q, hkv, dim)
             value = value_states.transpose(1, 2).reshape(batch * q, hkv, dim)
-        self._op("write_kv", kv, key, value, plan.slots)
+        assert kernels.write is not None, "every step plans its writes"
+        self.backend.write_kv(kernels.write, kv, key, value)
         plan.layers_written += 1
         return key_states, value_states
 
@@ -200,6 +205,7 @@ class KVCoreCache(Cache):
             self.num_prompt_tokens = sum(len(r.tokens) for r in self.rows.rows)
             self.num_cached_tokens = sum(r.hit for r in self.rows.rows)
             self.seen_columns = skip
+            self._kernels = self._plan_kernels(self._plan)
             if skip:
                 args, kwargs = _drop_columns(args, kwargs, skip)
             return args, kwargs
@@ -207,10 +213,22 @@ class KVCoreCache(Cache):
         if mask is not None and not bool(mask[:, -input_ids.shape[1] :].ne(0).all()):
             raise BadRequest("new tokens after the prompt must not be padding")
         self._plan = self.rows.step(input_ids.tolist())
+        self._kernels = self._plan_kernels(self._plan)
         return args, kwargs
 
+    def _plan_kernels(self, plan: StepPlan) -> DecodePlan | PrefillPlan:
+        """The backend's plan of this forward (its one device sync): tables, lengths,
+        slots and copy-on-write pairs, valid for every layer's cache."""
+        kv = self._kv[0]
+        if plan.cu_seqlens_q is None:
+            return self.backend.plan_decode(
+                kv, plan.block_table, plan.seq_lens, slots=plan.slots, copies=plan.copies
+            )
+        return self.backend.plan_prefill(kv, plan.block_table, plan.cu_seqlens_q, plan.seq_lens,
+                                         slots=plan.slots, copies=plan.copies)  # fmt: skip
+
     def end(self, failed: bool) -> None:
-        plan, self._plan = self._plan, None
+        plan, self._plan, self._kernels = self._plan, None, None
         if failed:
             self._spent = True
             self.rows.close()
@@ -230,36 +248,21 @@ class KVCoreCache(Cache):
 
     def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of query [B, Hq, q, D] over the pages: out [B, q, Hq, D]."""
-        plan = self._plan
-        assert plan is not None, "attend outside a planned forward"
+        plan, kernels = self._plan, self._kernels
+        assert plan is not None and kernels is not None, "attend outside a planned forward"
         kv = self._kv[layer_idx]
         batch, hq, q, dim = query.shape
         if plan.decode:
-            out: torch.Tensor = self._op("decode", query[:, :, 0], kv, plan.block_table,
-                                         plan.seq_lens, scale)  # fmt: skip
+            assert isinstance(kernels, backends.DecodePlan)
+            out: torch.Tensor = self.backend.decode(kernels, query[:, :, 0], kv, scale)
             return out.unsqueeze(1)
+        assert isinstance(kernels, backends.PrefillPlan)
         flat = query.transpose(1, 2).reshape(batch * q, hq, dim)
         packed = flat if plan.q_index is None else flat.index_select(0, plan.q_index)
-        out = self._op(
-            "prefill", packed, kv, plan.block_table, plan.cu_seqlens_q, plan.seq_lens, scale
-        )
+        out = self.backend.prefill(kernels, packed, kv, scale)
         if plan.q_index is not None:
             out = flat.new_zeros(flat.shape).index_copy_(0, plan.q_index, out)
         result: torch.Tensor = out.view(batch, q, hq, dim)
-        return result
-
-    def _op(self, name: str, *args: Any) -> Any:
-        """The backend's validated op on the first layer of a step; the same tables are
-        then valid for every layer (same shape, dtype, device), so later layers call the
-        unvalidated ``_`` op and skip the per-call device sync (kvcore.backend docstring).
-        A step whose tables name only pages validated before (no round trip since) is
-        trusted: its slots and lengths stay inside those pages (PagedRows asserts it)."""
-        plan = self._plan
-        assert plan is not None
-        if plan.trusted or name in plan.checked:
-            return getattr(self.backend, "_" + name)(*args)
-        result = getattr(self.backend, name)(*args)
-        plan.checked.add(name)
         return result
 
 

@@ -21,8 +21,13 @@ Properties (all compare with the tolerance of ``kernel_cases.tolerance``):
   negative slots;
 * copy_pages copies exactly and touches nothing else;
 * the last query of a prefill equals decode;
-* out-of-range pages and slots raise BadRequest; undeclared dtype / head dim /
-  page size raise Unsupported.
+* one plan serves every layer: a plan made with one cache runs on another cache
+  of the same geometry (other strides, other values) as that cache's own plan;
+* out-of-range pages and slots raise BadRequest when planned; undeclared dtype /
+  head dim / page size raise Unsupported when planned.
+
+Every call goes through the public plan/run API (``plan_decode`` then
+``decode(plan, ...)``, etc.), as an engine makes it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from kvcore import backend as registry
 from kvcore.backend import Backend
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 from kvcore.testing import kernel_cases as kc
-from kvcore.testing.kernel_cases import Case
+from kvcore.testing.kernel_cases import Built, Case
 
 PROPERTIES: tuple[str, ...] = (
     "decode_matches_oracle",
@@ -49,6 +54,7 @@ PROPERTIES: tuple[str, ...] = (
     "decode_invariant_under_page_size",
     "write_then_attend_is_dense_attention",
     "copy_pages_is_exact",
+    "one_plan_serves_every_layer",
     "out_of_range_pages_rejected",
     "unsupported_raises",
 )
@@ -70,6 +76,18 @@ def dense_attention(
         query.float().transpose(0, 1), k, v, attn_mask=allowed, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def decode_of(backend: Backend, t: Built, query: torch.Tensor | None = None) -> torch.Tensor:
+    """Plan and run ``backend``'s decode of a built case (``query`` defaults to its own)."""
+    plan = backend.plan_decode(t.kv_cache, t.block_table, t.seq_lens)
+    return backend.decode(plan, t.decode_query if query is None else query, t.kv_cache, t.scale)
+
+
+def prefill_of(backend: Backend, t: Built) -> torch.Tensor:
+    """Plan and run ``backend``'s prefill of a built case."""
+    plan = backend.plan_prefill(t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens)
+    return backend.prefill(plan, t.prefill_query, t.kv_cache, t.scale)
 
 
 class Suite:
@@ -145,29 +163,23 @@ class Suite:
     def decode_matches_oracle(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
-            args = (t.decode_query, t.kv_cache, t.block_table, t.seq_lens, t.scale)
-            self._close(self.backend.decode(*args), self.oracle.decode(*args), case, "decode")
+            self._close(decode_of(self.backend, t), decode_of(self.oracle, t), case, "decode")
 
         self._given(self._cases(), check)
 
     def prefill_matches_oracle(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
-            args = (t.prefill_query, t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens, t.scale)
-            self._close(self.backend.prefill(*args), self.oracle.prefill(*args), case, "prefill")
+            self._close(prefill_of(self.backend, t), prefill_of(self.oracle, t), case, "prefill")
 
         self._given(self._cases(), check)
 
     def prefill_last_token_is_decode(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
-            prefill = self.backend.prefill(
-                t.prefill_query, t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens, t.scale
-            )
+            prefill = prefill_of(self.backend, t)
             last = t.cu_seqlens_q[1:].long() - 1
-            decode = self.backend.decode(
-                t.prefill_query[last], t.kv_cache, t.block_table, t.seq_lens, t.scale
-            )
+            decode = decode_of(self.backend, t, t.prefill_query[last])
             self._close(prefill[last], decode, case, "prefill's last token vs decode")
 
         self._given(self._cases(), check)
@@ -186,12 +198,11 @@ class Suite:
                 (t.seq_lens[:, None].long() + case.page_size - 1) // case.page_size
             )
             table = torch.where(used, perm[t.block_table.long().clamp(0, num_pages - 1)], -1)
-            before = self.backend.decode(
-                t.decode_query, t.kv_cache, t.block_table, t.seq_lens, t.scale
+            before = decode_of(self.backend, t)
+            moved_t = Built(
+                **{**_fields(t), "kv_cache": moved, "block_table": table.to(torch.int32)}
             )
-            after = self.backend.decode(
-                t.decode_query, moved, table.to(torch.int32), t.seq_lens, t.scale
-            )
+            after = decode_of(self.backend, moved_t)
             self._close(after, before, case, "decode after a page permutation")
 
         self._given(self._cases(), check)
@@ -220,10 +231,8 @@ class Suite:
                 for b, kv in enumerate(kvs):
                     slots = kc.token_slots(table[b], kv.shape[0], ps).to(self.device)
                     cache[slots // ps, :, slots % ps] = kv.to(self.device)
-                out = self.backend.decode(
-                    query.to(self.device), cache, table.to(self.device), seq_lens, case.scale
-                )
-                outs.append(out)
+                plan = self.backend.plan_decode(cache, table.to(self.device), seq_lens)
+                outs.append(self.backend.decode(plan, query.to(self.device), cache, case.scale))
             self._close(outs[1], outs[0], case, f"decode at page size {other}")
 
         self._given(pair(), check)
@@ -246,11 +255,12 @@ class Suite:
             all_slots = torch.cat([slots, torch.full((skip,), -1, dtype=torch.int64)])
             nan = torch.full((skip, h, d), float("nan"), dtype=dtype)
             order = torch.randperm(total + skip, generator=gen)
+            write = self.backend.plan_write(cache, all_slots[order].to(self.device))
             self.backend.write_kv(
+                write,
                 cache,
                 torch.cat([key, nan])[order].to(self.device),
                 torch.cat([value, nan])[order].to(self.device),
-                all_slots[order].to(self.device),
             )
             page, off = (
                 (slots // case.page_size).to(self.device),
@@ -266,7 +276,9 @@ class Suite:
             cu = [0]
             for q_len, n in zip(case.q_lens, case.seq_lens, strict=True):
                 q = torch.randn(q_len, case.num_q_heads, d, generator=gen).to(dtype)
-                ref = dense_attention(q, key[start : start + n], value[start : start + n], case.scale)
+                ref = dense_attention(
+                    q, key[start : start + n], value[start : start + n], case.scale
+                )
                 queries.append(q)
                 expected.append(ref.to(dtype))
                 start += n
@@ -274,10 +286,12 @@ class Suite:
             query = torch.cat(queries).to(self.device)
             cu_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
             table_d = table.to(self.device)
-            out = self.backend.prefill(query, cache, table_d, cu_t, seq_lens, case.scale)
+            plan = self.backend.plan_prefill(cache, table_d, cu_t, seq_lens)
+            out = self.backend.prefill(plan, query, cache, case.scale)
             self._close(out.cpu(), torch.cat(expected), case, "prefill vs dense SDPA")
             last = cu_t[1:].long() - 1
-            dec = self.backend.decode(query[last], cache, table_d, seq_lens, case.scale)
+            dec_plan = self.backend.plan_decode(cache, table_d, seq_lens)
+            dec = self.backend.decode(dec_plan, query[last], cache, case.scale)
             self._close(dec.cpu(), torch.cat(expected)[last.cpu()], case, "decode vs dense SDPA")
 
         # distinct pages: shared pages would make two sequences write one slot
@@ -301,10 +315,37 @@ class Suite:
             src = rest[torch.randint(0, rest.numel(), (n,), generator=gen)]  # may repeat
             expected = cache.clone()
             expected[dst.to(self.device)] = cache[src.to(self.device)]
-            self.backend.copy_pages(cache, src.to(self.device), dst.to(self.device))
+            plan = self.backend.plan_copy(cache, src.to(self.device), dst.to(self.device))
+            self.backend.copy_pages(plan, cache)
             assert torch.equal(cache, expected), f"copy_pages differs for {case} {src=} {dst=}"
 
         self._given(copies(), check)
+
+    # -- errors ---------------------------------------------------------------------
+
+    # -- one plan, many layers --------------------------------------------------------
+
+    def one_plan_serves_every_layer(self) -> None:
+        @st.composite
+        def pair(draw: st.DrawFn) -> tuple[Case, str]:
+            return draw(self._cases()), draw(st.sampled_from(kc.LAYOUTS))
+
+        def check(drawn: tuple[Case, str]) -> None:
+            case, layout = drawn
+            t = kc.build(case, self.device)
+            # another layer: the same geometry, other strides, other values (NaN kept)
+            other = kc.empty_cache(Case(**{**_fields(case), "layout": layout}),
+                                   t.kv_cache.shape[0], self.device)  # fmt: skip
+            other.copy_(t.kv_cache * 0.5)
+            layer = Built(**{**_fields(t), "kv_cache": other})
+            plan = self.backend.plan_decode(t.kv_cache, t.block_table, t.seq_lens)
+            got = self.backend.decode(plan, t.decode_query, other, t.scale)
+            self._close(got, decode_of(self.backend, layer), case, f"decode on a {layout} layer")
+            pplan = self.backend.plan_prefill(t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens)
+            got = self.backend.prefill(pplan, t.prefill_query, other, t.scale)
+            self._close(got, prefill_of(self.backend, layer), case, f"prefill on a {layout} layer")
+
+        self._given(pair(), check)
 
     # -- errors ---------------------------------------------------------------------
 
@@ -318,27 +359,23 @@ class Suite:
         def check(drawn: tuple[Case, int, int]) -> None:
             case, b, j = drawn
             t = kc.build(case, self.device)
-            num_pages = t.kv_cache.shape[0]
+            backend, kv = self.backend, t.kv_cache
+            num_pages = kv.shape[0]
             for value in (-1, num_pages, 2**31 - 1):
                 table = t.block_table.clone()
                 table[b, j] = value
-                _expect(
-                    BadRequest,
-                    self.backend.decode,
-                    (t.decode_query, t.kv_cache, table, t.seq_lens, t.scale),
-                )
-                _expect(
-                    BadRequest,
-                    self.backend.prefill,
-                    (t.prefill_query, t.kv_cache, table, t.cu_seqlens_q, t.seq_lens, t.scale),
-                )
+                _expect(BadRequest, backend.plan_decode, (kv, table, t.seq_lens))
+                _expect(BadRequest, backend.plan_prefill, (kv, table, t.cu_seqlens_q, t.seq_lens))
             slots = torch.tensor([num_pages * case.page_size], device=self.device)
-            kv = t.kv_cache[:1, 0, :1].reshape(1, case.num_kv_heads, case.head_dim)
-            _expect(BadRequest, self.backend.write_kv, (t.kv_cache, kv, kv, slots))
+            _expect(BadRequest, backend.plan_write, (kv, slots))
+            _expect(BadRequest, backend.plan_decode, (kv, t.block_table, t.seq_lens),
+                    "for slots in the step plan", slots=slots)  # fmt: skip
             pages = torch.tensor([num_pages], device=self.device)
             zero = torch.tensor([0], device=self.device)
-            _expect(BadRequest, self.backend.copy_pages, (t.kv_cache, pages, zero))
-            _expect(BadRequest, self.backend.copy_pages, (t.kv_cache, zero, pages))
+            _expect(BadRequest, backend.plan_copy, (kv, pages, zero))
+            _expect(BadRequest, backend.plan_copy, (kv, zero, pages))
+            _expect(BadRequest, backend.plan_decode, (kv, t.block_table, t.seq_lens),
+                    "for copies in the step plan", copies=(pages, zero))  # fmt: skip
 
         self._given(bad(), check)
 
@@ -357,28 +394,31 @@ class Suite:
             what = f"for dtype={dt} head_dim={d} page_size={ps}"
             dev, torch_dtype = self.device, getattr(torch, dt)
             cache = torch.zeros(2, 2, ps, 1, d, dtype=torch_dtype, device=dev)
-            q = torch.zeros(1, 1, d, dtype=torch_dtype, device=dev)
             table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
             lens = torch.ones(1, dtype=torch.int32, device=dev)
             cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
             slot = torch.zeros(1, dtype=torch.int64, device=dev)
             backend = self.backend
-            _expect(Unsupported, backend.decode, (q, cache, table, lens, 1.0), what)
-            _expect(Unsupported, backend.prefill, (q, cache, table, cu, lens, 1.0), what)
-            _expect(Unsupported, backend.write_kv, (cache, q, q, slot), what)
-            _expect(Unsupported, backend.copy_pages, (cache, slot, slot + 1), what)
+            _expect(Unsupported, backend.plan_decode, (cache, table, lens), what)
+            _expect(Unsupported, backend.plan_prefill, (cache, table, cu, lens), what)
+            _expect(Unsupported, backend.plan_write, (cache, slot), what)
+            _expect(Unsupported, backend.plan_copy, (cache, slot, slot + 1), what)
 
 
 def _expect(
-    error: type[KVCoreError], call: Callable[..., object], args: tuple[Any, ...], what: str = ""
+    error: type[KVCoreError],
+    call: Callable[..., object],
+    args: tuple[Any, ...],
+    what: str = "",
+    **kwargs: Any,
 ) -> None:
-    """Assert that ``call(*args)`` raises ``error``."""
+    """Assert that ``call(*args, **kwargs)`` raises ``error``."""
     try:
-        call(*args)
+        call(*args, **kwargs)
     except error:
         return
     raise AssertionError(f"expected {error.__name__} {what}".rstrip())
 
 
-def _fields(case: Case) -> dict[str, Any]:
-    return {name: getattr(case, name) for name in Case.__dataclass_fields__}
+def _fields(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in type(obj).__dataclass_fields__}

@@ -49,41 +49,50 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.fixture(scope="class")
+def kvcore_suite(request: pytest.FixtureRequest) -> Suite:
+    """The Suite of the requesting KernelConformance subclass's backend, device and
+    profile (built once per class).
+
+    A module-level fixture of this plugin (not a method of the class): pytest
+    deprecates class-scoped fixtures defined as instance methods, and a plugin's
+    fixtures are visible to every test module.
+    """
+    config = request.config
+    cls = request.cls
+    assert cls is not None and issubclass(cls, KernelConformance), (
+        "kvcore_suite serves KernelConformance subclasses"
+    )
+    backend = cls.backend or config.getoption("--kvcore-backend")
+    if backend is None:
+        pytest.skip("no backend: set KernelConformance.backend or pass --kvcore-backend")
+    device: str = config.getoption("--kvcore-device") or cls.device
+    profile: str | None = config.getoption("--kvcore-profile") or cls.profile
+
+    import torch
+
+    from kvcore.errors import Unsupported
+    from kvcore.testing.kernels import Suite
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("CUDA is not available")
+    if callable(backend) and not isinstance(backend, str):
+        from kvcore.backend import Backend as BackendBase
+
+        if not isinstance(backend, BackendBase):
+            backend = backend()
+    try:
+        return Suite(backend, device=device, profile=profile)
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+
+
 class KernelConformance:
     """Base class of a conformance test class; see the module docstring."""
 
     backend: ClassVar[str | Backend | Callable[[], Backend] | None] = None
     device: ClassVar[str] = "cpu"
     profile: ClassVar[str | None] = None
-
-    @pytest.fixture(scope="class")
-    def kvcore_suite(self, request: pytest.FixtureRequest) -> Suite:
-        """The Suite for this class's backend, device and profile (built once per class)."""
-        config = request.config
-        cls = request.cls
-        assert cls is not None, "kvcore_suite is a class fixture"
-        backend = cls.backend or config.getoption("--kvcore-backend")
-        if backend is None:
-            pytest.skip("no backend: set KernelConformance.backend or pass --kvcore-backend")
-        device: str = config.getoption("--kvcore-device") or cls.device
-        profile: str | None = config.getoption("--kvcore-profile") or cls.profile
-
-        import torch
-
-        from kvcore.errors import Unsupported
-        from kvcore.testing.kernels import Suite
-
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            pytest.skip("CUDA is not available")
-        if callable(backend) and not isinstance(backend, str):
-            from kvcore.backend import Backend as BackendBase
-
-            if not isinstance(backend, BackendBase):
-                backend = backend()
-        try:
-            return Suite(backend, device=device, profile=profile)
-        except Unsupported as exc:
-            pytest.skip(str(exc))
 
     def _run(self, suite: Suite, name: str) -> None:
         suite.run(name)
@@ -109,6 +118,9 @@ class KernelConformance:
     def test_copy_pages_is_exact(self, kvcore_suite: Suite) -> None:
         self._run(kvcore_suite, "copy_pages_is_exact")
 
+    def test_one_plan_serves_every_layer(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "one_plan_serves_every_layer")
+
     def test_out_of_range_pages_rejected(self, kvcore_suite: Suite) -> None:
         self._run(kvcore_suite, "out_of_range_pages_rejected")
 
@@ -116,4 +128,4 @@ class KernelConformance:
         self._run(kvcore_suite, "unsupported_raises")
 
 
-__all__ = ["KernelConformance", "pytest_addoption"]
+__all__ = ["KernelConformance", "kvcore_suite", "pytest_addoption"]

@@ -7,13 +7,18 @@ decorating); tests/conftest.py does that. The capabilities follow what the
 import got: interpreted kernels take CPU tensors, compiled kernels CUDA
 tensors, and a call on the other device raises Unsupported instead of failing
 inside Triton.
+
+Plans precompute what the launches need from the host, so a run reads no device
+value: decode's split count (from the batch, the KV heads, the SM count and the
+longest sequence of the step) and prefill's longest query run.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcore.backend import Backend, Capabilities
+from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
 from kvcore_triton import cache_ops, decode, prefill
 
 if TYPE_CHECKING:
@@ -42,33 +47,52 @@ class TritonBackend(Backend):
             page_sizes=None,
         )
 
+    def _prepare_decode(self, plan: DecodePlan, kv_cache: torch.Tensor) -> DecodeSplits:
+        spec = plan.cache
+        max_tokens = max(1, plan.max_seq_len)
+        sms = decode.INTERPRETER_SMS if self.interpreted else decode.sm_count(spec.device)
+        launch = decode.plan_decode(
+            batch=max(1, plan.batch), num_kv_heads=spec.num_kv_heads, group=1,
+            head_dim=spec.head_dim, page_size=spec.page_size, max_tokens=max_tokens,
+            sm_count=sms, interpreted=self.interpreted,
+        )  # fmt: skip
+        return DecodeSplits(launch.num_splits, max_tokens)
+
+    def _prepare_prefill(self, plan: PrefillPlan, kv_cache: torch.Tensor) -> int:
+        cu = plan.host_cu_seqlens_q
+        return max((cu[b + 1] - cu[b] for b in range(plan.batch)), default=0)
+
     def _write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        cache_ops.write_kv(kv_cache, key, value, slots)
+        cache_ops.write_kv(kv_cache, key, value, plan.slots)
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
+        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        splits = plan.prepared
+        assert isinstance(splits, DecodeSplits), "a triton decode plan carries its splits"
         return decode.decode(
-            query, kv_cache, block_table, seq_lens, scale, interpreted=self.interpreted
-        )
+            query, kv_cache, plan.block_table, plan.seq_lens, scale,
+            interpreted=self.interpreted, num_splits=splits.num_splits,
+            max_tokens=splits.max_tokens,
+        )  # fmt: skip
 
     def _prefill(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
+        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return prefill.prefill(query, kv_cache, block_table, cu_seqlens_q, seq_lens, scale)
+        assert isinstance(plan.prepared, int), "a triton prefill plan carries max_q_len"
+        return prefill.prefill(query, kv_cache, plan.block_table, plan.cu_seqlens_q,
+                               plan.seq_lens, scale, max_q_len=plan.prepared)  # fmt: skip
 
-    def _copy_pages(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        cache_ops.copy_pages(kv_cache, src, dst)
+    def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
+        cache_ops.copy_pages(kv_cache, plan.src, plan.dst)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSplits:
+    """A decode plan's launch choice: ``num_splits`` per (sequence, KV head), over at
+    most ``max_tokens`` tokens (the step's longest sequence)."""
+
+    num_splits: int
+    max_tokens: int

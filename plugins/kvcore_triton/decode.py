@@ -283,14 +283,14 @@ def plan_decode(
     )
 
 
-_SM_COUNTS: dict[int, int] = {}
+SM_COUNTS: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+    if index not in SM_COUNTS:
+        SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return SM_COUNTS[index]
 
 
 def decode(
@@ -302,8 +302,13 @@ def decode(
     *,
     interpreted: bool,
     num_splits: int | None = None,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """out [B, Hq, D] (query's dtype) = softmax(q Kᵀ * scale) V over each sequence's pages.
+
+    ``num_splits`` forces the split count (the backend's plan chooses it once per
+    step); ``max_tokens`` bounds every seq_len (tokens; default the table's width
+    max_pages * page_size, which needs no device read).
 
     Inputs are validated by the caller: query [B, Hq, D], kv_cache
     [num_pages, 2, page_size, Hkv, D] with a contiguous last dim, block_table
@@ -323,8 +328,8 @@ def decode(
         group=num_q_heads // num_kv_heads,
         head_dim=head_dim,
         page_size=page_size,
-        max_tokens=block_table.shape[1] * page_size,
-        sm_count=INTERPRETER_SMS if interpreted else _sm_count(query.device),
+        max_tokens=block_table.shape[1] * page_size if max_tokens is None else max_tokens,
+        sm_count=INTERPRETER_SMS if interpreted else sm_count(query.device),
         interpreted=interpreted,
         num_splits=num_splits,
     )

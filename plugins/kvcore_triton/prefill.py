@@ -187,9 +187,12 @@ def prefill(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    max_q_len: int,
 ) -> torch.Tensor:
     """out [total_q, Hq, D] (query's dtype): causal attention of each sequence's last
-    q_len tokens over its ``seq_lens[b]`` cached tokens.
+    q_len tokens over its ``seq_lens[b]`` cached tokens. ``max_q_len`` (tokens) is the
+    longest q_len, known on the host from the plan: the launch reads no device value.
 
     Inputs are validated by the caller: cu_seqlens_q [B+1] int32 non-decreasing
     from 0 to total_q, ``q_len <= seq_lens[b] <= max_pages * page_size``,
@@ -201,9 +204,8 @@ def prefill(
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     batch = seq_lens.shape[0]
     out = torch.empty(total_q, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
-    if total_q == 0 or batch == 0:
+    if total_q == 0 or batch == 0 or max_q_len == 0:
         return out
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())  # host sync
 
     plan = plan_prefill(group=num_q_heads // num_kv_heads, head_dim=head_dim, page_size=page_size)
     grid = (triton.cdiv(max_q_len, plan.block_q), batch, num_kv_heads)
