@@ -6,7 +6,7 @@ Three tiers:
   capabilities; the host-side launch planning (fast page-size division, GQA
   tiling, split-KV plan, load width) as properties;
 * everywhere with g++: the *same* .cu kernels and the same host code run on
-  the CPU through kvcore_cupy.emulation (a fiber scheduler that emulates warp
+  the CPU through tests/cupy_emulation (a fiber scheduler that emulates warp
   shuffles and __syncthreads), held to the conformance suite and to the torch
   oracle on the shapes the suite's quick profile does not reach (head dims
   80..256, GQA groups above 8, unaligned caches, many splits);
@@ -28,6 +28,7 @@ from kvcore_cupy.backend import widest_chunk
 from kvcore_torch import TorchBackend
 
 from kvcore import backend as registry
+from kvcore.backend import Backend
 from kvcore.errors import Unsupported
 from kvcore.testing.pytest_plugin import KernelConformance
 
@@ -131,7 +132,7 @@ def test_widest_chunk() -> None:
 
 
 def _emulated() -> CupyBackend:
-    from kvcore_cupy.emulation import EmulatedCupyBackend
+    from cupy_emulation import EmulatedCupyBackend
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not found: the CPU emulation of the CUDA kernels needs it")
@@ -171,6 +172,17 @@ def _paged(
     return cache, table, order[at:].tolist()
 
 
+def decode(
+    backend: Backend,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return backend.decode(backend.plan_decode(cache, table, seq_lens), q, cache, scale)
+
+
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
@@ -206,37 +218,38 @@ def test_emulated_kernels_match_the_oracle(
         big = torch.full((*cache.shape[:3], hkv + 1, d + 3), float("nan"), dtype=dtype)
         big[:, :, :, 1:, :d] = cache
         cache = big[:, :, :, 1:, :d]
-        assert widest_chunk(
-            tuple(cache.shape), cache.stride(), cache.data_ptr(), cache.element_size()
-        ) < 16
+        assert (
+            widest_chunk(tuple(cache.shape), cache.stride(), cache.data_ptr(), cache.element_size())
+            < 16
+        )
     seq_lens = torch.tensor(lens, dtype=I32)
     scale = d**-0.5
     tol = TOL[dtype]
 
     q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    got = backend.decode(q, cache, table, seq_lens, scale)
-    want = oracle.decode(q, cache, table, seq_lens, scale)
+    got = decode(backend, q, cache, table, seq_lens, scale)
+    want = decode(oracle, q, cache, table, seq_lens, scale)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
     q_lens = [min(n, 1 + n // 3) for n in lens]  # the rest of each sequence is cached
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
     qp = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype)
-    got = backend.prefill(qp, cache, table, cu, seq_lens, scale)
-    want = oracle.prefill(qp, cache, table, cu, seq_lens, scale)
+    got = backend.prefill(backend.plan_prefill(cache, table, cu, seq_lens), qp, cache, scale)
+    want = oracle.prefill(oracle.plan_prefill(cache, table, cu, seq_lens), qp, cache, scale)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
     # write_kv: new tokens into slots of spare pages (one skipped), bit-exact
     slots = torch.tensor([spare[0] * page_size, -1, spare[1] * page_size + page_size - 1])
     k, v = (torch.randn(3, hkv, d, generator=gen).to(dtype) for _ in range(2))
     mine, ref = cache.clone(), cache.clone()
-    backend.write_kv(mine, k, v, slots)
-    oracle.write_kv(ref, k, v, slots)
+    backend.write_kv(backend.plan_write(mine, slots), mine, k, v)
+    oracle.write_kv(oracle.plan_write(ref, slots), ref, k, v)
     assert torch.equal(mine.nan_to_num(7.0), ref.nan_to_num(7.0))
     # copy_pages: copy-on-write of the first pages of sequence 0 onto spare pages
     src = table[0, :1].long()
     dst = torch.tensor([spare[2]], dtype=I64)
-    backend.copy_pages(mine, src, dst)
-    oracle.copy_pages(ref, src, dst)
+    backend.copy_pages(backend.plan_copy(mine, src, dst), mine)
+    oracle.copy_pages(oracle.plan_copy(ref, src, dst), ref)
     assert torch.equal(mine.nan_to_num(7.0), ref.nan_to_num(7.0))
 
 
@@ -287,10 +300,10 @@ def test_gpu_benchmark_shape_matches_oracle(dtype: torch.dtype) -> None:
     seq_lens = torch.tensor(lens, dtype=I32, device="cuda")
     q = torch.randn(64, 32, 128, generator=gen).to(dtype).cuda()
     backend, oracle = CupyBackend(), TorchBackend()
-    got = backend.decode(q, cache, table, seq_lens, 128**-0.5)
-    want = oracle.decode(q, cache, table, seq_lens, 128**-0.5)
+    got = decode(backend, q, cache, table, seq_lens, 128**-0.5)
+    want = decode(oracle, q, cache, table, seq_lens, 128**-0.5)
     tol = TOL[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     cu = torch.arange(65, dtype=I32, device="cuda")
-    last = backend.prefill(q, cache, table, cu, seq_lens, 128**-0.5)
+    last = backend.prefill(backend.plan_prefill(cache, table, cu, seq_lens), q, cache, 128**-0.5)
     torch.testing.assert_close(last.float(), got.float(), atol=tol, rtol=tol)

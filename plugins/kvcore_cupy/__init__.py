@@ -18,8 +18,9 @@ The kernels (``*.cu``, ``common.cuh``; their header comments have the details):
 kvcore_cupy.kernels lists every instantiation (the backend compiles them with
 NVRTC per (file, dtype, head dim, WIDE) on first use; tests/test_cuda_compile.py
 compiles all of them with nvcc for sm_90), kvcore_cupy.plan does the launch
-arithmetic, and kvcore_cupy.emulation runs the same kernels on the CPU (g++ and
-a fiber scheduler that emulates warps) so that CI checks them without a GPU.
+arithmetic, and the test suite's CPU emulation (tests/cupy_emulation, not part
+of the wheel) runs the same kernels on the CPU (g++ and a fiber scheduler that
+emulates warps) so that CI checks them without a GPU.
 
 Performance choices, for the decode bandwidth target (>= 70 % of copy bandwidth
 at B=64, ctx 4096, Hq=32, Hkv=8, D=128, bf16, page 16): 16-byte vector loads
@@ -41,10 +42,12 @@ with a contiguous last dim: a cache view whose base or strides are not multiples
 of 16 bytes (a slice of a padded pool) takes the WIDE = false instantiations,
 which load one element per lane instead of 16 bytes.
 
+Runs read no device value: the plan (kvcore.backend) validated the tables and
+holds the step's longest sequence on the host, which bounds the decode splits.
+
 Not done: tensor cores (prefill is CUDA-core only, fine for short prompts over a
-long cached prefix, slow for long fresh prompts), CUDA-graph-friendly planning
-(decode reads no device value on the host, but allocates its split buffers per
-call; prefill neither syncs nor plans on the host).
+long cached prefix, slow for long fresh prompts), CUDA-graph capture (decode
+allocates its split buffers per call).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ compiled by NVRTC through CuPy ``RawModule`` and launched on torch's current str
 Host side only: layout checks this backend needs beyond kvcore.backend's boundary
 validation (16-byte alignment for vector loads), launch planning (kvcore_cupy.plan)
 and the launches (kvcore_cupy.runtime). Inputs arrive validated (shapes, dtypes,
-devices, page indices in range; see kvcore.backend.Backend).
+devices, page indices in range; see kvcore.backend.Backend); the plan's host copy
+of the lengths bounds the decode splits, so a launch reads no device value.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvcore.backend import Backend, Capabilities
+from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
 from kvcore.errors import Unsupported
-from kvcore_cupy import kernels, plan
+from kvcore_cupy import kernels
+from kvcore_cupy import plan as launch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -31,7 +33,7 @@ _MAX_GRID_YZ = 65535
 
 class KernelSource(Protocol):
     """Where launchable kernels come from: CuPy RawModules (kvcore_cupy.runtime) or the
-    CPU emulation (kvcore_cupy.emulation). A kernel is called as
+    CPU emulation (tests/cupy_emulation). A kernel is called as
     ``fn(grid, block, args)`` like a ``cupy.RawKernel``."""
 
     def function(self, file: str, dtype: str, head_dim: int, wide: bool, name: str) -> Any: ...
@@ -79,14 +81,15 @@ class CupyBackend(Backend):
             runtime.on_torch_stream
         )
         self._num_sms: dict[int, int] = {}
-        self._split_min = plan.MIN_SPLIT_TOKENS  # tokens; see plan.split_plan
-        self._split_align = plan.SPLIT_ALIGN
+        self._split_min = launch.MIN_SPLIT_TOKENS  # tokens; see kvcore_cupy.plan.split_plan
+        self._split_align = launch.SPLIT_ALIGN
 
     # -- operations ----------------------------------------------------------------
 
     def _write_kv(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
+        slots = plan.slots
         key, value = _dense(key), _dense(value)
         num_tokens, hkv, d = key.shape
         cb = chunk_bytes(kv_cache)
@@ -108,29 +111,25 @@ class CupyBackend(Backend):
             )  # fmt: skip
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
+        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         import torch
 
+        block_table, seq_lens = plan.block_table, plan.seq_lens
         q = _dense(query)
         wide = chunk_bytes(kv_cache) == 16
         batch, hq, d = q.shape
         page_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
         dtype = _dtype_name(kv_cache)
-        tiling = plan.group_tiling(hq // hkv)
-        splits = plan.split_plan(
-            block_table.shape[1] * page_size,
+        tiling = launch.group_tiling(hq // hkv)
+        splits = launch.split_plan(
+            plan.max_seq_len,
             batch * hkv * tiling.n_chunks,
             self._sms(kv_cache),
             min_split=self._split_min,
             align=self._split_align,
         )
-        fd = plan.fast_divisor(page_size)
+        fd = launch.fast_divisor(page_size)
         out = torch.empty_like(q)
         s = splits.num_splits
         if s > 1:
@@ -141,7 +140,11 @@ class CupyBackend(Backend):
             part_args = (_ptr_null(), _ptr_null())
         with self._on_stream(q.device):
             fn = self._modules.function(
-                "decode.cu", dtype, d, wide, kernels.decode_partial_name(dtype, d, tiling.tile, wide)
+                "decode.cu",
+                dtype,
+                d,
+                wide,
+                kernels.decode_partial_name(dtype, d, tiling.tile, wide),
             )
             _launch(
                 fn,
@@ -170,23 +173,18 @@ class CupyBackend(Backend):
         return out
 
     def _prefill(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        seq_lens: torch.Tensor,
-        scale: float,
+        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         import torch
 
+        block_table, cu_seqlens_q, seq_lens = plan.block_table, plan.cu_seqlens_q, plan.seq_lens
         q = _dense(query)
         wide = chunk_bytes(kv_cache) == 16
         total_q, hq, d = q.shape
         page_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
         dtype = _dtype_name(kv_cache)
-        tiling = plan.group_tiling(hq // hkv)
-        fd = plan.fast_divisor(page_size)
+        tiling = launch.group_tiling(hq // hkv)
+        fd = launch.fast_divisor(page_size)
         out = torch.empty_like(q)
         with self._on_stream(q.device):
             fn = self._modules.function(
@@ -209,7 +207,8 @@ class CupyBackend(Backend):
             )  # fmt: skip
         return out
 
-    def _copy_pages(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
+        src, dst = plan.src, plan.dst
         _, _, page_size, hkv, d = kv_cache.shape
         cb = chunk_bytes(kv_cache)
         row_chunks = d * kv_cache.element_size() // cb

@@ -37,7 +37,7 @@ __device__ __forceinline__ float kv_neg_inf() { return __int_as_float(0xff800000
 
 // 2^x by the SFU (ex2.approx: ~2 ulp; 2^-inf = +0). All softmax math is in base 2:
 // the host folds log2(e) into the scale. fp16 <-> fp32 by one PTX cvt each.
-// (KVCORE_HOST_EMULATION: the CPU emulation in emulation/host_emu.h supplies these.)
+// (KVCORE_HOST_EMULATION: the CPU emulation in tests/cupy_emulation/host_emu.h supplies these.)
 #ifndef KVCORE_HOST_EMULATION
 __device__ __forceinline__ float kv_exp2(float x) {
   float y;

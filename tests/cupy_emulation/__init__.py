@@ -1,5 +1,6 @@
-"""Run this backend's CUDA kernels on the CPU, for tests on machines without a GPU.
+"""Run kvcore_cupy's CUDA kernels on the CPU, for tests on machines without a GPU.
 
+A test asset, not part of the wheel (tests/test_backend_cupy.py imports it).
 :class:`EmulatedCupyBackend` is :class:`kvcore_cupy.CupyBackend` -- the same host
 code (planning, argument marshalling, splits, merges) and the very same ``.cu``
 sources -- with the kernels compiled by ``g++`` against ``host_emu.h`` (a CPU
@@ -30,11 +31,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from kvcore_cupy import kernels
+from kvcore_cupy.backend import CupyBackend
 
 from kvcore.backend import Capabilities
 from kvcore.errors import Unsupported
-from kvcore_cupy import kernels
-from kvcore_cupy.backend import CupyBackend
 
 if TYPE_CHECKING:
     import torch
