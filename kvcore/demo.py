@@ -53,21 +53,29 @@ def main(args: argparse.Namespace) -> int:
         f"{spec.num_kv_heads} KV heads, random weights, seed {spec.seed}); a system prompt of "
         f"{SYSTEM_PROMPT_TOKENS} tokens shared by two engine processes"
     )
-    if args.endpoint:
-        return _run(console, args.endpoint, args.pool, args.new_tokens, owned=False)
     flag = spec.pool_flag(page_size=PAGE_SIZE, num_pages=512, name=args.pool)
-    with console.status("starting kvcore serve ..."):
-        daemon = DaemonProcess.private("--pool", flag).start()
     try:
-        console.print(f"daemon: {daemon.lines[0].strip()}")
-        console.print(f"        {daemon.lines[1].strip()}")
-        return _run(console, daemon.endpoint, args.pool, args.new_tokens, owned=True)
-    finally:
-        daemon.stop()
-        console.print("daemon stopped (pool unlinked, socket removed)")
+        if args.endpoint:
+            return _run(console, args.endpoint, args.pool, args.new_tokens, flag, owned=False)
+        with console.status("starting kvcore serve ..."):
+            daemon = DaemonProcess.private("--pool", flag).start()
+        try:
+            console.print(f"daemon: {daemon.lines[0].strip()}")
+            console.print(f"        {daemon.lines[1].strip()}")
+            return _run(console, daemon.endpoint, args.pool, args.new_tokens, flag, owned=True)
+        finally:
+            daemon.stop()
+            console.print("daemon stopped (pool unlinked, socket removed)")
+    except KeyboardInterrupt:  # the engines and the daemon were stopped on the way out
+        console.print("[yellow]interrupted[/]")
+        return 130
 
 
-def _run(console: Any, endpoint: str, pool: str, new_tokens: int, *, owned: bool) -> int:
+def _run(
+    console: Any, endpoint: str, pool: str, new_tokens: int, flag: str, *, owned: bool
+) -> int:
+    """Run both engines on ``pool`` of the daemon at ``endpoint``; ``flag`` is the
+    ``--pool`` value of a pool that fits the demo model (printed if this one does not)."""
     from kvcore.client import Client
     from kvcore.errors import KVCoreError
 
@@ -76,6 +84,15 @@ def _run(console: Any, endpoint: str, pool: str, new_tokens: int, *, owned: bool
                                heartbeat=False, timeout_s=5.0)  # fmt: skip
     except KVCoreError as exc:
         console.print(f"[red]cannot attach to {endpoint} pool {pool!r}: {exc}[/]")
+        return 1
+    misfit = _misfit(probe.layout, flag)
+    if misfit:
+        probe.close()
+        console.print(
+            f"[red]pool {pool!r} at {endpoint} does not fit the demo model ({misfit}).[/]\n"
+            f"Start a daemon with a pool that does:\n  kvcore serve --pool {flag}",
+            soft_wrap=True,  # a command to paste: never wrapped
+        )
         return 1
     procs: dict[str, subprocess.Popen[str]] = {}
     reports: dict[str, dict[str, Any]] = {}
@@ -99,6 +116,18 @@ def _run(console: Any, endpoint: str, pool: str, new_tokens: int, *, owned: bool
                 proc.wait()
         probe.close()
     return _report(console, reports, stats, owned)
+
+
+def _misfit(layout: Any, flag: str) -> str:
+    """What of ``layout`` differs from the ``--pool`` flag the demo needs ("" if it fits;
+    the page count and name may differ)."""
+    want = dict(item.split("=", 1) for item in flag.split(","))
+    have = layout.to_dict()
+    return ", ".join(
+        f"{key} {have[key]} (needs {want[key]})"
+        for key in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
+        if str(have[key]) != want[key]
+    )
 
 
 def start_engine(

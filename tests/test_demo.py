@@ -26,3 +26,33 @@ def test_kvcore_demo_fails_cleanly_without_a_daemon(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 1
     assert "cannot attach" in proc.stdout
+
+
+def test_kvcore_demo_on_a_pool_that_does_not_fit_prints_the_flag_that_would(
+    tmp_path: Path,
+) -> None:
+    from kvcore.daemon_process import DaemonProcess
+
+    pool = "num_layers=2,num_kv_heads=2,head_dim=64,page_size=16,dtype=float32,num_pages=64"
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path}/d.sock", "--pool", pool) as daemon:
+        proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "demo", "--endpoint",
+                               daemon.endpoint], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "num_layers 2 (needs 4)" in proc.stdout
+    assert "kvcore serve --pool name=default,device=cpu,num_layers=4" in proc.stdout
+
+
+def test_kvcore_demo_interrupted_exits_cleanly() -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(6)  # the daemon is up, the engines are loading
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err
+    assert "interrupted" in out and "daemon stopped" in out
