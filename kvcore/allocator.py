@@ -17,21 +17,25 @@ page; nothing scans the pool (``check_integrity`` does, and is for tests).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from typing import NewType
 
 PageId = NewType("PageId", int)
 
 
 class PageAllocator:
-    """Refcounts and the two queues of unreferenced pages of one pool."""
+    """Refcounts and the two queues of unreferenced pages of one pool.
 
-    __slots__ = ("_evictable", "_free", "_refcount", "num_held", "num_pages")
+    ``refcounts[page]`` is public for reading on hot paths (the Manager's
+    copy-on-write test); only this class writes it.
+    """
+
+    __slots__ = ("_evictable", "_free", "num_held", "num_pages", "refcounts")
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.num_held = 0  # pages with refcount > 0
-        self._refcount = [0] * num_pages
+        self.refcounts = [0] * num_pages
         self._free: deque[PageId] = deque(PageId(p) for p in range(num_pages))
         self._evictable: OrderedDict[PageId, None] = OrderedDict()
 
@@ -43,50 +47,66 @@ class PageAllocator:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
+    @property
+    def num_available(self) -> int:
+        """Pages :meth:`take` can hand out now: free + evictable."""
+        return len(self._free) + len(self._evictable)
+
     def refcount(self, page: PageId) -> int:
-        return self._refcount[page]
+        return self.refcounts[page]
 
     def is_evictable(self, page: PageId) -> bool:
         return page in self._evictable
 
     def take(self, num: int, evict: Callable[[PageId], None]) -> list[PageId]:
-        """``num`` pages at refcount 1: free pages first, then LRU evictions.
+        """``num`` pages at refcount 1: free pages first (FIFO), then LRU evictions.
 
-        ``evict(page)`` is called for each evicted page (to drop it from the
-        index). The caller has checked ``num <= num_free + num_evictable``.
+        ``evict(page)`` is called for each evicted page, least recently released
+        first (to drop it from the index). The caller has checked
+        ``num <= num_available``.
         """
-        assert num <= len(self._free) + len(self._evictable), "take() beyond capacity"
-        pages: list[PageId] = []
-        for _ in range(num):
-            if self._free:
-                page = self._free.popleft()
-            else:
-                page, _ = self._evictable.popitem(last=False)
+        free, refcounts = self._free, self.refcounts
+        if num <= len(free):
+            pages = [free.popleft() for _ in range(num)]
+        else:
+            assert num <= len(free) + len(self._evictable), "take() beyond capacity"
+            pages = list(free)
+            free.clear()
+            evictable = self._evictable
+            for _ in range(num - len(pages)):
+                page, _ = evictable.popitem(last=False)
                 evict(page)
-            self._refcount[page] = 1
-            pages.append(page)
+                pages.append(page)
+        for page in pages:
+            refcounts[page] = 1
         self.num_held += num
         return pages
 
-    def retain(self, page: PageId) -> None:
-        """One more reference; an evictable page becomes held (a prefix hit)."""
-        if self._refcount[page] == 0:
-            assert page in self._evictable, f"retain() of free page {page}"
-            del self._evictable[page]
-            self.num_held += 1
-        self._refcount[page] += 1
+    def retain(self, pages: Iterable[PageId]) -> None:
+        """One more reference each; an evictable page becomes held (a prefix hit)."""
+        refcounts, evictable = self.refcounts, self._evictable
+        for page in pages:
+            count = refcounts[page]
+            if count == 0:
+                assert page in evictable, f"retain() of free page {page}"
+                del evictable[page]
+                self.num_held += 1
+            refcounts[page] = count + 1
 
-    def release(self, page: PageId, cached: bool) -> None:
-        """One reference less; at zero the page becomes evictable if ``cached``, else free."""
-        count = self._refcount[page]
-        assert count > 0, f"release() of unreferenced page {page}"
-        self._refcount[page] = count - 1
-        if count == 1:
-            self.num_held -= 1
-            if cached:
-                self._evictable[page] = None
-            else:
-                self._free.append(page)
+    def release(self, pages: Iterable[PageId], cached: Container[PageId]) -> None:
+        """One reference less each, in order; a page at zero becomes evictable (most
+        recently released) if it is in ``cached`` (the index), else free."""
+        refcounts, evictable, free = self.refcounts, self._evictable, self._free
+        for page in pages:
+            count = refcounts[page]
+            assert count > 0, f"release() of unreferenced page {page}"
+            refcounts[page] = count - 1
+            if count == 1:
+                self.num_held -= 1
+                if page in cached:
+                    evictable[page] = None
+                else:
+                    free.append(page)
 
     def check_integrity(self, references: Mapping[PageId, int], indexed: Iterable[PageId]) -> None:
         """Assert the conservation law and that refcounts equal ``references``.
@@ -97,7 +117,7 @@ class PageAllocator:
         free, evictable, indexed_set = set(self._free), set(self._evictable), set(indexed)
         assert len(free) == len(self._free), "a page is twice in the free queue"
         assert not free & evictable, f"pages both free and evictable: {free & evictable}"
-        held = {p for p in range(self.num_pages) if self._refcount[p] > 0}
+        held = {p for p in range(self.num_pages) if self.refcounts[p] > 0}
         assert len(held) == self.num_held, f"num_held {self.num_held} != {len(held)}"
         assert len(free) + len(evictable) + len(held) == self.num_pages, (
             f"free {len(free)} + evictable {len(evictable)} + held {len(held)} "
@@ -108,6 +128,6 @@ class PageAllocator:
         assert evictable <= indexed_set, f"evictable pages not indexed: {evictable - indexed_set}"
         for page in range(self.num_pages):
             expected = references.get(PageId(page), 0)
-            assert self._refcount[page] == expected, (
-                f"page {page}: refcount {self._refcount[page]} != {expected} block-table entries"
+            assert self.refcounts[page] == expected, (
+                f"page {page}: refcount {self.refcounts[page]} != {expected} block-table entries"
             )

@@ -41,6 +41,7 @@ from kvcore.prefix import (
     PageStored,
     PrefixIndex,
     PrefixKey,
+    chain_keys,
     encode_tokens,
     page_key,
     root_key,
@@ -120,21 +121,30 @@ class _Sequence:
 
 
 class Manager:
-    """The page-pool state machine for one :class:`KVLayout`. Not thread-safe."""
+    """The page-pool state machine for one :class:`KVLayout`. Not thread-safe.
+
+    Hot paths (one ``extend`` per generated token, one ``commit`` per filled
+    page) take a fast path that does the same checks inline: the common case
+    is a known sequence whose last page has room and is its own.
+    """
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+        self._page_size = layout.page_size
         self._pages = PageAllocator(layout.num_pages)
+        self._refcounts = self._pages.refcounts  # read only: the allocator writes it
         self._index = PrefixIndex()
         self._seqs: dict[int, _Sequence] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
-        # The keys of the last prompt matched, so that a lookup followed by an
-        # allocate of the same prompt hashes it once: (root, token bytes, keys of
-        # its leading pages). Keys are a pure function of (root, bytes), so this
-        # changes no result; it is compared by bytes, never by identity.
-        self._memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
+        # Memos; each is a pure function of what it is keyed by, so neither can
+        # change a result. The root key of the last namespace; and the keys of the
+        # last prompt matched, so that a lookup followed by an allocate of the same
+        # prompt hashes it once: (root, token bytes, keys of its leading full
+        # pages), compared by bytes, never by identity.
+        self._root_memo: tuple[str, PrefixKey] = (DEFAULT_NAMESPACE, root_key(DEFAULT_NAMESPACE))
+        self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
     # -- operations -------------------------------------------------------------
 
@@ -147,16 +157,17 @@ class Manager:
         self._check_new(seq_id)
         root = self._root(namespace)
         token_bytes = encode_tokens(tokens)
-        keys, hit_pages = self._match(root, token_bytes, len(tokens))
-        num_new = self.layout.pages_for(len(tokens)) - len(hit_pages)
-        pinned = sum(1 for page in hit_pages if self._pages.is_evictable(page))
+        num_tokens = len(token_bytes) // 4
+        keys, hit_pages = self._match(root, token_bytes)
+        num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
+        refcounts = self._refcounts
+        pinned = sum(1 for page in hit_pages if refcounts[page] == 0)
         self._check_room(num_new, pinned)
-        for page in hit_pages:
-            self._pages.retain(page)
+        self._pages.retain(hit_pages)
         pages = hit_pages + self._pages.take(num_new, self._evict)
-        self._seqs[seq_id] = _Sequence(namespace, root, pages, len(tokens), keys)
-        num_cached = len(hit_pages) * self.layout.page_size
-        self._query_tokens += len(tokens)
+        self._seqs[seq_id] = _Sequence(namespace, root, pages, num_tokens, keys)
+        num_cached = len(hit_pages) * self._page_size
+        self._query_tokens += num_tokens
         self._hit_tokens += num_cached
         return Allocation(list(pages), num_cached)
 
@@ -165,31 +176,18 @@ class Manager:
 
         If the sequence's last page is partly filled and shared (refcount > 1),
         the sequence gets a private copy first (copy-on-write)."""
-        seq = self._get(seq_id)
-        if not _is_int(num_tokens) or num_tokens < 0:
+        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
+        if seq is None:
+            seq = self._get(seq_id)
+        if (type(num_tokens) is not int and not _is_int(num_tokens)) or num_tokens < 0:
             raise BadRequest(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        page_size = self.layout.page_size
+        pages = seq.pages
         total = seq.num_tokens + num_tokens
-        num_new = self.layout.pages_for(total) - len(seq.pages)
-        last = seq.pages[-1] if seq.pages else None
-        cow = (
-            last is not None
-            and num_tokens > 0
-            and seq.num_tokens % page_size != 0
-            and self._pages.refcount(last) > 1
-        )
-        self._check_room(num_new + cow)
-        fresh = self._pages.take(num_new + cow, self._evict)
-        copies: list[tuple[int, int]] = []
-        if cow:
-            assert last is not None
-            dst = fresh.pop()
-            seq.pages[-1] = dst
-            self._pages.release(last, cached=self._index.is_indexed(last))
-            copies.append((last, dst))
-        seq.pages.extend(fresh)
-        seq.num_tokens = total
-        return Extension(list(fresh), copies)
+        num_new = -(-total // self._page_size) - len(pages)
+        if num_new == 0 and (num_tokens == 0 or self._refcounts[pages[-1]] == 1):
+            seq.num_tokens = total  # the tokens fit the last page, which is this sequence's own
+            return _extension([], [])
+        return self._grow(seq, num_tokens, num_new)
 
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
         """Publish every full page of ``seq_id`` not yet published; returns how many of
@@ -209,42 +207,54 @@ class Manager:
         already indexed (another sequence committed the same prefix first) stays
         private. BadRequest if the tokens contradict a page's published key.
         """
-        seq = self._get(seq_id)
-        page_size = self.layout.page_size
-        first = len(seq.keys)  # pages to publish: [first, end)
-        if not _is_int(start) or not 0 <= start <= first * page_size or start % page_size:
+        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
+        if seq is None:
+            seq = self._get(seq_id)
+        page_size = self._page_size
+        keys = seq.keys
+        first = len(keys)  # pages to publish: [first, end)
+        if (
+            (type(start) is not int and not _is_int(start))
+            or not 0 <= start <= first * page_size
+            or start % page_size
+        ):
             raise BadRequest(
                 f"commit start must be a multiple of {page_size} tokens in "
                 f"[0, {first * page_size}] (the committed pages), got {start!r}"
             )
-        if start + len(tokens) > seq.num_tokens:
+        stop = start + len(tokens)
+        if stop > seq.num_tokens:
             raise BadRequest(
-                f"commit of tokens up to {start + len(tokens)}; sequence {seq_id} holds "
-                f"{seq.num_tokens}"
+                f"commit of tokens up to {stop}; sequence {seq_id} holds {seq.num_tokens}"
             )
-        end = (start + len(tokens)) // page_size
+        end = stop // page_size
         if end <= first:
             return first
         # Only the new pages' tokens are encoded, so a commit per page stays O(page).
-        token_bytes = encode_tokens(tokens[first * page_size - start : end * page_size - start])
+        offset = first * page_size - start
+        token_bytes = encode_tokens(tokens[offset : offset + (end - first) * page_size])
         stride = 4 * page_size
-        parent = seq.keys[-1] if seq.keys else seq.root
-        new: list[tuple[PrefixKey, PrefixKey, PageId]] = []
-        for i in range(first, end):
-            j = i - first
+        parent = keys[-1] if keys else seq.root
+        published = self._index.key_by_page
+        pages = seq.pages
+        new: list[PrefixKey] = []
+        for j in range(end - first):
             key = page_key(parent, token_bytes[j * stride : (j + 1) * stride])
-            published = self._index.key_of(seq.pages[i])
-            if published is not None and published != key:
+            known = published.get(pages[first + j])
+            if known is not None and known != key:
                 raise BadRequest(
-                    f"page {seq.pages[i]} (page {i} of sequence {seq_id}) was committed "
-                    "with other tokens"
+                    f"page {pages[first + j]} (page {first + j} of sequence {seq_id}) was "
+                    "committed with other tokens"
                 )
-            new.append((key, parent, seq.pages[i]))
+            new.append(key)
             parent = key
-        for key, parent_key, page in new:
-            self._index.insert(key, parent_key, page)
-            seq.keys.append(key)
-        return len(seq.keys)
+        insert = self._index.insert
+        parent = keys[-1] if keys else seq.root
+        for j, key in enumerate(new):
+            insert(key, parent, pages[first + j])
+            parent = key
+        keys += new
+        return end
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:
         """New sequence ``child_id`` sharing every page of ``parent_id`` (refcount +1
@@ -252,8 +262,7 @@ class Manager:
         block table."""
         parent = self._get(parent_id)
         self._check_new(child_id)
-        for page in parent.pages:
-            self._pages.retain(page)
+        self._pages.retain(parent.pages)
         self._seqs[child_id] = _Sequence(
             parent.namespace, parent.root, list(parent.pages), parent.num_tokens, list(parent.keys)
         )
@@ -263,20 +272,20 @@ class Manager:
         """End ``seq_id``: each page loses a reference; a page at zero stays cached
         (evictable) if it is indexed, else returns to the free queue. Pages are
         released tail first, so a chain's tail is evicted before its head."""
-        seq = self._get(seq_id)
-        del self._seqs[seq_id]
-        for page in reversed(seq.pages):
-            self._pages.release(page, cached=self._index.is_indexed(page))
+        seq = self._seqs.pop(seq_id) if type(seq_id) is int and seq_id in self._seqs else None
+        if seq is None:
+            seq = self._get(seq_id)  # an int subclass, or UnknownSequence
+            del self._seqs[seq_id]
+        self._pages.release(reversed(seq.pages), self._index.key_by_page)
 
-    def lookup(
-        self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
-    ) -> PrefixHit:
+    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
         """What allocate of ``tokens`` in ``namespace`` would serve from the cache now
         (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events."""
-        token_bytes = encode_tokens(tokens)
-        _, pages = self._match(self._root(namespace), token_bytes, len(tokens))
-        evictable = sum(1 for page in pages if self._pages.is_evictable(page))
-        return PrefixHit(len(pages) * self.layout.page_size, evictable)
+        root = self._root(namespace)
+        _, pages = self._match(root, encode_tokens(tokens))
+        refcounts = self._refcounts
+        evictable = sum(1 for page in pages if refcounts[page] == 0)
+        return PrefixHit(len(pages) * self._page_size, evictable)
 
     def take_events(self) -> list[PageEvent]:
         """The prefix index's events since the last call, oldest first (PageStored when
@@ -319,30 +328,61 @@ class Manager:
             assert len(seq.pages) == self.layout.pages_for(seq.num_tokens), (
                 f"sequence {seq_id}: {len(seq.pages)} pages for {seq.num_tokens} tokens"
             )
-            assert len(seq.keys) <= seq.num_tokens // self.layout.page_size, (
+            assert len(seq.keys) <= seq.num_tokens // self._page_size, (
                 f"sequence {seq_id}: a key for a page that is not full"
             )
+            assert seq.root == root_key(seq.namespace), f"sequence {seq_id}: wrong root"
             references.update(seq.pages)
-        indexed = [page for page in range(self.layout.num_pages) if self._index.is_indexed(PageId(page))]
-        self._pages.check_integrity(references, (PageId(p) for p in indexed))
+        self._pages.check_integrity(references, self._index.key_by_page)
         self._index.check_integrity()
+        if self._match_memo is not None:
+            root, token_bytes, keys = self._match_memo
+            stride = 4 * self._page_size
+            assert keys == list(
+                chain_keys(root, token_bytes[: len(keys) * stride], self._page_size)
+            ), "the match memo holds keys of other tokens"
+        namespace, root = self._root_memo
+        assert root == root_key(namespace), "the root memo holds another namespace's root"
 
     # -- internals --------------------------------------------------------------
 
-    def _match(
-        self, root: PrefixKey, token_bytes: bytes, num_tokens: int
-    ) -> tuple[list[PrefixKey], list[PageId]]:
+    def _grow(self, seq: _Sequence, num_tokens: int, num_new: int) -> Extension:
+        """extend beyond the fast path: new pages, copy-on-write, or both."""
+        pages = seq.pages
+        last = pages[-1] if pages else None
+        cow = (
+            last is not None
+            and num_tokens > 0
+            and seq.num_tokens % self._page_size != 0
+            and self._refcounts[last] > 1
+        )
+        self._check_room(num_new + cow)
+        fresh = self._pages.take(num_new + cow, self._evict)
+        copies: list[tuple[int, int]] = []
+        if cow:
+            assert last is not None
+            dst = fresh.pop()
+            pages[-1] = dst
+            self._pages.release((last,), self._index.key_by_page)  # still held by another
+            copies.append((last, dst))
+        pages.extend(fresh)
+        seq.num_tokens += num_tokens
+        return _extension(list(fresh), copies)
+
+    def _match(self, root: PrefixKey, token_bytes: bytes) -> tuple[list[PrefixKey], list[PageId]]:
         """Keys and pages of the longest indexed run of leading full pages, leaving
-        at least the last token uncovered. Hashes one page past the match at most."""
-        max_pages = max(num_tokens - 1, 0) // self.layout.page_size
-        stride = 4 * self.layout.page_size
-        memo = self._memo
+        at least the last token uncovered. Hashes one page past the match at most,
+        and nothing the last call hashed for the same root and bytes."""
+        page_size = self._page_size
+        max_pages = max(len(token_bytes) // 4 - 1, 0) // page_size
+        stride = 4 * page_size
+        memo = self._match_memo
         if memo is not None and memo[0] == root and memo[1] == token_bytes:
             known = memo[2]
         else:
             known = []
-            self._memo = (root, token_bytes, known)
-        keys: list[PrefixKey] = []
+            self._match_memo = (root, token_bytes, known)
+        entries = self._index.entries
         pages: list[PageId] = []
         parent = root
         for i in range(max_pages):
@@ -351,16 +391,15 @@ class Manager:
             else:
                 key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
                 known.append(key)
-            page = self._index.get(key)
-            if page is None:
+            entry = entries.get(key)
+            if entry is None:
                 break
-            keys.append(key)
-            pages.append(page)
+            pages.append(entry.page)
             parent = key
-        return keys, pages
+        return known[: len(pages)], pages
 
     def _check_room(self, num_pages: int, pinned_evictable: int = 0) -> None:
-        available = self._pages.num_free + self._pages.num_evictable - pinned_evictable
+        available = self._pages.num_available - pinned_evictable
         if num_pages > available:
             raise OutOfPages(f"need {num_pages} pages, {available} free or evictable")
 
@@ -380,12 +419,29 @@ class Manager:
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id} is live")
 
-    @staticmethod
-    def _root(namespace: str) -> PrefixKey:
+    def _root(self, namespace: str) -> PrefixKey:
+        memo = self._root_memo
+        if type(namespace) is str and namespace == memo[0]:
+            return memo[1]
         if not isinstance(namespace, str):
             raise BadRequest(f"namespace must be a str, got {namespace!r}")
-        return root_key(namespace)
+        root = root_key(namespace)
+        self._root_memo = (namespace, root)
+        return root
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+_set_new_pages = Extension.new_pages.__set__  # type: ignore[attr-defined]
+_set_copies = Extension.copies.__set__  # type: ignore[attr-defined]
+
+
+def _extension(new_pages: list[int], copies: list[tuple[int, int]]) -> Extension:
+    """``Extension(new_pages, copies)``, filled through its slots rather than the
+    frozen dataclass's ``object.__setattr__`` per field (one per extend call)."""
+    result: Extension = object.__new__(Extension)
+    _set_new_pages(result, new_pages)
+    _set_copies(result, copies)
+    return result

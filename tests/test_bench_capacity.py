@@ -55,6 +55,7 @@ def test_report_has_the_keys_and_meets_the_targets() -> None:
     for variant in ("plain", "shared_prefix"):
         for summary in report[variant].values():
             assert summary["finished"] == 60
+            assert summary["failed_allocations"] == 0  # admission checks exactly
     json.dumps(report)  # plain JSON
 
 
@@ -82,6 +83,7 @@ def test_preemption_happens_and_every_request_finishes() -> None:
 
     stats = simulate(trace, PagedPool(manager, True, 0), on_step=check)
     assert stats.preemptions > 0 and stats.recompute_tokens > 0
+    assert stats.failed_allocations == 0
     assert stats.finished == len(trace.requests)
     assert stats.generated_tokens >= trace.output_tokens
     assert manager.stats().num_sequences == 0 and manager.stats().held_pages == 0
@@ -153,6 +155,7 @@ def test_small_pools_keep_every_invariant(seed: int, num_pages: int, fork_every:
                      on_step=lambda _: manager.check_integrity())
     forks = sum(1 for r in trace.requests if fork_every and r.rid % fork_every == 0)
     assert stats.finished == len(trace.requests) + forks
+    assert stats.failed_allocations == 0  # lookup's PrefixHit made every admission exact
     assert manager.stats().held_pages == 0
     # with evictions the first-admission hits can only fall short of the schedule's optimum
     optimum = optimal_hit_tokens(trace.requests, stats.first_admitted, 16)

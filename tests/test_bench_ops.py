@@ -1,9 +1,12 @@
-"""``kvcore bench ops``: the timed replay counts every Manager call and page."""
+"""``kvcore bench ops``: the timed replay counts every Manager call and page, and the
+minimal baseline replays the very same calls."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
+
+import pytest
 
 from kvcore.bench import ops
 from kvcore.bench.simulate import PagedPool, simulate
@@ -11,7 +14,8 @@ from kvcore.bench.trace import TraceConfig, make_trace
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 
-SMALL = ["--requests", "40", "--num-pages", "256", "--max-new-tokens", "256", "--arrival-rate", "4"]
+SMALL = ["--requests", "40", "--num-pages", "256", "--max-new-tokens", "256", "--arrival-rate", "4",
+         "--repeat", "1"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -28,6 +32,10 @@ def test_report_counts_every_operation() -> None:
     assert report["calls"] == sum(s["calls"] for s in per_op.values())
     assert report["page_ops"] == sum(s["pages"] for s in per_op.values())
     assert report["page_ops_per_s"] > 0 and report["calls_per_s"] > 0
+    assert report["manager_over_minimal"] > 0 and len(report["manager_over_minimal_runs"]) == 1
+    assert report["minimal"]["page_ops_per_s"] > 0
+    assert report["replay"]["failed_allocations"] == 0  # admission is exact
+    assert per_op["allocate"]["failed"] == 0
     assert report["manager_seconds"] <= report["replay_seconds"]
     forks = sum(1 for rid in range(40) if rid % 4 == 0)
     assert per_op["fork"]["calls"] == forks
@@ -46,14 +54,38 @@ def _copies(report: dict[str, Any]) -> int:
     return copies
 
 
+TRACE = TraceConfig(num_requests=30, seed=5, arrival_rate=4.0, output_median=30,
+                    max_new_tokens=128, prompt_max=300, shared_fraction=0.6,
+                    prefix_min=32, prefix_max=96)
+
+
 def test_timed_manager_behaves_like_the_manager() -> None:
-    trace = make_trace(TraceConfig(num_requests=30, seed=5, arrival_rate=4.0, output_median=30,
-                                   max_new_tokens=128, prompt_max=300, shared_fraction=0.6,
-                                   prefix_min=32, prefix_max=96))
+    trace = make_trace(TRACE)
     layout = KVLayout(2, 2, 64, 8, "float16", 120)
-    plain, timed = Manager(layout), ops.TimedManager(layout)
+    plain, timed = Manager(layout), ops.Timed(Manager(layout))
     a = simulate(trace, PagedPool(plain, True, 1), fork_every=3)
     b = simulate(trace, PagedPool(timed, True, 1), fork_every=3)
     assert a == b and plain.stats() == timed.stats()
-    timed.check_integrity()
-    assert a.preemptions > 0
+    assert isinstance(timed.target, Manager)
+    timed.target.check_integrity()
+    assert a.preemptions > 0 and a.failed_allocations == 0
+
+
+def test_minimal_baseline_replays_like_the_manager() -> None:
+    """Same admissions, hits, preemptions and page counts: the ratio compares equal work."""
+    trace = make_trace(TRACE)
+    layout = KVLayout(2, 2, 64, 8, "float16", 120)
+    manager, minimal = Manager(layout), ops.MinimalCache(layout)
+    a = simulate(trace, PagedPool(manager, True, 1), fork_every=3)
+    b = simulate(trace, PagedPool(minimal, True, 1), fork_every=3)
+    assert a == b and a.preemptions > 0
+    s, t = manager.stats(), minimal.stats()
+    assert (s.free_pages, s.evictable_pages, s.cached_pages) == (
+        t.free_pages, t.evictable_pages, t.cached_pages)
+
+
+def test_cli_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvcore.cli import main
+
+    assert main(["bench", "ops", *SMALL]) == 0
+    assert "manager_over_minimal" in capsys.readouterr().out

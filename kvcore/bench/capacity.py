@@ -12,6 +12,10 @@ one fixed pool under three policies:
                   prompt's after its prefill step); finished sequences' committed
                   pages stay cached until evicted
 
+Admission is exact (Manager.lookup's PrefixHit counts the hit pages that
+allocate would pin out of the LRU): each policy's summary reports
+``failed_allocations``, allocations the scheduler made that then failed (0).
+
 Each policy runs on a plain trace and a shared-prefix variant of the same seed,
 and the paged policies again on a pool large enough that nothing is evicted.
 Units: tokens and pages as named; a "step" is one engine iteration.
@@ -104,6 +108,7 @@ def replay(
     stats = simulate(trace, pool)
     summary = stats.summary()
     if isinstance(pool, PagedPool):
+        assert isinstance(pool.manager, Manager)
         pool.manager.check_integrity()
         mstats = pool.manager.stats()
         assert mstats.num_sequences == 0 and mstats.held_pages == 0, "a sequence leaked"

@@ -8,6 +8,14 @@ evictions), through a Manager whose every public call is timed with
 sample after its prefill (parallel sampling, n=2), so fork and copy-on-write are
 in the mix. Only time inside Manager calls counts, not the simulator's.
 
+The baseline, measured in the same run: :class:`MinimalCache`, the least a paged
+allocator with a chained-hash LRU prefix cache does for the same calls (no
+namespaces, no validation, no integrity checks, no events), driven by the same
+simulator on the same trace and timed by the same wrapper. Its replay must be
+identical to the Manager's (same admissions, hits, preemptions: checked), so
+both did the same work; ``manager_over_minimal`` = Manager page ops/s over
+minimal page ops/s, each the best of ``--repeat`` alternating runs.
+
 Page operations per call (the unit of ``page_ops_per_s``)::
 
     allocate  pages of the new block table (hits pinned + fresh)
@@ -22,14 +30,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.bench import capacity
-from kvcore.bench.simulate import PagedPool, simulate
-from kvcore.errors import KVCoreError
-from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit
+from kvcore.bench.simulate import PageCache, PagedPool, RunStats, simulate
+from kvcore.bench.trace import Trace
+from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists
+from kvcore.layout import KVLayout
+from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 
 OPS = ("allocate", "extend", "commit", "free", "fork", "lookup")
 
@@ -65,70 +76,231 @@ class OpTimes:
         }
 
 
-class TimedManager(Manager):
-    """A Manager that times each mutating operation and lookup, and counts its page
+class Timed:
+    """Wraps a :class:`~kvcore.bench.simulate.PageCache` (the Manager or the minimal
+    baseline): times each call with ``perf_counter_ns`` and counts its page
     operations. allocate and extend also count the calls that fail with a
     KVCoreError (out of pages: part of a scheduler's work); the others never fail
-    in this replay. Behaviour is the Manager's, unchanged."""
+    in this replay. Behaviour is the target's, unchanged; both targets pay the
+    same wrapper, so the ratio of their times compares only their own work."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target: PageCache) -> None:
+        self.target = target
+        self.layout: KVLayout = target.layout
         self.times: dict[str, OpTimes] = {op: OpTimes() for op in OPS}
-        self._published: dict[int, int] = {}  # seq -> pages published (commit's return)
         self.copies = 0  # copy-on-write page copies extend returned
+        self._held: dict[int, int] = {}  # seq -> pages in its block table
+        self._published: dict[int, int] = {}  # seq -> pages committed (commit's return)
 
-    def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
-    ) -> Allocation:
-        t = time.perf_counter_ns()
+    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
+        hit = target.lookup(tokens)
+        elapsed = clock() - t
+        self.times["lookup"].add(elapsed, hit.num_cached_tokens // self.layout.page_size)
+        return hit
+
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> Allocation:
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
         try:
-            result = super().allocate(seq_id, tokens, namespace=namespace)
+            result = target.allocate(seq_id, tokens)
         except KVCoreError:
-            self.times["allocate"].fail(time.perf_counter_ns() - t)
+            self.times["allocate"].fail(clock() - t)
             raise
-        self.times["allocate"].add(time.perf_counter_ns() - t, len(result.pages))
+        self.times["allocate"].add(clock() - t, len(result.pages))
+        self._held[seq_id] = len(result.pages)
         self._published[seq_id] = result.num_cached_tokens // self.layout.page_size
         return result
 
-    def extend(self, seq_id: int, num_tokens: int) -> Extension:
-        t = time.perf_counter_ns()
+    def extend(self, seq_id: int, num_tokens: int) -> object:
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
         try:
-            result = super().extend(seq_id, num_tokens)
+            result = target.extend(seq_id, num_tokens)
         except KVCoreError:  # out of pages: the scheduler preempts and retries
-            self.times["extend"].fail(time.perf_counter_ns() - t)
+            self.times["extend"].fail(clock() - t)
             raise
-        self.times["extend"].add(time.perf_counter_ns() - t, len(result.new_pages) + len(result.copies))
-        self.copies += len(result.copies)
+        elapsed = clock() - t
+        new, copies = _extension_pages(result)
+        self.times["extend"].add(elapsed, new + copies)
+        self._held[seq_id] += new
+        self.copies += copies
         return result
 
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
-        t = time.perf_counter_ns()
-        published = super().commit(seq_id, tokens, start=start)
-        elapsed = time.perf_counter_ns() - t
-        self.times["commit"].add(elapsed, published - self._published.get(seq_id, 0))
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
+        published = target.commit(seq_id, tokens, start=start)
+        elapsed = clock() - t
+        self.times["commit"].add(elapsed, published - self._published[seq_id])
         self._published[seq_id] = published
         return published
 
     def free(self, seq_id: int) -> None:
-        pages = self.layout.pages_for(self.num_tokens(seq_id))
-        t = time.perf_counter_ns()
-        super().free(seq_id)
-        self.times["free"].add(time.perf_counter_ns() - t, pages)
-        self._published.pop(seq_id, None)
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
+        target.free(seq_id)
+        self.times["free"].add(clock() - t, self._held.pop(seq_id))
+        del self._published[seq_id]
 
-    def fork(self, parent_id: int, child_id: int) -> list[int]:
-        t = time.perf_counter_ns()
-        table = super().fork(parent_id, child_id)
-        self.times["fork"].add(time.perf_counter_ns() - t, len(table))
-        self._published[child_id] = self._published.get(parent_id, 0)
+    def fork(self, parent_id: int, child_id: int) -> object:
+        target, clock = self.target, time.perf_counter_ns
+        t = clock()
+        table = target.fork(parent_id, child_id)
+        elapsed = clock() - t
+        self.times["fork"].add(elapsed, self._held[parent_id])
+        self._held[child_id] = self._held[parent_id]
+        self._published[child_id] = self._published[parent_id]
         return table
 
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
-        t = time.perf_counter_ns()
-        hit = super().lookup(tokens, namespace=namespace)
-        elapsed = time.perf_counter_ns() - t
-        self.times["lookup"].add(elapsed, hit.num_cached_tokens // self.layout.page_size)
-        return hit
+    def stats(self) -> Stats:
+        return self.target.stats()
+
+    def seconds(self) -> float:
+        """Time inside the target's calls, all operations."""
+        return sum(sum(self.times[op].ns) for op in OPS) * 1e-9
+
+    def page_ops(self) -> int:
+        return sum(self.times[op].pages for op in OPS)
+
+
+def _extension_pages(result: object) -> tuple[int, int]:
+    """(pages appended, pages copied) of an extend result: the Manager's Extension
+    or the minimal baseline's ``(new_pages, copies)`` tuple."""
+    if isinstance(result, Extension):
+        return len(result.new_pages), len(result.copies)
+    assert isinstance(result, tuple), f"unknown extend result {result!r}"
+    return len(result[0]), len(result[1])
+
+
+@dataclass(slots=True)
+class _MinimalSeq:
+    pages: list[int]
+    num_tokens: int
+    keys: list[int]  # chained hashes of the committed leading pages
+
+
+class MinimalCache:
+    """The baseline: the least a paged allocator with a chained-hash LRU prefix
+    cache does for these calls, with the Manager's policy (free pages first, then
+    the least recently released cached page; pages released tail first; a hit
+    never covers the last token; copy-on-write of a shared last page; the first
+    commit of a key wins). A page's key is Python's ``hash((parent key, page
+    tokens))``: fast and not cryptographic, so the ratio also charges the Manager
+    for SHA-256 keys (spec/hashing.md). No namespaces, no validation of input, no
+    integrity checks, no events, no statistics beyond what the scheduler reads."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.free_pages: deque[int] = deque(range(layout.num_pages))
+        self.lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced pages
+        self.refs = [0] * layout.num_pages
+        self.page_of: dict[int, int] = {}
+        self.key_of: dict[int, int] = {}
+        self.seqs: dict[int, _MinimalSeq] = {}
+
+    def _take(self, num: int) -> list[int]:
+        pages = []
+        for _ in range(num):
+            if self.free_pages:
+                page = self.free_pages.popleft()
+            else:
+                page, _ = self.lru.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+            self.refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def _match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        size = self.page_size
+        keys: list[int] = []
+        pages: list[int] = []
+        parent = 0
+        for i in range((len(tokens) - 1) // size):
+            key = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            keys.append(key)
+            pages.append(page)
+            parent = key
+        return keys, pages
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
+        _, pages = self._match(tokens)
+        return PrefixHit(len(pages) * self.page_size, sum(1 for p in pages if not self.refs[p]))
+
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> Allocation:
+        if seq_id in self.seqs:
+            raise SequenceExists(f"sequence {seq_id} is live")
+        keys, hit = self._match(tokens)
+        need = -(-len(tokens) // self.page_size) - len(hit)
+        pinned = sum(1 for p in hit if not self.refs[p])
+        if need > len(self.free_pages) + len(self.lru) - pinned:
+            raise OutOfPages(f"need {need} pages")
+        for page in hit:
+            if not self.refs[page]:
+                del self.lru[page]
+            self.refs[page] += 1
+        pages = hit + self._take(need)
+        self.seqs[seq_id] = _MinimalSeq(pages, len(tokens), keys)
+        return Allocation(list(pages), len(hit) * self.page_size)
+
+    def extend(self, seq_id: int, num_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+        seq = self.seqs[seq_id]
+        total = seq.num_tokens + num_tokens
+        need = -(-total // self.page_size) - len(seq.pages)
+        cow = num_tokens > 0 and seq.num_tokens % self.page_size and self.refs[seq.pages[-1]] > 1
+        if need + bool(cow) > len(self.free_pages) + len(self.lru):
+            raise OutOfPages(f"need {need + bool(cow)} pages")
+        new = self._take(need + bool(cow)) if need or cow else []
+        copies = []
+        if cow:
+            src, dst = seq.pages[-1], new.pop()
+            self.refs[src] -= 1  # still held by another sequence
+            seq.pages[-1] = dst
+            copies.append((src, dst))
+        seq.pages += new
+        seq.num_tokens = total
+        return new, copies
+
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
+        seq, size = self.seqs[seq_id], self.page_size
+        first, end = len(seq.keys), (start + len(tokens)) // size
+        if end > first:
+            parent = seq.keys[-1] if seq.keys else 0
+            offsets = range(first * size - start, end * size - start, size)  # into tokens
+            for at, page in zip(offsets, seq.pages[first:end], strict=True):
+                key = hash((parent, tuple(tokens[at : at + size])))
+                if key not in self.page_of and page not in self.key_of:
+                    self.page_of[key] = page
+                    self.key_of[page] = key
+                seq.keys.append(key)
+                parent = key
+        return len(seq.keys)
+
+    def free(self, seq_id: int) -> None:
+        for page in reversed(self.seqs.pop(seq_id).pages):
+            self.refs[page] -= 1
+            if not self.refs[page]:
+                if page in self.key_of:
+                    self.lru[page] = None
+                else:
+                    self.free_pages.append(page)
+
+    def fork(self, parent_id: int, child_id: int) -> list[int]:
+        parent = self.seqs[parent_id]
+        for page in parent.pages:
+            self.refs[page] += 1
+        self.seqs[child_id] = _MinimalSeq(list(parent.pages), parent.num_tokens, list(parent.keys))
+        return list(parent.pages)
+
+    def stats(self) -> Stats:
+        free, lru = len(self.free_pages), len(self.lru)
+        total = self.layout.num_pages
+        return Stats(total, free, lru, total - free - lru, len(self.page_of), len(self.seqs), 0, 0, 0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,6 +308,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fork-every", type=int, default=8,
                         help="fork every N-th request into a second sample (0: never)")
     parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="replays per implementation, alternating; the best of each counts")
+
+
+def replay(
+    cache: PageCache, trace: Trace, layout: KVLayout, args: argparse.Namespace
+) -> tuple[Timed, RunStats, float]:
+    """One timed replay of ``trace`` through ``cache``: (timings, run stats, wall seconds)."""
+    timed = Timed(cache)
+    pool = PagedPool(timed, True, int(args.watermark * layout.num_pages))
+    wall = time.perf_counter()
+    stats = simulate(trace, pool, fork_every=args.fork_every)
+    return timed, stats, time.perf_counter() - wall
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -143,35 +328,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plain, shared = capacity.traces_from_args(args)
     trace = shared if args.variant == "shared_prefix" else plain
     capacity.check_fits(trace, layout, args.max_new_tokens)
-    manager = TimedManager(layout)
-    pool = PagedPool(manager, True, int(args.watermark * layout.num_pages))
-    wall = time.perf_counter()
-    stats = simulate(trace, pool, fork_every=args.fork_every)
-    wall = time.perf_counter() - wall
-    manager.check_integrity()
+    if args.repeat < 1:
+        raise BadRequest(f"--repeat must be >= 1, got {args.repeat}")
+    runs: list[tuple[Timed, RunStats, float, Timed]] = []
+    for _ in range(args.repeat):
+        manager, stats, wall = replay(Manager(layout), trace, layout, args)
+        minimal, minimal_stats, _ = replay(MinimalCache(layout), trace, layout, args)
+        assert minimal_stats == stats, "the minimal baseline replayed differently"
+        for op in OPS:
+            mine, theirs = manager.times[op], minimal.times[op]
+            assert (len(mine.ns), mine.pages) == (len(theirs.ns), theirs.pages), f"{op} differs"
+        assert isinstance(manager.target, Manager)
+        manager.target.check_integrity()
+        runs.append((manager, stats, wall, minimal))
+    manager, stats, wall, _ = min(runs, key=lambda r: r[0].seconds())
+    minimal = min((r[3] for r in runs), key=Timed.seconds)
     per_op = {op: manager.times[op].summary() for op in OPS}
     calls = sum(s["calls"] for s in per_op.values())
-    pages = sum(s["pages"] for s in per_op.values())
-    seconds = sum(sum(manager.times[op].ns) for op in OPS) * 1e-9
+    pages, seconds = manager.page_ops(), manager.seconds()
     mstats = manager.stats()
     return {
         "page_ops_per_s": pages / seconds,
         "calls_per_s": calls / seconds,
+        "manager_over_minimal": minimal.seconds() / seconds,  # same page ops on both sides
+        "manager_over_minimal_runs": [r[3].seconds() / r[0].seconds() for r in runs],
         "calls": calls,
         "page_ops": pages,
         "manager_seconds": seconds,
         "replay_seconds": wall,
         "ops": per_op,
+        "minimal": {
+            "page_ops_per_s": pages / minimal.seconds(),
+            "seconds": minimal.seconds(),
+            "mean_us": {op: minimal.times[op].summary()["mean_us"] for op in OPS},
+        },
         "replay": {
             "variant": args.variant,
             "requests": len(trace.requests),
             "steps": stats.steps,
             "preemptions": stats.preemptions,
+            "failed_allocations": stats.failed_allocations,
             "copies": manager.copies,
             "evictions": mstats.evictions,
             "hit_rate": mstats.hit_rate,
             "num_pages": layout.num_pages,
             "page_size": layout.page_size,
             "fork_every": args.fork_every,
+            "repeat": args.repeat,
         },
     }

@@ -13,7 +13,9 @@ drives a Manager, with the shared prefix cache when ``prefix`` is set. One step:
     3 admission, FCFS, only in a step without preemption: the queue head is
       prefilled (prompt + tokens generated before a preemption) while it fits
       and (PagedPool) ``watermark_pages`` stay free; the first that does not
-      fit blocks the queue
+      fit blocks the queue. PagedPool decides from ``lookup``'s PrefixHit,
+      which counts the hit pages allocate would pin out of the LRU, so its
+      decision is exact: an allocate it makes never fails (``failed_allocations``)
     4 the batch runs: each scheduled sequence produces one token; commits
       (PagedPool with ``prefix``); finished sequences are freed
 
@@ -31,7 +33,8 @@ from typing import Any, Protocol
 
 from kvcore.bench.trace import Request, Trace
 from kvcore.errors import BadRequest, OutOfPages
-from kvcore.manager import Manager, PrefixHit
+from kvcore.layout import KVLayout
+from kvcore.manager import Allocation, PrefixHit, Stats
 
 
 class Pool(Protocol):
@@ -49,6 +52,9 @@ class Pool(Protocol):
         """Commit the full pages of ``tokens`` (the sequence's tokens so far)."""
 
     def fork(self, parent: int, child: int) -> None: ...
+
+    def failed_allocations(self) -> int:
+        """Admissions that the pool accepted but whose allocation then failed."""
 
     def held(self) -> tuple[int, int]:
         """(token slots reserved, pages held) by live sequences."""
@@ -89,6 +95,9 @@ class ContiguousPool:
     def fork(self, parent: int, child: int) -> None:
         raise BadRequest("the contiguous policy cannot fork")
 
+    def failed_allocations(self) -> int:
+        return 0  # a reservation is checked and made in one step
+
     def held(self) -> tuple[int, int]:
         return self.reserved, -(-self.reserved // self.tokens_per_page)
 
@@ -97,26 +106,56 @@ class ContiguousPool:
         return self.tokens_per_page
 
 
+class PageCache(Protocol):
+    """The calls PagedPool makes: the Manager's (kvcore.bench.ops also drives its
+    minimal baseline through them). Results that PagedPool ignores are ``object``."""
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixHit: ...
+
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> Allocation: ...
+
+    def extend(self, seq_id: int, num_tokens: int) -> object: ...
+
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def fork(self, parent_id: int, child_id: int) -> object: ...
+
+    def stats(self) -> Stats: ...
+
+
 @dataclass(slots=True)
 class PagedPool:
-    """A Manager; with ``prefix`` the admission looks up and publishing commits."""
+    """A Manager (or any :class:`PageCache`); with ``prefix`` the admission looks up
+    and publishing commits, sending only the tokens from the first page not yet
+    committed (``commit(..., start=)``)."""
 
-    manager: Manager
+    manager: PageCache
     prefix: bool
     watermark_pages: int
+    failed: int = 0  # allocate calls that failed after the admission check said they fit
+    _committed: dict[int, int] = field(default_factory=dict)  # rid -> committed pages
 
     def admit(self, rid: int, tokens: Sequence[int], num_running: int) -> int | None:
         mgr = self.manager
         hit = mgr.lookup(tokens) if self.prefix else PrefixHit(0, 0)
         need = mgr.layout.pages_for(len(tokens)) - hit.num_cached_tokens // mgr.layout.page_size
         stats = mgr.stats()
+        # Pinning the hit's evictable pages takes them out of what allocate may evict.
         spare = stats.free_pages + stats.evictable_pages - hit.num_evictable_pages - need
         if spare < 0 or (num_running > 0 and spare < self.watermark_pages):
             return None
         try:
-            return mgr.allocate(rid, tokens).num_cached_tokens
-        except OutOfPages:  # a hit page was evictable: pinning it left too few
+            cached = mgr.allocate(rid, tokens).num_cached_tokens
+        except OutOfPages:  # the check above was wrong: counted, never expected
+            self.failed += 1
             return None
+        self._committed[rid] = cached // mgr.layout.page_size
+        return cached
 
     def grow(self, rid: int) -> bool:
         try:
@@ -127,13 +166,19 @@ class PagedPool:
 
     def release(self, rid: int) -> None:
         self.manager.free(rid)
+        self._committed.pop(rid, None)
 
     def publish(self, rid: int, tokens: Sequence[int]) -> None:
         if self.prefix:
-            self.manager.commit(rid, tokens)
+            start = self._committed[rid] * self.manager.layout.page_size
+            self._committed[rid] = self.manager.commit(rid, tokens[start:], start=start)
 
     def fork(self, parent: int, child: int) -> None:
         self.manager.fork(parent, child)
+        self._committed[child] = self._committed[parent]
+
+    def failed_allocations(self) -> int:
+        return self.failed
 
     def held(self) -> tuple[int, int]:
         pages = self.manager.stats().held_pages
@@ -168,6 +213,7 @@ class RunStats:
     recompute_tokens: int = 0  # prefill tokens computed again after a preemption
     generated_tokens: int = 0
     finished: int = 0
+    failed_allocations: int = 0  # admissions accepted whose allocate then failed
     first_admitted: dict[int, int] = field(default_factory=dict)  # rid -> step
     first_hit_tokens: dict[int, int] = field(default_factory=dict)  # rid -> cached tokens
 
@@ -188,6 +234,7 @@ class RunStats:
             "preemptions": self.preemptions,
             "recompute_tokens": self.recompute_tokens,
             "finished": self.finished,
+            "failed_allocations": self.failed_allocations,
         }
 
 
@@ -270,6 +317,7 @@ def simulate(
         if on_step is not None:
             on_step(step)
         step += 1
+    stats.failed_allocations = pool.failed_allocations()
     return stats
 
 
