@@ -33,10 +33,12 @@ def check_tensor(
 
     if not isinstance(t, torch.Tensor):
         raise BadRequest(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != len(pattern) or any(
-        want is not None and got != want for got, want in zip(t.shape, pattern, strict=True)
-    ):
-        raise BadRequest(f"{name} must have shape {fmt_shape(pattern)}, got {list(t.shape)}")
+    shape = t.shape
+    if len(shape) != len(pattern):
+        raise BadRequest(f"{name} must have shape {fmt_shape(pattern)}, got {list(shape)}")
+    for got, want in zip(shape, pattern, strict=True):  # a loop: run checks are per layer
+        if want is not None and got != want:
+            raise BadRequest(f"{name} must have shape {fmt_shape(pattern)}, got {list(shape)}")
     if t.device != device:
         raise BadRequest(f"{name} is on {t.device}, kv_cache on {device}")
     return t

@@ -75,6 +75,34 @@ def attend(
 
 
 @dataclass(frozen=True, slots=True)
+class Rows:
+    """The cache seen as rows of contiguous elements (``row_shape``): a view over its
+    storage, no copy. ``index`` holds the rows of K (``index[0]``) and V
+    (``index[1]``) of the gathered or scattered elements; ``flat`` is it flattened.
+    Valid for caches with exactly ``strides`` (every layer of a pool has its first
+    layer's); a contiguous cache takes the cheaper ``view``."""
+
+    strides: tuple[int, ...]
+    contiguous: bool  # the planning cache was contiguous
+    n_rows: int
+    row_shape: tuple[int, ...]  # (D,) for head rows, (Hkv, D) for token rows
+    index: torch.Tensor
+    flat: torch.Tensor
+
+    def view(self, kv_cache: torch.Tensor) -> torch.Tensor | None:
+        """The row view of ``kv_cache``, or None where its strides differ from the plan's."""
+        if self.contiguous and kv_cache.is_contiguous():
+            return kv_cache.view(-1, *self.row_shape)
+        if kv_cache.stride() != self.strides:
+            return None
+        shape = (self.n_rows, *self.row_shape)
+        stride = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * shape[i + 1]
+        return kv_cache.as_strided(shape, stride)
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeGather:
     """A decode plan's gather, computed once per step.
 
@@ -82,30 +110,29 @@ class DecodeGather:
     ``pages[b, j]`` and offset ``offsets[b, j]``; past the row's length it repeats
     the row's token 0 (finite) and ``mask`` (additive fp32 [B, 1, 1, max_len]: 0 or
     -inf; None when every row has max_len tokens) removes it from the softmax.
-
-    ``rows`` [2, B, max_len] int64 indexes the same tokens' K (index 0) and V (1) as
-    rows of the cache viewed as ``[n_rows, Hkv, D]`` -- possible when a token's
-    [Hkv, D] block is contiguous and every stride of dims 0..2 is a multiple of it;
-    valid for caches with exactly ``strides`` (every layer of a pool), None otherwise.
+    ``rows`` indexes the same tokens as head rows (one [D] row per token and kv
+    head), ``index`` shaped [2, B, Hkv, max_len], so one ``index_select`` yields K
+    and V head-major and contiguous, as SDPA reads them fastest; None where the
+    planning cache's strides allow no such view (then an advanced-index gather).
     """
 
     max_len: int  # tokens
     pages: torch.Tensor  # [B, max_len] int64
     offsets: torch.Tensor  # [B, max_len] int64
     mask: torch.Tensor | None
-    strides: tuple[int, ...]
-    rows: torch.Tensor | None
-    n_rows: int
+    rows: Rows | None
 
 
 @dataclass(frozen=True, slots=True)
 class WriteIndex:
-    """A write plan's scatter: the kept tokens (``keep`` None: all) and their slots' page
-    and offset, int64."""
+    """A write plan's scatter: the kept tokens (``keep`` None: all), their slots' page and
+    offset (int64), and the same slots as token rows ([Hkv, D] blocks) where the
+    planning cache allows that view (one ``index_copy_`` each for K and V)."""
 
     keep: torch.Tensor | None
     page: torch.Tensor
     offset: torch.Tensor
+    rows: Rows | None
 
 
 class TorchBackend(Backend):
@@ -134,17 +161,18 @@ class TorchBackend(Backend):
         if min(plan.host_seq_lens) < max_len:
             zero = torch.zeros((), device=lens.device)
             mask = torch.where(valid, zero, float("-inf"))[:, None, None, :]
-        strides = kv_cache.stride()
-        rows, n_rows = _row_index(kv_cache, pages, offsets)
-        return DecodeGather(max_len, pages, offsets, mask, strides, rows, n_rows)
+        heads = torch.arange(kv_cache.shape[3], device=lens.device)
+        rows = _rows(kv_cache, pages[:, None, :], offsets[:, None, :], heads[None, :, None])
+        return DecodeGather(max_len, pages, offsets, mask, rows)
 
     def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
         slots, keep = plan.slots, None
         if plan.skips:  # the common case (no skipped slot) needs no mask
-            keep = (slots >= 0).nonzero().squeeze(1)
+            keep = (slots >= 0).nonzero().squeeze(1)  # (a device sync where slots skip)
             slots = slots.index_select(0, keep)
         page_size = plan.cache.page_size
-        return WriteIndex(keep, slots // page_size, slots % page_size)
+        page, offset = slots // page_size, slots % page_size
+        return WriteIndex(keep, page, offset, _rows(kv_cache, page, offset, None))
 
     # -- kernels ----------------------------------------------------------------------
 
@@ -155,6 +183,11 @@ class TorchBackend(Backend):
         assert isinstance(index, WriteIndex), "a torch write plan carries its WriteIndex"
         if index.keep is not None:
             key, value = key.index_select(0, index.keep), value.index_select(0, index.keep)
+        view = None if index.rows is None else index.rows.view(kv_cache)
+        if view is not None and index.rows is not None:
+            view.index_copy_(0, index.rows.index[0], key)
+            view.index_copy_(0, index.rows.index[1], value)
+            return
         kv_cache[index.page, 0, index.offset] = key
         kv_cache[index.page, 1, index.offset] = value
 
@@ -165,24 +198,20 @@ class TorchBackend(Backend):
         assert isinstance(g, DecodeGather), "a torch decode plan carries its DecodeGather"
         batch, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
-        if g.rows is not None and kv_cache.stride() == g.strides:
-            view = kv_cache.as_strided(
-                (g.n_rows, num_kv_heads, head_dim), (num_kv_heads * head_dim, head_dim, 1)
-            )
-            kv = view.index_select(0, g.rows.view(-1)).view(
-                2, batch, g.max_len, num_kv_heads, head_dim
-            )
+        view = None if g.rows is None else g.rows.view(kv_cache)
+        if view is not None and g.rows is not None:  # K, V: [B, Hkv, L, D] contiguous
+            kv = view.index_select(0, g.rows.flat).view(2, batch, num_kv_heads, g.max_len, head_dim)
             k, v = kv[0], kv[1]
-        else:  # any other strides: one advanced-index gather, [B, L, 2, Hkv, D]
+        else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
             kv = kv_cache[g.pages, :, g.offsets]
-            k, v = kv[:, :, 0], kv[:, :, 1]
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         # One query token: the query heads that share kv head h act as the query
         # rows of h, so GQA needs no repeat of K/V.
-        q = query.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(
-            q, k.float().transpose(1, 2), v.float().transpose(1, 2), attn_mask=g.mask, scale=scale
-        )
-        return out.reshape(batch, num_heads, head_dim).to(query.dtype)
+        q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if query.dtype != torch.float32:  # fp32 arithmetic, one rounding at the end
+            q, k, v = q.float(), k.float(), v.float()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        return out.view(batch, num_heads, head_dim).to(query.dtype)
 
     def _prefill(
         self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
@@ -201,19 +230,36 @@ class TorchBackend(Backend):
         kv_cache[plan.dst] = kv_cache[plan.src]  # the gather copies src out before the scatter
 
 
-def _row_index(
-    kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor
-) -> tuple[torch.Tensor | None, int]:
-    """Rows of K and V of each (page, offset) in the cache viewed as [n_rows, Hkv, D],
-    and n_rows; (None, 0) where this cache's strides allow no such view."""
-    _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
-    row = num_kv_heads * head_dim  # elements of one token's K (or V)
+def _rows(
+    kv_cache: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+    heads: torch.Tensor | None,
+) -> Rows | None:
+    """K and V rows of the (page, offset[, kv head]) elements (broadcast together) in the
+    cache viewed as rows: head rows [D] when ``heads`` is given, else token rows
+    [Hkv, D]. None where the strides allow no such view: a row must be contiguous and
+    every stride of the indexed dims a multiple of the row's width (elements)."""
+    num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     s_page, s_kv, s_tok, s_head, s_dim = kv_cache.stride()
-    dense_token = (s_dim == 1 or head_dim == 1) and (s_head == head_dim or num_kv_heads == 1)
-    strides = (s_page, s_kv, s_tok)
-    if not dense_token or any(s < 0 or s % row for s in strides):
-        return None, 0
-    k_rows = pages * (s_page // row) + offsets * (s_tok // row)
-    rows = torch.stack([k_rows, k_rows + s_kv // row])
-    last = (kv_cache.shape[0] - 1) * s_page + s_kv + (page_size - 1) * s_tok
-    return rows, last // row + 1
+    if s_dim != 1 and head_dim > 1:
+        return None
+    row_shape: tuple[int, ...]
+    if heads is None:  # token rows: one [Hkv, D] block per token
+        if s_head != head_dim and num_kv_heads > 1:
+            return None
+        width, row_shape = num_kv_heads * head_dim, (num_kv_heads, head_dim)
+        s_head = 0
+    else:
+        width, row_shape = head_dim, (head_dim,)
+    strides = (s_page, s_kv, s_tok, s_head)
+    if any(s % width for s in strides):
+        return None
+    a_page, a_kv, a_tok, a_head = (s // width for s in strides)
+    k_rows = pages * a_page + offsets * a_tok
+    if heads is not None:
+        k_rows = k_rows + heads * a_head
+    last = (num_pages - 1) * a_page + a_kv + (page_size - 1) * a_tok + (num_kv_heads - 1) * a_head
+    index = torch.stack([k_rows, k_rows + a_kv])
+    contiguous = kv_cache.is_contiguous()
+    return Rows(kv_cache.stride(), contiguous, last + 1, row_shape, index, index.view(-1))
