@@ -4,33 +4,91 @@ Same run, same model (kvcore.integrations.tiny_llama, the demo model), same
 prompts. A daemon is started with a host pool that fits the model (or
 ``--endpoint`` names one whose pool ``--pool`` fits it).
 
-* Decode: ``--batch`` rows of ``--prompt-tokens`` tokens, ``--new-tokens`` greedy
-  tokens. A logits processor stamps the time of every step; decode tokens/s is
-  ``batch * (steps - 1) / (last stamp - first stamp)``, so the prefill is
-  excluded. Median over ``--repeats`` runs with fresh prompts (no prefix hits).
+* Decode, two workloads, each run by three caches on the same prompts:
+  DynamicCache, KVCoreCache and transformers' own paged cache (continuous
+  batching: ``model.generate_batch`` with ``ContinuousBatchingConfig(page_size)``,
+  the pool's page size, every prompt in one prefill batch):
+
+  - even: ``--batch`` rows of ``--prompt-tokens`` tokens;
+  - ragged: ``--ragged-batch`` rows whose lengths are spread evenly over
+    ``--ragged-min .. --ragged-max`` tokens, left-padded for generate().
+
+  ``--new-tokens`` greedy tokens per row. generate() runs stamp every step with
+  a logits processor, continuous batching stamps every token; decode tokens/s
+  is the tokens stamped after the last row's first token over the time from
+  that stamp to the last (``rows * (steps - 1) / (last - first)``), so the
+  prefill is excluded. Fresh prompts every repeat (no prefix hits). Each run's
+  new tokens are compared row by row with DynamicCache's (``*_rows_equal`` of
+  ``rows_compared``; ``*_tokens_match``: all equal). A left-padded DynamicCache
+  row is not bit-identical to the row run alone, so on the ragged batch a near
+  tie can flip a token there and not in the two paged caches (which read no
+  padding); ``kvcore_rows_equal_hf_paged`` compares those two.
 * Time to first token (TTFT): prompts of ``--ttft-tokens`` tokens whose leading
   ``--cached-fraction`` (rounded down to whole pages) was committed by an
   earlier request, against cold prompts of the same length, both through the
   kvcore cache; start of generate() to the first step's stamp.
+* Per-layer decode: one backend ``decode(plan, query, kv_cache, scale)`` call
+  (the plan made once, outside the timed loop, as a model makes it once per
+  step for all its layers) against one ``scaled_dot_product_attention`` call
+  over dense K/V, at the demo model's heads and the even workload's batch and
+  mean decode context (``prompt + new_tokens // 2``); the ragged batch's too,
+  its SDPA masked as transformers masks a left-padded batch. Median over
+  ``--layer-rounds`` paired rounds of ``--layer-calls`` calls, microseconds.
 
-Each repeat runs all four measurements back to back; ``decode_tps_ratio`` is
-the median over repeats of kvcore / DynamicCache tokens/s, ``ttft_cached_ratio``
-the median of cached / cold TTFT (the absolute figures are medians too).
-Targets on CPU with the torch backend: >= 0.8 and <= 0.5.
+Each repeat runs every measurement back to back (paired: a change in machine
+load hits both sides of a ratio alike); a ratio is the median over repeats of
+the per-repeat ratio against DynamicCache, absolute figures are medians too.
+Targets on CPU with the torch backend (:data:`TARGETS`): even decode >= 0.8,
+ragged decode >= 0.85, TTFT cached/cold <= 0.5, decode layer / SDPA <= 2.0, and
+kvcore ahead of transformers' paged cache on both workloads.
+``--json`` prints the full record, otherwise a table of the headline figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import statistics
-from dataclasses import replace
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import LlamaForCausalLM
 
+    from kvcore.backend import Backend
     from kvcore.client import Client
     from kvcore.integrations.tiny_llama import TinyLlama
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A bound on one top-level figure of the record: ``figure >= bound`` (at_least) or
+    ``figure <= bound``."""
+
+    key: str
+    at_least: bool
+    bound: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.key} {'>=' if self.at_least else '<='} {self.bound:g}"
+
+    def met(self, value: float) -> bool:
+        return value >= self.bound if self.at_least else value <= self.bound
+
+
+TARGETS = (
+    Target("decode_tps_ratio", True, 0.8),
+    Target("ragged_decode_tps_ratio", True, 0.85),
+    Target("ttft_cached_ratio", False, 0.5),
+    Target("decode_layer_over_sdpa", False, 2.0),
+    Target("kvcore_over_hf_paged", True, 1.0),  # kvcore ahead of transformers' paged cache
+    Target("ragged_kvcore_over_hf_paged", True, 1.0),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +97,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="torch", help="kernel backend (default: torch)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
-    parser.add_argument("--batch", type=int, default=1, help="rows per decode run (default 1)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="decode prompt length")
+    parser.add_argument("--batch", type=int, default=1, help="rows of the even batch (default 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="even batch prompt length")
+    parser.add_argument("--ragged-batch", type=int, default=8, help="rows of the ragged batch")
+    parser.add_argument("--ragged-min", type=int, default=128, help="shortest ragged prompt")
+    parser.add_argument("--ragged-max", type=int, default=384, help="longest ragged prompt")
     parser.add_argument(
         "--new-tokens", type=int, default=64, help="tokens generated per decode run"
     )
@@ -48,6 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cached-fraction", type=float, default=0.75,
                         help="share of the TTFT prompt already cached (default 0.75)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7, help="runs per figure (median)")
+    parser.add_argument("--layer-calls", type=int, default=200, help="calls per timed round")
+    parser.add_argument("--layer-rounds", type=int, default=15, help="rounds per layer figure")
     parser.add_argument("--hidden-size", type=int, help="model width (default: the demo model's)")
     parser.add_argument("--layers", type=int, help="model layers (default: the demo model's)")
     parser.add_argument("--threads", type=int, default=1,
@@ -55,25 +118,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The full record with ``--json``, else :func:`headline` of it."""
+    record = measure(args)
+    return record if getattr(args, "json", True) else headline(record)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the model, start (or attach to) a daemon and measure: the full record."""
     import torch
 
     from kvcore.client import Client
     from kvcore.daemon_process import DaemonProcess
-    from kvcore.integrations.tiny_llama import TinyLlama
 
     torch.set_num_threads(args.threads)
-    spec = TinyLlama()
-    if args.hidden_size:  # keep head_dim 64 and the 2:1 GQA ratio; MLP 2x wide
-        heads = max(args.hidden_size // 64, 2)
-        spec = replace(
-            spec,
-            hidden_size=args.hidden_size,
-            num_heads=heads,
-            num_kv_heads=max(heads // 2, 1),
-            intermediate_size=2 * args.hidden_size,
-        )
-    if args.layers:
-        spec = replace(spec, num_layers=args.layers)
+    spec = _spec(args)
     model = spec.build(args.dtype)
     if args.endpoint:
         with Client.connect(args.endpoint, pool=args.pool, namespace="bench-e2e") as client:
@@ -87,6 +145,181 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client.close()
 
 
+def headline(record: dict[str, Any]) -> dict[str, Any]:
+    """The ratios, the tokens/s behind them (dyn: DynamicCache, kv: kvcore, hf:
+    transformers' paged cache), and each target as "met" / "not met"."""
+    even, ragged, layer = record["decode"], record["ragged"], record["layer"]
+    keys = ["decode_tps_ratio", "hf_paged_decode_tps_ratio", "ragged_decode_tps_ratio",
+            "ragged_hf_paged_decode_tps_ratio", "ttft_cached_ratio", "decode_layer_us",
+            "sdpa_layer_us", "decode_layer_over_sdpa"]  # fmt: skip
+    out: dict[str, Any] = {key: record[key] for key in keys}
+    tps = ("dynamic_cache_tokens_per_s", "kvcore_tokens_per_s", "hf_paged_tokens_per_s")
+    for name, figures in (("even", even), ("ragged", ragged)):
+        out[f"{name} tok/s dyn/kv/hf"] = " / ".join(f"{figures[k]:.0f}" for k in tps)
+        out[f"{name} rows = dyn kv/hf/all"] = (
+            f"{figures['kvcore_rows_equal']} / {figures['hf_paged_rows_equal']} / "
+            f"{figures['rows_compared']}"
+        )
+    out["ragged layer us kv/sdpa"] = (
+        f"{layer['ragged_decode_us']:.0f} / {layer['ragged_sdpa_us']:.0f}"
+    )
+    out["targets"] = record["targets"]
+    return out
+
+
+# -- workloads and the three caches -----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """One generation run: decode tokens/s (all rows, prefill excluded) and new tokens."""
+
+    tokens_per_s: float
+    tokens: list[list[int]]  # [rows][new_tokens]
+
+
+@dataclass(slots=True)
+class Workload:
+    """One decode workload and its per-repeat figures (appended by :func:`_measure`)."""
+
+    lengths: list[int]  # prompt tokens per row
+    dynamic: list[float] = field(default_factory=list)  # tokens/s per repeat
+    kvcore: list[float] = field(default_factory=list)
+    hf_paged: list[float] = field(default_factory=list)
+    kvcore_equal: list[int] = field(default_factory=list)  # rows whose tokens == DynamicCache's
+    hf_paged_equal: list[int] = field(default_factory=list)
+    kvcore_equal_hf_paged: list[int] = field(default_factory=list)  # rows kvcore == hf paged
+
+    @property
+    def rows_compared(self) -> int:
+        """Rows compared over all repeats."""
+        return len(self.lengths) * len(self.dynamic)
+
+    def ratio(self, figures: list[float]) -> float:
+        """Median over repeats of ``figures`` / DynamicCache tokens/s."""
+        return statistics.median(f / d for f, d in zip(figures, self.dynamic, strict=True))
+
+    def record(self, new_tokens: int) -> dict[str, Any]:
+        return {
+            "kvcore_tokens_per_s": statistics.median(self.kvcore),
+            "dynamic_cache_tokens_per_s": statistics.median(self.dynamic),
+            "hf_paged_tokens_per_s": statistics.median(self.hf_paged),
+            "kvcore_over_hf_paged": statistics.median(
+                k / h for k, h in zip(self.kvcore, self.hf_paged, strict=True)
+            ),
+            "kvcore_tokens_match": sum(self.kvcore_equal) == self.rows_compared,
+            "hf_paged_tokens_match": sum(self.hf_paged_equal) == self.rows_compared,
+            "kvcore_rows_equal": sum(self.kvcore_equal),
+            "hf_paged_rows_equal": sum(self.hf_paged_equal),
+            "kvcore_rows_equal_hf_paged": sum(self.kvcore_equal_hf_paged),
+            "rows_compared": self.rows_compared,
+            "batch": len(self.lengths),
+            "prompt_tokens": self.lengths if len(set(self.lengths)) > 1 else self.lengths[0],
+            "new_tokens": new_tokens,
+        }
+
+
+def _rows_equal(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many rows of ``a`` equal the same row of ``b``."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def spread(low: int, high: int, count: int) -> list[int]:
+    """``count`` lengths spread evenly over ``low .. high`` tokens, both ends included."""
+    if count == 1:
+        return [low]
+    return [low + (high - low) * i // (count - 1) for i in range(count)]
+
+
+def timed_generate(
+    model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, cache: object
+) -> Generated:
+    """Greedy generate() over left-padded ``rows`` with ``cache`` (DynamicCache or kvcore)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from kvcore.integrations.tiny_llama import greedy
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            stamps.append(time.perf_counter())
+            return scores
+
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    new = greedy(model, ids, new_tokens, attention_mask=mask, cache=cache,
+                 logits_processor=LogitsProcessorList([Stamp()]))  # fmt: skip
+    tps = len(rows) * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return Generated(tps, new.tolist())
+
+
+def hf_paged_generate(
+    model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, page_size: int
+) -> Generated:
+    """Greedy ``model.generate_batch`` (transformers' continuous batching, paged cache of
+    ``page_size`` tokens per page) over unpadded ``rows``. Sized so that every prompt is
+    in the first (prefill) batch and no row waits for pages."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    pages = sum(-(-(len(r) + new_tokens) // page_size) for r in rows)
+    config = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=pages + len(rows),
+        max_batch_tokens=sum(len(r) for r in rows), max_requests_per_batch=len(rows),
+    )  # fmt: skip
+    generation = GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, max_new_tokens=new_tokens, pad_token_id=0
+    )
+    with _quiet("ContinuousBatchingLogger"), torch.no_grad():
+        out = model.generate_batch(rows, generation_config=generation,
+                                   continuous_batching_config=config, record_timestamps=True)  # fmt: skip
+    results = list(out.values())
+    failed = [r.error for r in results if r.error is not None]
+    if len(results) != len(rows) or failed:
+        raise RuntimeError(f"generate_batch: {len(results)} of {len(rows)} rows; {failed[:1]}")
+    stamps = [r.timestamps or [] for r in results]
+    first = max(s[0] for s in stamps)  # every row has its first token: decode starts
+    decoded = sum(1 for s in stamps for t in s if t > first)
+    return Generated(decoded / (max(s[-1] for s in stamps) - first),
+                     [list(r.generated_tokens) for r in results])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Silence a logger (continuous batching logs advice on psutil at ERROR on every call)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# -- the measurement --------------------------------------------------------------------
+
+
+def _spec(args: argparse.Namespace) -> TinyLlama:
+    from kvcore.integrations.tiny_llama import TinyLlama
+
+    spec = TinyLlama()
+    if args.hidden_size:  # keep head_dim 64 and the 2:1 GQA ratio; MLP 2x wide
+        heads = max(args.hidden_size // 64, 2)
+        spec = replace(
+            spec,
+            hidden_size=args.hidden_size,
+            num_heads=heads,
+            num_kv_heads=max(heads // 2, 1),
+            intermediate_size=2 * args.hidden_size,
+        )
+    if args.layers:
+        spec = replace(spec, num_layers=args.layers)
+    return spec
+
+
 def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
              client: Client) -> dict[str, Any]:  # fmt: skip
     from transformers import DynamicCache
@@ -96,19 +329,27 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
 
     page_size = client.layout.page_size
     seed = iter(range(10_000, 1_000_000))
+    even = Workload([args.prompt_tokens] * args.batch)
+    ragged = Workload(spread(args.ragged_min, args.ragged_max, args.ragged_batch))
 
-    def decode_tps(use_kvcore: bool) -> float:
-        rows = [spec.prompt(args.prompt_tokens, next(seed)) for _ in range(args.batch)]
-        if use_kvcore:
-            with KVCoreCache(client, model, backend=args.backend) as cache:
-                _, stamps = timed_greedy(model, rows, args.new_tokens, cache)
-        else:
-            _, stamps = timed_greedy(model, rows, args.new_tokens, DynamicCache())
-        return float(args.batch * (len(stamps) - 2) / (stamps[-1] - stamps[1]))
+    def decode(work: Workload) -> None:
+        """One repeat of a workload: the same fresh prompts through the three caches."""
+        rows = [spec.prompt(n, next(seed)) for n in work.lengths]
+        dynamic = timed_generate(model, rows, args.new_tokens, DynamicCache())
+        with KVCoreCache(client, model, backend=args.backend) as cache:
+            kvcore = timed_generate(model, rows, args.new_tokens, cache)
+        hf_paged = hf_paged_generate(model, rows, args.new_tokens, page_size)
+        work.dynamic.append(dynamic.tokens_per_s)
+        work.kvcore.append(kvcore.tokens_per_s)
+        work.hf_paged.append(hf_paged.tokens_per_s)
+        work.kvcore_equal.append(_rows_equal(kvcore.tokens, dynamic.tokens))
+        work.hf_paged_equal.append(_rows_equal(hf_paged.tokens, dynamic.tokens))
+        work.kvcore_equal_hf_paged.append(_rows_equal(kvcore.tokens, hf_paged.tokens))
+
+    num_cached = int(args.ttft_tokens * args.cached_fraction) // page_size * page_size
 
     def ttft(cached: bool) -> float:
         prompt = spec.prompt(args.ttft_tokens, next(seed))
-        num_cached = int(args.ttft_tokens * args.cached_fraction) // page_size * page_size
         if cached:  # an earlier request commits the shared prefix (one extra token: full pages)
             with KVCoreCache(client, model, backend=args.backend) as cache:
                 timed_greedy(model, [prompt[: num_cached + 1]], 1, cache)
@@ -117,32 +358,154 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
             assert cache.num_cached_tokens == (num_cached if cached else 0), cache.num_cached_tokens
         return stamps[1] - stamps[0]
 
-    decode_tps(True), decode_tps(False)  # warm up both paths
-    # paired and interleaved: a change in machine load hits both sides of a ratio alike
-    dyn, kv, cold, warm = [], [], [], []
+    for work in (Workload(even.lengths), Workload(ragged.lengths)):
+        decode(work)  # warm up every path on both shapes; figures discarded
+    cold, warm = [], []
     for _ in range(args.repeats):
-        dyn.append(decode_tps(False))
-        kv.append(decode_tps(True))
+        decode(even)
+        decode(ragged)
         cold.append(ttft(False))
         warm.append(ttft(True))
-    decode_ratio = statistics.median(k / d for k, d in zip(kv, dyn, strict=True))
-    ttft_ratio = statistics.median(w / c for w, c in zip(warm, cold, strict=True))
-    dyn_tps, kv_tps = statistics.median(dyn), statistics.median(kv)
-    cold_s, warm_s = statistics.median(cold), statistics.median(warm)
-    stats = client.stats()
-    return {
-        "decode_tps_ratio": decode_ratio,
-        "ttft_cached_ratio": ttft_ratio,
-        "decode": {"kvcore_tokens_per_s": kv_tps, "dynamic_cache_tokens_per_s": dyn_tps,
-                   "batch": args.batch, "prompt_tokens": args.prompt_tokens,
-                   "new_tokens": args.new_tokens},
-        "ttft": {"cached_ms": warm_s * 1e3, "cold_ms": cold_s * 1e3,
-                 "prompt_tokens": args.ttft_tokens,
-                 "cached_tokens": int(args.ttft_tokens * args.cached_fraction) // page_size * page_size},
-        "setup": {"backend": args.backend, "dtype": args.dtype, "page_size": page_size,
+    layer = _layer_record(args, spec, page_size, even.lengths, ragged.lengths)
+    return _record(args, spec, client, even, ragged, (cold, warm), layer, num_cached)
+
+
+def _record(args: argparse.Namespace, spec: TinyLlama, client: Client, even: Workload,
+            ragged: Workload, ttft: tuple[list[float], list[float]], layer: dict[str, Any],
+            num_cached: int) -> dict[str, Any]:  # fmt: skip
+    cold, warm = ttft
+    even_record, ragged_record = even.record(args.new_tokens), ragged.record(args.new_tokens)
+    record: dict[str, Any] = {
+        "decode_tps_ratio": even.ratio(even.kvcore),
+        "hf_paged_decode_tps_ratio": even.ratio(even.hf_paged),
+        "ragged_decode_tps_ratio": ragged.ratio(ragged.kvcore),
+        "ragged_hf_paged_decode_tps_ratio": ragged.ratio(ragged.hf_paged),
+        "kvcore_over_hf_paged": even_record["kvcore_over_hf_paged"],
+        "ragged_kvcore_over_hf_paged": ragged_record["kvcore_over_hf_paged"],
+        "ttft_cached_ratio": statistics.median(w / c for w, c in zip(warm, cold, strict=True)),
+        "decode_layer_us": layer["decode_us"],
+        "sdpa_layer_us": layer["sdpa_us"],
+        "decode_layer_over_sdpa": layer["decode_over_sdpa"],
+        "decode": even_record,
+        "ragged": ragged_record,
+        "ttft": {"cached_ms": statistics.median(warm) * 1e3,
+                 "cold_ms": statistics.median(cold) * 1e3,
+                 "prompt_tokens": args.ttft_tokens, "cached_tokens": num_cached},
+        "layer": layer,
+        "setup": {"backend": args.backend, "dtype": args.dtype, "page_size": client.layout.page_size,
                   "threads": args.threads, "repeats": args.repeats,
                   "model": f"llama {spec.num_layers} layers, hidden {spec.hidden_size}, "
                            f"{spec.num_heads} q / {spec.num_kv_heads} kv heads"},
-        "pool_hit_rate": stats.hit_rate,
-        "targets_met": decode_ratio >= 0.8 and ttft_ratio <= 0.5,
+        "pool_hit_rate": client.stats().hit_rate,
     }  # fmt: skip
+    met = {t.name: t.met(record[t.key]) for t in TARGETS}
+    record["targets"] = {name: "met" if ok else "not met" for name, ok in met.items()}
+    record["targets_met"] = all(met.values())
+    return record
+
+
+# -- one layer's decode against one SDPA call -------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTimes:
+    """One layer's attention at one decode step: microseconds per call (medians)."""
+
+    decode_us: float  # the backend's decode call
+    sdpa_us: float  # one SDPA call over the same K/V laid out dense
+    decode_over_sdpa: float  # median over paired rounds of the per-round ratio
+
+
+def _layer_record(args: argparse.Namespace, spec: TinyLlama, page_size: int,
+                  even: list[int], ragged: list[int]) -> dict[str, Any]:  # fmt: skip
+    from kvcore import backend as backends
+
+    backend = backends.get(args.backend)
+    mid = args.new_tokens // 2  # the mean context of a decode step is prompt + mid
+    shapes = {"": [n + mid for n in even], "ragged_": [n + mid for n in ragged]}
+    record: dict[str, Any] = {"api": "decode(plan, ...); plan_decode once, not timed",
+                              "backend": args.backend, "batch": len(even),
+                              "context": even[0] + mid, "ragged_context": shapes["ragged_"]}  # fmt: skip
+    for prefix, lengths in shapes.items():
+        inputs = _LayerInputs.make(spec, args.dtype, page_size, lengths)
+        times = _time_layer(inputs.decode_call(backend), inputs.sdpa,
+                            args.layer_calls, args.layer_rounds)  # fmt: skip
+        record[f"{prefix}decode_us"] = times.decode_us
+        record[f"{prefix}sdpa_us"] = times.sdpa_us
+        record[f"{prefix}decode_over_sdpa"] = times.decode_over_sdpa
+    return record
+
+
+def _time_layer(decode: Callable[[], object], sdpa: Callable[[], object], calls: int,
+                rounds: int) -> LayerTimes:  # fmt: skip
+    """Paired rounds: ``calls`` decode calls, then ``calls`` SDPA calls, ``rounds`` times."""
+    decode(), sdpa()  # warm up
+    decode_s: list[float] = []  # seconds per call, one entry per round
+    sdpa_s: list[float] = []
+    for _ in range(max(1, rounds)):
+        for fn, samples in ((decode, decode_s), (sdpa, sdpa_s)):
+            start = time.perf_counter()
+            for _ in range(max(1, calls)):
+                fn()
+            samples.append((time.perf_counter() - start) / max(1, calls))
+    return LayerTimes(
+        decode_us=statistics.median(decode_s) * 1e6,
+        sdpa_us=statistics.median(sdpa_s) * 1e6,
+        decode_over_sdpa=statistics.median(d / s for d, s in zip(decode_s, sdpa_s, strict=True)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerInputs:
+    """Random K/V of one layer, paged (pages of a row scattered over the pool) and dense."""
+
+    query: torch.Tensor  # [B, Hq, D]
+    kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D]
+    block_table: torch.Tensor  # [B, max pages] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens
+    dense_k: torch.Tensor  # [B, Hkv, max len, D]
+    dense_v: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, 1, max len] bool, None when every row is full
+    scale: float
+
+    @classmethod
+    def make(cls, spec: TinyLlama, dtype: str, page_size: int, lengths: list[int]) -> _LayerInputs:
+        import torch
+
+        kind = getattr(torch, dtype)
+        gen = torch.Generator().manual_seed(0)
+        batch, longest = len(lengths), max(lengths)
+        per_row = -(-longest // page_size)
+        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen).to(kind)
+
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        valid = torch.arange(longest) < lens[:, None]  # [B, L]
+        return cls(
+            query=randn(batch, hq, d),
+            kv_cache=randn(batch * per_row, 2, page_size, hkv, d),
+            block_table=torch.randperm(batch * per_row, generator=gen)
+            .view(batch, per_row).to(torch.int32),
+            seq_lens=lens,
+            dense_k=randn(batch, hkv, longest, d),
+            dense_v=randn(batch, hkv, longest, d),
+            mask=None if bool(valid.all()) else valid[:, None, None, :],
+            scale=d**-0.5,
+        )  # fmt: skip
+
+    def decode_call(self, backend: Backend) -> Callable[[], object]:
+        """One layer's ``backend.decode`` on these inputs. The step's plan (validation,
+        the one device sync) is made here, once, as a model makes it once per step."""
+        plan = backend.plan_decode(self.kv_cache, self.block_table, self.seq_lens)
+        return lambda: backend.decode(plan, self.query, self.kv_cache, self.scale)
+
+    def sdpa(self) -> torch.Tensor:
+        """SDPA as transformers calls it for one new token: [B, Hq, 1, D] over dense K/V."""
+        import torch.nn.functional as F
+
+        return F.scaled_dot_product_attention(
+            self.query.unsqueeze(2), self.dense_k, self.dense_v, attn_mask=self.mask,
+            scale=self.scale, enable_gqa=True,
+        )  # fmt: skip
