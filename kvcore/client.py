@@ -12,6 +12,20 @@ an idle but live engine keeps its sequences; a dead one loses them when the
 lease runs out. After a daemon restart every call raises StaleEpoch:
 :meth:`Client.reconnect` attaches again (old sequences are gone; the new pool
 is empty). A Client is not thread-safe: one engine thread drives it.
+
+A client that was silent for longer than the lease (stopped, paused) while
+alive finds its session fenced: the daemon keeps its pages (nobody else gets
+them) and answers ``lease_lost``. Whichever thread learns it first (the
+heartbeat, at the latest a moment after the process resumes) fences the
+client: the pool mapping is replaced by private scratch pages, so no kernel
+still holding ``kv_caches`` can write the daemon's pages; then it tells the
+daemon (``detach``), which frees the pages. Every later call raises
+:class:`~kvcore.errors.LeaseLost` until :meth:`Client.reconnect`.
+
+Trust (docs/security.md): before it connects to an ipc:// endpoint the client
+checks that the socket and its directory belong to itself, root or a uid of
+``trusted_uids``, and that the pool's segment belongs to the socket's owner;
+otherwise :class:`~kvcore.errors.UntrustedEndpoint`, saying why.
 """
 
 from __future__ import annotations
@@ -28,13 +42,15 @@ from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore import ops
-from kvcore.config import default_endpoint
+from kvcore.config import check_socket_path, default_endpoint
 from kvcore.errors import (
     BadRequest,
     InternalError,
     KVCoreError,
+    LeaseLost,
     NotAttached,
     Timeout,
+    UntrustedEndpoint,
     error_from_code,
 )
 from kvcore.layout import KVLayout
@@ -62,6 +78,8 @@ class Client:
         heartbeat: bool = True,
         ephemeral: bool = False,
         curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+        trusted_uids: tuple[int, ...] = (),
         name: str = "",
     ) -> None:
         self.endpoint = endpoint
@@ -75,12 +93,17 @@ class Client:
         self._map_memory = map_memory
         self._ephemeral = ephemeral
         self._curve = curve_server_key
+        self._keypair = curve_keypair
         self._name = name
         self._codec = ClientCodec()
         self._next_id = 0
         self._closed = False
+        self._lost = False  # the lease was lost: every call raises LeaseLost (see module doc)
+        self._acked = False  # the daemon was told (after the mapping was fenced)
+        self._lose_lock = threading.Lock()
         self._region: HostRegion | CudaRegion | None = None
-        self._channel = DealerChannel(endpoint, timeout_s=timeout_s, curve_server_key=curve_server_key)
+        self._owners = _check_endpoint(endpoint, {os.getuid(), 0, *trusted_uids})
+        self._channel = self.open_channel()
         self._beat: _Heartbeat | None = None
         if map_memory:
             import torch  # noqa: F401  (seconds on a cold start: before the lease starts)
@@ -101,9 +124,17 @@ class Client:
         Options: ``layout`` (the expected KVLayout: LayoutMismatch if the pool's differs;
         its num_pages is ignored, except for ephemeral pools), ``timeout_s``,
         ``map_memory``, ``heartbeat``, ``ephemeral`` (a fresh private pool of
-        ``layout``; the daemon must allow it), ``curve_server_key``, ``name``.
+        ``layout``; the daemon must allow it), ``curve_server_key`` and
+        ``curve_keypair`` (tcp://: the daemon's public key, this client's key pair
+        as ``kvcore keys`` writes it), ``trusted_uids`` (ipc://: uids besides this
+        one and root whose daemon socket to trust), ``name``.
         """
         return cls(endpoint or default_endpoint(), pool, namespace, **options)
+
+    def open_channel(self) -> DealerChannel:
+        """A new channel to the daemon with this client's keys (one per thread)."""
+        return DealerChannel(self.endpoint, timeout_s=self._timeout_s,
+                             curve_server_key=self._curve, curve_keypair=self._keypair)  # fmt: skip
 
     # -- session ------------------------------------------------------------------
 
@@ -127,7 +158,10 @@ class Client:
 
     def _map(self, memory: msg.HostMemory | msg.CudaMemory) -> None:
         if isinstance(memory, msg.HostMemory):
-            self._region = HostRegion.attach(memory)
+            try:
+                self._region = HostRegion.attach(memory, self._owners)
+            except PermissionError as exc:
+                raise UntrustedEndpoint(f"{exc}: refusing to map it") from None
         else:
             self._region = CudaRegion.attach(memory)
         self.kv_caches = self.layout.layer_views(self._region.as_tensor())
@@ -139,9 +173,38 @@ class Client:
             region.close()
 
     def reconnect(self) -> None:
-        """Attach again (after StaleEpoch or NotAttached): a new session, the pool remapped."""
+        """Attach again (after StaleEpoch, NotAttached or LeaseLost): a new session, the pool
+        remapped."""
         self.session = self.epoch = 0
+        self._lost = self._acked = False
         self._attach()
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once the daemon said this session's lease is lost (see the module doc)."""
+        return self._lost
+
+    def _lose(self, channel: DealerChannel) -> None:
+        """The lease is lost: fence the mapping, then acknowledge on ``channel`` (the
+        daemon frees the fenced pages). A CUDA mapping cannot be fenced: the ack waits
+        for :meth:`close` (or the process's exit). Idempotent, for either thread."""
+        with self._lose_lock:
+            if self._lost:
+                return
+            self._lost = True
+            region = self._region
+            if isinstance(region, HostRegion):
+                region.fence()
+            if not isinstance(region, CudaRegion):
+                self._acknowledge(channel)
+
+    def _acknowledge(self, channel: DealerChannel) -> None:
+        """Tell the daemon this fenced session will write no more (a ``detach``)."""
+        self._acked = True
+        request = msg.Request(0, msg.Detach(), self.session, self.epoch)
+        channel.send(msgspec.msgpack.encode(request))
+        with contextlib.suppress(ChannelTimeout):
+            channel.recv(int(min(self._timeout_s, 2.0) * 1000))
 
     def heartbeat(self) -> None:
         self._call(msg.Heartbeat(), msg.Empty)
@@ -154,11 +217,13 @@ class Client:
         if self._beat is not None:
             self._beat.stop()
             self._beat = None
-        if self.session:
+        if self.session and not self._lost:
             with contextlib.suppress(KVCoreError):  # the daemon is gone or restarted
                 self._call(msg.Detach(), msg.Empty, timeout_s=min(self._timeout_s, 2.0))
-            self.session = 0
         self._unmap()
+        if self.session and self._lost and not self._acked:
+            self._acknowledge(self._channel)  # a CUDA pool: unmapped only now
+        self.session = 0
         self._channel.close()
         self._closed = True
 
@@ -217,6 +282,8 @@ class Client:
         """One round trip: the typed result, or the typed error of the reply."""
         if self._closed:
             raise NotAttached("the client is closed")
+        if self._lost:
+            raise LeaseLost("this session's lease was lost; reconnect() to attach again")
         self._next_id += 1
         request_id = self._next_id
         try:
@@ -240,10 +307,25 @@ class Client:
             if reply.id == request_id or reply.id == 0:
                 break
         if reply.error is not None:
+            if reply.error.code == LeaseLost.code:
+                self._lose(self._channel)
             raise error_from_code(reply.error.code, reply.error.message)
         if reply.result is None:
             raise InternalError(f"reply to {type(body).__name__} has neither result nor error")
         return reply.result
+
+
+def _check_endpoint(endpoint: str, trusted: set[int]) -> set[int]:
+    """The uids whose segments this client maps: ``trusted``, and the owner of the ipc://
+    socket once it passed :func:`kvcore.config.check_socket_path`."""
+    if not endpoint.startswith("ipc://"):
+        return trusted
+    path = endpoint[len("ipc://") :]
+    check_socket_path(path, trusted, creating=False)
+    try:
+        return trusted | {os.stat(path).st_uid}
+    except FileNotFoundError:  # not started yet, in a directory only trusted uids write
+        return trusted
 
 
 class Batch:
@@ -324,20 +406,28 @@ class _Heartbeat:
         self._thread.start()
 
     def _loop(self) -> None:
+        """Beat every third of the lease. An answer ``lease_lost`` (or ``not_attached``
+        while the client thinks it is attached) fences the client at once."""
         client = self._client
-        channel = DealerChannel(client.endpoint, timeout_s=client._timeout_s,
-                                curve_server_key=client._curve)  # fmt: skip
+        channel = client.open_channel()
         encoder = msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(msg.TypedReply[msg.Empty])
         try:
             while not self._stopped.wait(max(client.lease_s / 3, 0.01)):
-                if not client.session:
+                session = client.session
+                if not session or client._lost:
                     continue
-                request = msg.Request(1, msg.Heartbeat(), client.session, client.epoch)
+                request = msg.Request(1, msg.Heartbeat(), session, client.epoch)
                 channel.send(encoder.encode(request))
                 try:
-                    channel.recv()
+                    reply = decoder.decode(channel.recv())
                 except ChannelTimeout:
                     continue  # the daemon is busy or gone; the next beat tries again
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                code = reply.error.code if reply.error is not None else ""
+                if code in (LeaseLost.code, NotAttached.code) and session == client.session:
+                    client._lose(channel)
         finally:
             channel.close()
 

@@ -15,21 +15,36 @@ A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`::
     page_size = 16          # tokens per page
     dtype = "bfloat16"
     size = "256MiB"         # bytes (int, or "512MiB", "2GiB"); or give num_pages instead
+    session_max_pages = 0   # quotas (0 = none): page references a session's sequences hold,
+    session_max_sequences = 65536      # live sequences per session,
+    namespace_max_pages = 0            # and the same summed over a namespace's sessions
+    namespace_max_sequences = 0
+
+    [[tenants]]             # who may attach to what (docs/security.md); none: single user
+    name = "alice"
+    uids = [1001]           # ipc:// peers by the uid the kernel reports
+    keys = ["<z85 public key>"]        # tcp:// peers by CURVE key
+    namespaces = ["alice"]  # the namespaces its sessions may use ("*": any)
+    pools = []              # the pools it may attach to ([]: every pool)
 
 Flags override the file; ``--pool`` takes the same keys as ``k=v,k=v``.
-Invalid configuration raises :class:`~kvcore.errors.BadRequest`.
+Invalid configuration raises :class:`~kvcore.errors.BadRequest`. Paths of
+the runtime directory and of ipc:// sockets are checked by
+:func:`check_runtime_dir` and :func:`check_socket_path` (docs/security.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
+import stat
 from pathlib import Path
 
 import msgspec
 
-from kvcore.errors import BadRequest
+from kvcore.errors import BadRequest, UntrustedEndpoint
 from kvcore.layout import KVLayout
 
 SOCKET_NAME = "kvcore.sock"
@@ -52,6 +67,12 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: str = "bfloat16"
     size: int | str = "256MiB"
     num_pages: int | None = None
+    # Quotas, 0 = none. Pages count page references: a page shared by n of the
+    # session's sequences (forks) counts n times, so the quota bounds daemon memory too.
+    session_max_pages: int = 0
+    session_max_sequences: int = 65536
+    namespace_max_pages: int = 0
+    namespace_max_sequences: int = 0
 
     def layout(self) -> KVLayout:
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):
@@ -65,16 +86,37 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         )  # fmt: skip
 
 
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Who may attach to what: peers matched by uid (ipc://) or CURVE key (tcp://)."""
+
+    name: str
+    uids: list[int] = msgspec.field(default_factory=list)
+    keys: list[str] = msgspec.field(default_factory=list)  # z85 CURVE public keys (40 chars)
+    namespaces: list[str] = msgspec.field(default_factory=lambda: ["*"])  # "*": any
+    pools: list[str] = msgspec.field(default_factory=list)  # []: every pool
+
+
 class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     endpoint: str = ""  # "" = default_endpoint()
     events: str = ""  # "" = no event stream; "auto" = an ipc socket next to the endpoint
     lease_timeout_s: float = 10.0
+    # A session that expired while its process lives is fenced (its pages kept, not reused)
+    # until the process exits or the client acknowledges; a peer whose process the daemon
+    # cannot watch (tcp://) is released after this many seconds instead.
+    fence_timeout_s: float = 300.0
     max_frame_bytes: int = 8 << 20
     max_batch: int = 4096
+    max_request_tokens: int = 1 << 20  # tokens one request may carry, summed over a batch
+    max_sessions: int = 1024
+    max_queued_bytes: int = 64 << 20  # bytes queued per connection before ZeroMQ pushes back
+    events_buffer_bytes: int = 16 << 20  # bytes buffered per event subscriber, then dropped
     insecure: bool = False  # allow tcp:// without CURVE
-    curve_secret_key_file: str = ""  # z85 secret key (40 chars) for tcp://
+    curve_secret_key_file: str = ""  # z85 secret key (40 chars) or a `kvcore keys` secret file
+    authorized_keys_dir: str = ""  # tcp://: only clients whose public key is here may connect
+    socket_mode: int = 0o600  # of ipc:// sockets; 0o660/0o666 only with [[tenants]]
     allow_ephemeral: bool = False  # attach may create private pools (tests, development)
     pools: list[PoolConfig] = msgspec.field(default_factory=lambda: [PoolConfig()])
+    tenants: list[TenantConfig] = msgspec.field(default_factory=list)
 
     def validate(self) -> None:
         if not self.pools:
@@ -84,6 +126,20 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"pool names repeat: {names}")
         for pool in self.pools:
             pool.layout()
+            quotas = (pool.session_max_pages, pool.session_max_sequences,
+                      pool.namespace_max_pages, pool.namespace_max_sequences)  # fmt: skip
+            if min(quotas) < 0:
+                raise BadRequest(f"pool {pool.name!r}: quotas are counts >= 0 (0 = none)")
+        if self.socket_mode & ~0o666 or (self.socket_mode & 0o066 and not self.tenants):
+            raise BadRequest("socket_mode: at most 0o666, and wider than 0o600 only with tenants")
+        for tenant in self.tenants:
+            if any(len(key) != 40 for key in tenant.keys):
+                raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
+        limits = (self.max_request_tokens, self.max_sessions, self.max_queued_bytes,
+                  self.events_buffer_bytes)  # fmt: skip
+        if min(limits) < 1 or not (math.isfinite(self.fence_timeout_s) and self.fence_timeout_s > 0):
+            raise BadRequest("max_request_tokens, max_sessions, max_queued_bytes, "
+                             "events_buffer_bytes and fence_timeout_s must be positive")  # fmt: skip
         if not (
             math.isfinite(self.lease_timeout_s)
             and 0 < self.lease_timeout_s <= MAX_LEASE_S
@@ -131,11 +187,70 @@ def parse_pool_spec(spec: str) -> PoolConfig:
 
 
 def runtime_dir() -> Path:
-    """$XDG_RUNTIME_DIR/kvcore, else /tmp/kvcore-$UID; created 0700 on first use."""
+    """$XDG_RUNTIME_DIR/kvcore, else /tmp/kvcore-$UID; created 0700 on first use, and
+    refused (UntrustedEndpoint) unless it is a real directory of this user, mode 0700."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = Path(base) / "kvcore" if base else Path(f"/tmp/kvcore-{os.getuid()}")
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if base:
+        Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)  # never through a symlink: mkdir does not follow one
+    check_runtime_dir(path)
     return path
+
+
+def check_runtime_dir(path: Path) -> None:
+    """UntrustedEndpoint unless ``path`` is a directory (not a symlink) owned by this user
+    with mode 0700: anyone else who could write there could swap the daemon's socket."""
+    st = os.lstat(path)
+    why = _untrusted(st, {os.getuid()})
+    if why is None and not stat.S_ISDIR(st.st_mode):
+        why = "is not a directory"
+    if why is None and stat.S_IMODE(st.st_mode) != 0o700:
+        why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    if why is not None:
+        raise UntrustedEndpoint(
+            f"runtime directory {path} {why}: another user may have made it. Remove it "
+            f"(as its owner or root) or choose another place (XDG_RUNTIME_DIR, --endpoint)"
+        )
+
+
+def check_socket_path(path: str, trusted_uids: set[int], *, creating: bool) -> None:
+    """UntrustedEndpoint unless an ipc:// socket path can only be a trusted daemon's: its
+    directory belongs to a trusted uid or root and nobody else can write there (or it is
+    sticky, like /tmp), and the file, if it exists, is a socket (not a symlink) of a
+    trusted uid. A client (not ``creating``) also needs the socket to exist already in a
+    directory others can write. The daemon trusts its own uid; a client also root."""
+    parent = os.path.dirname(os.path.abspath(path))
+    pst = os.stat(parent)
+    shared = bool(pst.st_mode & 0o022)
+    why = _untrusted(pst, trusted_uids | {0})
+    if why is None and shared and not pst.st_mode & stat.S_ISVTX:
+        why = f"is writable by others (mode {stat.S_IMODE(pst.st_mode):04o})"
+    if why is not None:
+        raise UntrustedEndpoint(f"socket directory {parent} {why}: use a directory only "
+                                f"you (or root) can write")  # fmt: skip
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if shared and not creating:
+            raise UntrustedEndpoint(f"no socket at {path} yet, and others may create one "
+                                    f"there: start the daemon first") from None  # fmt: skip
+        return
+    why = _untrusted(st, trusted_uids)
+    if why is None and not stat.S_ISSOCK(st.st_mode):
+        why = "is not a socket"
+    if why is not None:
+        raise UntrustedEndpoint(f"{path} {why}: not a daemon you trust; remove it (as its "
+                                f"owner or root), or trust its owner (trusted_uids)")  # fmt: skip
+
+
+def _untrusted(st: os.stat_result, uids: set[int]) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if st.st_uid not in uids:
+        return f"is owned by uid {st.st_uid}"
+    return None
 
 
 def default_endpoint() -> str:

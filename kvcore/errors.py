@@ -84,9 +84,32 @@ class StaleEpoch(KVCoreError):
 
 
 class Forbidden(KVCoreError):
-    """The sequence belongs to another session."""
+    """The sequence belongs to another session, or the session's credentials do not
+    allow the pool, namespace or query."""
 
     code = "forbidden"
+
+
+class LeaseLost(KVCoreError):
+    """The session's lease ran out while its process lived: its pages are fenced (not
+    reused) until the client unmaps the pool and detaches, or its process exits.
+    Nothing the session names is valid any more; attach again."""
+
+    code = "lease_lost"
+
+
+class QuotaExceeded(KVCoreError):
+    """The operation would take the session or its namespace over a configured quota
+    (pages, sequences, or sessions); nothing was allocated."""
+
+    code = "quota_exceeded"
+
+
+class UntrustedEndpoint(KVCoreError):
+    """A runtime directory, socket or segment is not the daemon's user's alone (owner,
+    mode, symlink): refused rather than followed (client and daemon side)."""
+
+    code = "untrusted_endpoint"
 
 
 class Unsupported(KVCoreError):
@@ -121,6 +144,9 @@ ERRORS: dict[str, type[KVCoreError]] = {
         NotAttached,
         StaleEpoch,
         Forbidden,
+        LeaseLost,
+        QuotaExceeded,
+        UntrustedEndpoint,
         Unsupported,
         Timeout,
         InternalError,

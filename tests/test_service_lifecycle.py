@@ -73,13 +73,16 @@ def test_tcp_with_curve_keys(tmp_path: Path) -> None:
     zmq = pytest.importorskip("zmq")
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
-    public, secret = zmq.curve_keypair()
-    key_file = tmp_path / "server.key"
-    key_file.write_bytes(secret)
+    from kvcore.keys import create, load_keypair, load_public
+
+    _server_pub, server_secret = create(tmp_path / "server", "daemon")
+    _client_pub, client_secret = create(tmp_path / "clients", "engine")
+    public = load_public(server_secret)
     with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--curve-secret-key-file",
-                       str(key_file), "--pool", "num_pages=4,num_layers=1",
-                       env=_env(tmp_path)) as daemon:  # fmt: skip
-        with Client.connect(daemon.endpoint, map_memory=False, curve_server_key=public) as client:
+                       str(server_secret), "--authorized-keys", str(tmp_path / "clients"),
+                       "--pool", "num_pages=4,num_layers=1", env=_env(tmp_path)) as daemon:  # fmt: skip
+        with Client.connect(daemon.endpoint, map_memory=False, curve_server_key=public,
+                            curve_keypair=load_keypair(client_secret)) as client:  # fmt: skip
             assert client.stats().total_pages == 4
         wrong, _ = zmq.curve_keypair()
         with pytest.raises(Timeout):

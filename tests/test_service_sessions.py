@@ -19,7 +19,7 @@ from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import (
     Forbidden,
     LayoutMismatch,
-    NotAttached,
+    LeaseLost,
     SequenceExists,
     StaleEpoch,
     UnknownPool,
@@ -164,12 +164,16 @@ def test_kill_9_of_a_client_returns_its_pages_within_the_lease(daemon: DaemonPro
 
 
 def test_a_silent_session_expires(daemon: DaemonProcess) -> None:
+    """Its process lives, so its pages are fenced until it learns (lease_lost) and acks."""
     with fresh_pool(daemon) as keeper:
         quiet = join(daemon, keeper.pool, heartbeat=False, map_memory=False)
         quiet.allocate(1, [1, 2, 3])
         time.sleep(LEASE_S + 0.3)
-        with pytest.raises(NotAttached):
+        assert keeper.stats().held_pages == 1  # fenced, not reused
+        with pytest.raises(LeaseLost):
             quiet.extend(1, 1)
+        with pytest.raises(LeaseLost):
+            quiet.num_tokens(1)  # every later call, without a round trip
         assert keeper.stats().held_pages == 0
         quiet.reconnect()
         assert quiet.allocate(1, [1]).num_cached_tokens == 0  # its old seq 1 is gone

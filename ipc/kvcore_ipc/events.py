@@ -8,6 +8,12 @@ an :class:`~kvcore_ipc.messages.EventBatch`: the events one request caused on
 one pool, numbered from ``first_seq_no``. Numbers count a pool's events from 1
 without gaps within one epoch: a gap tells a subscriber it lost events (PUB
 drops on a slow subscriber) and should rebuild its view from a snapshot.
+
+The PUB socket is secured like the request socket: an ipc:// socket file is
+the daemon user's alone (mode 0600, bound under umask 077); on tcp:// it is a
+CURVE server whose subscribers the daemon's ZAP handler admits
+(``zap_domain``). What it buffers per subscriber is bounded: ``max_messages``
+(ZMQ_SNDHWM) messages, then a slow subscriber loses events (a gap).
 """
 
 from __future__ import annotations
@@ -32,13 +38,31 @@ class EventPublisher:
 
     __slots__ = ("_encoder", "_ipc_path", "_socket", "endpoint")
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_messages: int = 1000,
+        curve_secret_key: bytes | None = None,
+        zap_domain: str = "",
+    ) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.bind(endpoint)
+        sock.setsockopt(zmq.SNDHWM, max_messages)
+        if zap_domain:
+            sock.zap_domain = zap_domain.encode()
+        if curve_secret_key is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = curve_secret_key
+        old = os.umask(0o077)
+        try:
+            sock.bind(endpoint)
+        finally:
+            os.umask(old)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._ipc_path = self.endpoint[6:] if self.endpoint.startswith("ipc://") else None
+        if self._ipc_path is not None:
+            os.chmod(self._ipc_path, 0o600)
         self._socket = sock
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -60,9 +84,21 @@ class EventSubscriber:
 
     __slots__ = ("_decoder", "_socket")
 
-    def __init__(self, endpoint: str, pool: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        pool: str | None = None,
+        *,
+        curve_server_key: bytes | None = None,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+    ) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        if curve_server_key is not None:
+            public, secret = curve_keypair or zmq.curve_keypair()
+            sock.curve_serverkey = curve_server_key
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
         sock.connect(endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else topic(pool))
         self._socket = sock

@@ -50,19 +50,26 @@ class HostRegion:
 
     @classmethod
     def create(cls, size: int, prefix: str = "kvcore") -> HostRegion:
-        """A new zero-filled segment of ``size`` bytes under a fresh random name."""
-        name = f"{prefix}-{secrets.token_hex(6)}"
+        """A new zero-filled segment of ``size`` bytes (mode 0600) named
+        ``<prefix>-<pid>-<random>``, so that :func:`sweep` can tell whose it was."""
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
         return cls(name, size, shm, None)
 
     @classmethod
-    def attach(cls, memory: HostMemory) -> HostRegion:
-        """Map an exported segment read-write; FileNotFoundError if it is gone."""
+    def attach(cls, memory: HostMemory, owners: set[int] | None = None) -> HostRegion:
+        """Map an exported segment read-write; FileNotFoundError if it is gone,
+        PermissionError if its owner is not in ``owners`` (uids; None: any)."""
         import _posixshmem  # type: ignore[import-not-found]  # CPython shm_open, as shared_memory uses
 
-        fd = _posixshmem.shm_open("/" + memory.name, os.O_RDWR, mode=0o600)
+        fd = _posixshmem.shm_open("/" + memory.name, os.O_RDWR | os.O_NOFOLLOW, mode=0o600)
         try:
-            total = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if owners is not None and st.st_uid not in owners:
+                raise PermissionError(
+                    f"segment {memory.name} belongs to uid {st.st_uid}, not the daemon's user"
+                )
+            total = st.st_size
             if total < memory.offset + memory.size:
                 raise ValueError(
                     f"segment {memory.name} has {total} bytes; need {memory.offset + memory.size}"
@@ -96,6 +103,26 @@ class HostRegion:
         with warnings_suppressed():
             return torch.frombuffer(self.buffer(), dtype=torch.uint8, count=self.size)
 
+    def fence(self) -> None:
+        """Replace an importer's mapping by private zero pages at the same address, so no
+        later write of this process (a kernel still holding the tensors) reaches the
+        segment. Views stay valid; what they show is scratch. Linux and macOS."""
+        if self._map is None:
+            return
+        import ctypes
+
+        anchor = ctypes.c_char.from_buffer(self._map)
+        address, length = ctypes.addressof(anchor), len(self._map)
+        del anchor
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+        got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if got != address:
+            raise OSError(ctypes.get_errno(), "cannot fence the pool mapping")
+
     def close(self) -> None:
         """Unmap (and unlink, if owner). Mappings still exported by tensors stay valid:
         the segment is then unmapped when the last of them is collected."""
@@ -108,6 +135,34 @@ class HostRegion:
         if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()
+
+
+def sweep(prefix: str) -> list[str]:
+    """Unlink the segments ``<prefix>-<pid>-*`` of this user whose creator ``pid`` is dead
+    (a daemon of the same endpoint that was killed); the names removed. Linux (/dev/shm)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir("/dev/shm"):
+            head, _, rest = entry.name.partition(f"{prefix}-")
+            pid = rest.split("-", 1)[0]
+            if head or not pid.isdigit() or _alive(int(pid)):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextlib.contextmanager

@@ -6,11 +6,19 @@ msgpack request; the ROUTER sees ``[identity, request]`` and answers
 echoed (``[identity, b"", request]``). Any other shape cannot be answered
 safely: it is dropped and counted in :attr:`RouterServer.dropped_frames`.
 
-Security: an ``ipc://`` socket file is created under umask 077 and chmod 0600
-(its directory should be 0700); ``tcp://`` requires a CURVE secret key unless
-``insecure=True``. Frames larger than ``hard_limit_bytes`` make libzmq drop the
+Security: an ``ipc://`` socket file is created under umask 077 and chmod
+``socket_mode`` (0600 by default; its directory should be 0700); ``tcp://``
+requires a CURVE secret key unless ``insecure=True``, and with CURVE a ZAP
+handler (the daemon's) decides which client keys may connect (``zap_domain``).
+The handler learns who sent a request from its frame (:func:`peer_of`): the
+kernel's uid and pid of an ipc:// peer, the CURVE key of a tcp:// one.
+
+Bounds: frames larger than ``hard_limit_bytes`` make libzmq drop the
 connection (ZMQ_MAXMSGSIZE); smaller oversized frames reach the handler, which
-answers them with an error.
+answers them with an error. Each connection may queue at most
+``max_queued_bytes`` (ZMQ_RCVHWM in whole frames of ``hard_limit_bytes``):
+beyond that ZeroMQ stops reading from it, so one client cannot grow the
+daemon. ROUTER fair-queues connections: each gets its turn.
 """
 
 from __future__ import annotations
@@ -18,11 +26,39 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
-Handler = Callable[[bytes], bytes]
+Handler = Callable[[bytes, zmq.Frame], bytes]
+"""``handler(request bytes, request frame) -> reply bytes``; the frame carries the peer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who sent a frame, as the transport proved it (never what the peer said)."""
+
+    uid: int | None  # ipc://: the peer process's uid (SO_PEERCRED); None on tcp://
+    pid: int | None  # ipc://: its pid, in the daemon's pid namespace
+    key: str | None  # tcp:// with CURVE: the client's z85 public key (set by ZAP)
+
+
+def peer_of(frame: zmq.Frame) -> Peer:
+    """The peer of a received frame. libzmq appends ``:uid:gid:pid`` to the address of a
+    Unix-socket peer; a ZAP handler sets ``User-Id`` (the CURVE key)."""
+    uid = pid = None
+    with contextlib.suppress(zmq.ZMQError):
+        address = str(frame.get("Peer-Address"))
+        parts = address.rsplit(":", 3)
+        if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+            uid, pid = int(parts[1]), int(parts[3])
+    key = None
+    with contextlib.suppress(zmq.ZMQError):
+        user = frame.get("User-Id")
+        key = user if isinstance(user, str) and len(user) == 40 else None
+    return Peer(uid, pid, key)
 
 
 class InsecureEndpoint(ValueError):
@@ -52,7 +88,12 @@ class EndpointLock:
         if not endpoint.startswith("ipc://"):
             return
         path = endpoint[len("ipc://") :] + ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            os.close(fd)
+            raise PermissionError(f"{path} is not this user's alone (owner {st.st_uid}, mode "
+                                  f"{stat.S_IMODE(st.st_mode):04o}): remove it")  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -82,6 +123,9 @@ class RouterServer:
         curve_secret_key: bytes | None = None,
         insecure: bool = False,
         hard_limit_bytes: int = 64 << 20,
+        max_queued_bytes: int = 256 << 20,
+        socket_mode: int = 0o600,
+        zap_domain: str = "",
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         if endpoint.startswith("tcp://") and curve_secret_key is None and not insecure:
@@ -97,6 +141,10 @@ class RouterServer:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, hard_limit_bytes)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.setsockopt(zmq.RCVHWM, max(1, max_queued_bytes // hard_limit_bytes))
+        self._mode = socket_mode
+        if zap_domain:
+            self._socket.zap_domain = zap_domain.encode()
         if curve_secret_key is not None:
             self._socket.curve_server = True
             self._socket.curve_secretkey = curve_secret_key
@@ -113,11 +161,16 @@ class RouterServer:
             self._socket.bind(self.endpoint)
         finally:
             os.umask(old)
-        os.chmod(self._ipc_path, 0o600)
+        os.chmod(self._ipc_path, self._mode)
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the current request (signal-handler safe)."""
         self._stop = True
+
+    def pending(self) -> bool:
+        """True if a request is queued (read it before judging anyone silent)."""
+        events: int = self._socket.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
+        return bool(events & zmq.POLLIN)
 
     def serve(self, tick: Callable[[], None], tick_ms: int = 50) -> None:
         """Answer requests until :meth:`stop`; call ``tick()`` at least every ``tick_ms``."""
@@ -126,16 +179,16 @@ class RouterServer:
         sock.setsockopt(zmq.RCVTIMEO, tick_ms)  # a blocking recv, as lean as a raw echo loop
         while not self._stop:
             try:
-                frames = sock.recv_multipart()
+                frames = sock.recv_multipart(copy=False)
             except zmq.Again:
                 tick()
                 continue
             except InterruptedError:
                 continue
             if len(frames) == 2:
-                sock.send_multipart((frames[0], handler(frames[1])))
-            elif len(frames) == 3 and not frames[1]:
-                sock.send_multipart((frames[0], b"", handler(frames[2])))
+                sock.send_multipart((frames[0], handler(frames[1].bytes, frames[1])))
+            elif len(frames) == 3 and not frames[1].bytes:
+                sock.send_multipart((frames[0], b"", handler(frames[2].bytes, frames[2])))
             else:
                 self.dropped_frames += 1
             tick()

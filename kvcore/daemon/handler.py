@@ -2,8 +2,12 @@
 
 Request path (single-threaded, one request at a time, so no Manager needs a lock)::
 
-    frame -> ServerCodec.decode_request -> session (epoch, lease) -> ownership
-          -> Operation.serve(Manager) -> claim / release -> encode -> frame
+    frame -> ServerCodec.decode_request -> session (epoch, lease, fence) -> work bound
+          -> ownership, namespace grant, quota -> Operation.serve(Manager)
+          -> claim / release, ledger -> encode -> frame
+
+Who sent a frame comes from the transport (:func:`kvcore_ipc.server.peer_of`);
+its :class:`~.auth.Grant` is fixed at attach (``stats`` asks per request).
 
 Manager operations come from :data:`kvcore.ops.OPERATIONS` (ownership rule and
 all); this module adds only the session-level operations (attach, detach,
@@ -19,9 +23,10 @@ import time
 from typing import Any
 
 import msgspec
+import zmq
 from kvcore_ipc import messages as msg
 from kvcore_ipc.codec import FrameError, ServerCodec
-from kvcore_ipc.server import RouterServer
+from kvcore_ipc.server import RouterServer, peer_of
 
 from kvcore.errors import (
     BadRequest,
@@ -37,8 +42,10 @@ from kvcore.layout import KVLayout
 from kvcore.ops import OPERATIONS, Operation
 from kvcore.prefix import root_key
 
+from .auth import Authority
 from .pools import Pool, PoolTable
-from .sessions import Session, SessionTable
+from .quotas import Ledger, Limits, request_work
+from .sessions import Session, SessionTable, State
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -52,23 +59,28 @@ class Handler:
         sessions: SessionTable,
         codec: ServerCodec,
         *,
+        authority: Authority,
+        ledger: Ledger,
+        max_request_tokens: int,
         allow_ephemeral: bool,
         events_endpoint: str,
     ) -> None:
         self.pools = pools
         self.sessions = sessions
         self.codec = codec
+        self.authority = authority
+        self.ledger = ledger
+        self.max_request_tokens = max_request_tokens
         self.epoch = pools.epoch
         self.allow_ephemeral = allow_ephemeral
         self.events_endpoint = events_endpoint
         self.started = time.monotonic()
         self.requests = 0
         self.errors = 0
-        self.expired = 0
         self.server: RouterServer | None = None  # set once the socket is bound (frame counters)
 
-    def handle(self, frame: bytes) -> bytes:
-        """Answer one request frame."""
+    def handle(self, frame: bytes, raw: zmq.Frame | None = None) -> bytes:
+        """Answer one request frame (``raw``: the received frame, which knows the peer)."""
         self.requests += 1
         try:
             request = self.codec.decode_request(frame)
@@ -79,7 +91,7 @@ class Handler:
             self.errors += 1
             return self.codec.encode_error(0, "bad_request", f"undecodable request: {exc!r}")
         try:
-            return self.codec.encode_result(request.id, self._dispatch(request))
+            return self.codec.encode_result(request.id, self._dispatch(request, raw))
         except KVCoreError as exc:
             self.errors += 1
             return self.codec.encode_error(request.id, exc.code, str(exc))
@@ -88,21 +100,25 @@ class Handler:
             log.exception("internal error on %s", type(request.body).__name__)
             return self.codec.encode_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
 
-    def _dispatch(self, request: msg.Request) -> msgspec.Struct:
+    def _dispatch(self, request: msg.Request, raw: zmq.Frame | None) -> msgspec.Struct:
         body = request.body
         op = OPERATIONS.get(type(body))
         if op is not None:  # the hot path: one Manager operation
             session = self._session(request)
+            request_work((body,), self.ledger, session.pool, self.max_request_tokens)
             return self._run(session, self.pools.pools[session.pool], op, body)
         match body:
             case msg.Attach():
-                return self._attach(body)
+                return self._attach(body, raw)
             case msg.GetStats():
-                return self._stats()
+                return self._stats(raw)
+            case msg.Detach() if self.sessions.acknowledge(request.session):
+                return msg.Empty()  # a fenced client unmapped the pool: its pages drain now
         session = self._session(request)
         pool = self.pools.pools[session.pool]
         match body:
             case msg.Batch(ops=ops):
+                request_work(ops, self.ledger, session.pool, self.max_request_tokens)
                 results: list[Any] = []
                 try:
                     for item in ops:  # every BatchOp is in the table (kvcore.ops asserts it)
@@ -114,11 +130,13 @@ class Handler:
             case msg.Heartbeat():
                 return msg.Empty()
             case msg.Detach():
-                self.end_session(session)
+                self.sessions.end(session)  # its sequences drain in the next ticks
                 return msg.Empty()
             case msg.Check():
                 return self._check()
             case msg.Snapshot():
+                if not session.grant.everything:
+                    raise Forbidden("a snapshot shows every namespace of the pool")
                 return self.pools.snapshot(pool)
         raise BadRequest(f"operation {type(body).__name__} is not allowed here")
 
@@ -130,24 +148,34 @@ class Handler:
         return self.sessions.renew(request.session, time.monotonic())
 
     def _run(self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any) -> msgspec.Struct:
-        """One Manager operation under the ownership rule of its table entry."""
+        """One Manager operation under the ownership rule of its table entry, the session's
+        grant (a per-call namespace) and the pool's quotas."""
         for name in op.owns:
             self.sessions.check_owner(session, getattr(body, name))
+        namespace = getattr(body, "namespace", None)
+        if namespace is not None:
+            session.grant.check_namespace(namespace)
+        self.ledger.check(pool.name, session.id, session.namespace, body)
         result = op.serve(pool.manager, body, session.namespace)
         if op.creates is not None:
             self.sessions.claim(session, getattr(body, op.creates))
         if op.ends is not None:
             self.sessions.release(session, getattr(body, op.ends))
+        self.ledger.apply(pool.name, session.id, session.namespace, body)
         return result
 
     # -- sessions --------------------------------------------------------------------
 
-    def _attach(self, body: msg.Attach) -> msg.AttachOk:
+    def _attach(self, body: msg.Attach, raw: zmq.Frame | None) -> msg.AttachOk:
         if body.version != msg.PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"client speaks protocol v{body.version}; this daemon speaks v{msg.PROTOCOL_VERSION}"
             )
         root_key(body.namespace)  # BadRequest if the namespace is over 256 bytes
+        peer = peer_of(raw) if raw is not None else None
+        grant = self.authority.grant(peer) if peer is not None else self.authority.local()
+        grant.check_pool(body.pool)
+        grant.check_namespace(body.namespace)
         pool = self._ephemeral_pool(body) if body.ephemeral else self.pools.get(body.pool)
         want = body.layout
         have = pool.layout_message()
@@ -155,8 +183,11 @@ class Handler:
             want, num_pages=want.num_pages or have.num_pages
         ):
             raise LayoutMismatch(f"pool {pool.name!r} has layout {pool.layout}; expected {want}")
-        session = self.sessions.open(pool.name, body.namespace, body.pid, body.name, time.monotonic())
-        log.info("session %x attached to pool %r (pid %d, %r)", session.id, pool.name, body.pid, body.name)
+        pid = peer.pid if peer is not None and peer.pid is not None else body.pid
+        watch = peer is not None and peer.pid is not None  # the kernel's pid: safe to watch
+        session = self.sessions.open(pool.name, body.namespace, grant, pid, watch, body.name,
+                                     time.monotonic())  # fmt: skip
+        log.info("session %x attached to pool %r (pid %d, %r)", session.id, pool.name, pid, body.name)
         return msg.AttachOk(
             session=session.id, epoch=self.epoch, version=msg.PROTOCOL_VERSION, pool=pool.name,
             device=pool.device, layout=have, memory=pool.region.describe(),
@@ -170,27 +201,32 @@ class Handler:
         if body.layout is None or body.layout.num_pages == 0:
             raise BadRequest("an ephemeral pool needs a full layout (num_pages > 0)")
         layout = KVLayout(**msgspec.structs.asdict(body.layout))
-        return self.pools.open(body.pool, "cpu", layout, ephemeral=True)
-
-    def end_session(self, session: Session) -> None:
-        """Detach or lease expiry: free every sequence of the session (ascending ids, each
-        as ``free`` would), then close its pool if it was ephemeral and is now unused."""
-        pool = self.pools.pools[session.pool]
-        for seq in self.sessions.close(session):
-            pool.manager.free(seq)
-        if pool.ephemeral and self.sessions.on_pool(pool.name) == 0:
-            self.sessions.forget_pool(pool.name)
-            self.pools.close(pool.name)
+        pool = self.pools.open(body.pool, "cpu", layout, ephemeral=True)
+        self.ledger.open_pool(pool.name, layout.page_size, Limits(session_sequences=65536))
+        return pool
 
     def expire(self, now: float) -> None:
-        """End every session whose lease is over."""
-        for session in self.sessions.expired(now):
-            self.expired += 1
+        """Fence (or drain) every session whose lease is over; drain fenced sessions whose
+        process exited."""
+        for session in self.sessions.expire(now):
             log.warning(
-                "session %x (pid %d) lease expired; freeing %d sequences",
-                session.id, session.pid, len(session.seqs),
+                "session %x (pid %d): lease over, %s with %d sequences",
+                session.id, session.pid, session.state.value, len(session.seqs),
             )  # fmt: skip
-            self.end_session(session)
+
+    def reap(self, budget: int) -> None:
+        """Free up to about ``budget`` page references of draining sessions (each sequence
+        as ``free`` would); remove the sessions left empty and close an ephemeral pool
+        that nobody uses any more."""
+        for session, seq in self.sessions.reap(budget, self.ledger.pages):
+            self.pools.pools[session.pool].manager.free(seq)
+            self.ledger.drop(session.pool, seq)
+        for session in self.sessions.finished():
+            pool = self.pools.pools[session.pool]
+            if pool.ephemeral and self.sessions.on_pool(pool.name) == 0:
+                self.sessions.forget_pool(pool.name)
+                self.ledger.close_pool(pool.name)
+                self.pools.close(pool.name)
 
     # -- queries ---------------------------------------------------------------------
 
@@ -202,18 +238,25 @@ class Handler:
         return msg.Empty()
 
     def check_integrity(self) -> None:
-        """Assert every pool's Manager invariants and the session table's ownership."""
+        """Assert every pool's Manager invariants, the session table's ownership and the
+        quota ledger's books."""
         self.pools.check_integrity()
         pools = self.pools.pools
         self.sessions.check_integrity(
             {name: pool.manager.stats().num_sequences for name, pool in pools.items()},
             lambda name, seq: seq in pools[name].manager,
         )
+        for name, pool in pools.items():
+            self.ledger.check_integrity(name, pool.manager.num_tokens)
 
-    def _stats(self) -> msg.StatsOk:
+    def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
+        """What the peer's grant may see: its pools, and the sessions of its namespaces."""
+        grant = self.authority.grant(peer_of(raw)) if raw is not None else self.authority.local()
         now = time.monotonic()
         pools = []
         for pool in self.pools.pools.values():
+            if not grant.sees(pool.name):
+                continue
             s = pool.manager.stats()
             pools.append(msg.PoolStats(
                 name=pool.name, device=pool.device, layout=pool.layout_message(),
@@ -230,11 +273,12 @@ class Handler:
                 num_sequences=len(s.seqs), idle_ms=int((now - s.last_seen) * 1000),
             )
             for s in self.sessions
+            if s.state is not State.DRAINING and grant.sees(s.pool, s.namespace)
         ]
         counters = msg.ServerCounters(
             epoch=self.epoch, version=msg.PROTOCOL_VERSION, uptime_s=now - self.started,
             requests=self.requests, errors=self.errors,
             dropped_frames=self.server.dropped_frames if self.server else 0,
-            expired_sessions=self.expired,
+            expired_sessions=self.sessions.expired,
         )  # fmt: skip
         return msg.StatsOk(pools, sessions, counters)

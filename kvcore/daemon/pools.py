@@ -6,7 +6,14 @@ drains every pool's queue after each request (or batch) into one
 last event. Numbers are kept per pool *name* for the whole epoch, so a pool
 that is closed and created again goes on counting (a subscriber never sees a
 number twice in one epoch). Closing a pool publishes a ``removed`` event for
-every page still in its prefix index.
+every page still in its prefix index. One published message carries at most
+:data:`MAX_EVENTS_PER_MESSAGE` events (a larger batch is split, numbers
+continuing), so the bytes buffered for a slow subscriber are bounded by its
+high-water mark in messages.
+
+Host segments are named ``<segment_prefix>-<pid>-<random>``: the prefix is
+derived from the daemon's endpoint, so a daemon started on the same endpoint
+finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from kvcore.prefix import PageEvent, PageStored
 
 MAX_EPHEMERAL_BYTES = 1 << 30
 MAX_EPHEMERAL_PAGES = 1 << 20
+MAX_EVENTS_PER_MESSAGE = 256  # a stored event is < 100 bytes: a message stays < 32 KiB
+MAX_EVENT_MESSAGE_BYTES = 32 << 10
 
 
 @dataclass(slots=True, eq=False)
@@ -47,10 +56,13 @@ class Pool:
 class PoolTable:
     """The daemon's pools by name, and their event streams."""
 
-    __slots__ = ("_publisher", "_seq_no", "epoch", "pools")
+    __slots__ = ("_publisher", "_seq_no", "epoch", "pools", "segment_prefix")
 
-    def __init__(self, epoch: int, publisher: EventPublisher | None) -> None:
+    def __init__(
+        self, epoch: int, publisher: EventPublisher | None, segment_prefix: str = "kvcore"
+    ) -> None:
         self.epoch = epoch
+        self.segment_prefix = segment_prefix
         self.pools: dict[str, Pool] = {}
         self._publisher = publisher
         self._seq_no: dict[str, int] = {}  # pool name -> seq_no of its last event (this epoch)
@@ -71,7 +83,7 @@ class PoolTable:
             raise BadRequest("ephemeral pools are limited to 1 GiB and 2**20 pages")
         region: HostRegion | CudaRegion
         if device == "cpu":
-            region = HostRegion.create(layout.total_bytes)
+            region = HostRegion.create(layout.total_bytes, self.segment_prefix)
         else:
             region = CudaRegion.create(layout.total_bytes, device)
         pool = Pool(name, device, Manager(layout), region, ephemeral)
@@ -123,7 +135,9 @@ class PoolTable:
         first = self._seq_no.get(name, 0) + 1
         self._seq_no[name] = first + len(events) - 1
         if self._publisher is not None:
-            self._publisher.publish(msg.EventBatch(name, self.epoch, first, events))
+            for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE):
+                chunk = events[i : i + MAX_EVENTS_PER_MESSAGE]
+                self._publisher.publish(msg.EventBatch(name, self.epoch, first + i, chunk))
 
 
 def _wire(event: PageEvent) -> msg.Event:

@@ -5,7 +5,13 @@ the pools, the session table, the request handler and the ROUTER socket.
 ``main`` adds what a process needs around it: the configuration (flags over
 TOML), an exclusive lock on each ``ipc://`` endpoint it binds (the request
 socket and the event socket: a second daemon on the same paths is refused,
-and a dead daemon's socket files are swept), signals, the banner and logging.
+and a dead daemon's socket files are swept), the trust checks of those paths
+(docs/security.md), the sweep of a killed daemon's segments, signals
+(SIGINT, SIGTERM, SIGHUP: a clean stop), the banner and logging.
+
+The loop's tick (:meth:`Daemon.tick`) keeps leases fair to clients: time in
+which the daemon could not hear anyone (it was stopped, or busy) is no one's
+lease, and what is queued is read before anyone is expired.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import argparse
 import gc
 import hashlib
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -25,15 +32,27 @@ import zmq
 from kvcore_ipc import messages as msg
 from kvcore_ipc.codec import ServerCodec
 from kvcore_ipc.events import EventPublisher
-from kvcore_ipc.memory import HostRegion
+from kvcore_ipc.memory import HostRegion, sweep
 from kvcore_ipc.server import EndpointBusy, EndpointLock, RouterServer, endpoint_in_use
 
-from kvcore.config import ServiceConfig, default_endpoint, load_toml, parse_pool_spec, runtime_dir
-from kvcore.errors import KVCoreError
+from kvcore.config import (
+    ServiceConfig,
+    check_socket_path,
+    default_endpoint,
+    load_toml,
+    parse_pool_spec,
+    runtime_dir,
+)
+from kvcore.errors import BadRequest, KVCoreError
 
+from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key
 from .handler import Handler
-from .pools import PoolTable
+from .pools import MAX_EVENT_MESSAGE_BYTES, PoolTable
+from .quotas import Ledger, Limits
 from .sessions import SessionTable
+
+DEAF_S = 0.25  # a gap between ticks longer than this was time the daemon could not listen
+REAP_BUDGET = 16384  # page references of ended sessions freed per tick
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -53,6 +72,11 @@ def events_endpoint(events: str, endpoint: str) -> str:
     return f"ipc://{runtime_dir() / f'events-{digest}.sock'}"
 
 
+def segment_prefix(endpoint: str) -> str:
+    """The name prefix of this endpoint's host segments (see :func:`sweep`)."""
+    return f"kvcore-{hashlib.sha256(endpoint.encode()).hexdigest()[:12]}"
+
+
 class Daemon:
     """Pools, sessions and the handler behind one ROUTER socket; :meth:`serve` runs the loop."""
 
@@ -61,26 +85,47 @@ class Daemon:
         self.config = config
         self.epoch = secrets.randbits(63) | 1
         endpoint = config.endpoint or default_endpoint()
-        events = events_endpoint(config.events, endpoint)
-        self.publisher = EventPublisher(events) if events else None
-        self.pools = PoolTable(self.epoch, self.publisher)
-        self.sessions = SessionTable(config.lease_timeout_s)
-        self.handler = Handler(
-            self.pools, self.sessions, ServerCodec(config.max_frame_bytes, config.max_batch),
-            allow_ephemeral=config.allow_ephemeral,
-            events_endpoint=self.publisher.endpoint if self.publisher else "",
-        )  # fmt: skip
-        self._next_scan = 0.0
+        for path in _ipc_paths(endpoint, config.events):
+            check_socket_path(path, {os.getuid()}, creating=True)
+        self.authority = Authority(config.tenants, keys_dir=config.authorized_keys_dir)
+        secret = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
+        if secret is not None and not config.authorized_keys_dir and not any(
+            t.keys for t in config.tenants
+        ):
+            raise BadRequest("CURVE needs the public keys of the clients it admits: "
+                             "--authorized-keys DIR (see `kvcore keys`) or tenants' keys")  # fmt: skip
+        self.swept = sweep(segment_prefix(endpoint))  # what a killed daemon of this endpoint left
+        self.publisher: EventPublisher | None = None
+        self.pools = PoolTable(self.epoch, None, segment_prefix(endpoint))
+        self.sessions = SessionTable(config.lease_timeout_s, config.fence_timeout_s,
+                                     config.max_sessions)  # fmt: skip
+        self.ledger = Ledger()
+        self._next_scan = self._last_tick = 0.0
         try:
+            if secret is not None:
+                self.authority.start_zap()
+            events = events_endpoint(config.events, endpoint)
+            if events:
+                self.publisher = EventPublisher(
+                    events, curve_secret_key=secret, zap_domain=EVENTS_DOMAIN if secret else "",
+                    max_messages=max(1, config.events_buffer_bytes // MAX_EVENT_MESSAGE_BYTES),
+                )  # fmt: skip
+                self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
+            self.handler = Handler(
+                self.pools, self.sessions, ServerCodec(config.max_frame_bytes, config.max_batch),
+                authority=self.authority, ledger=self.ledger,
+                max_request_tokens=config.max_request_tokens,
+                allow_ephemeral=config.allow_ephemeral,
+                events_endpoint=self.publisher.endpoint if self.publisher else "",
+            )  # fmt: skip
             for pool in config.pools:
-                self.pools.open(pool.name, pool.device, pool.layout())
-            secret = None
-            if config.curve_secret_key_file:
-                with open(config.curve_secret_key_file, "rb") as f:
-                    secret = f.read().strip()
+                layout = pool.layout()
+                self.pools.open(pool.name, pool.device, layout)
+                self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
             self.server = RouterServer(
                 endpoint, self.handler.handle, curve_secret_key=secret, insecure=config.insecure,
-                hard_limit_bytes=4 * config.max_frame_bytes,
+                hard_limit_bytes=4 * config.max_frame_bytes, max_queued_bytes=config.max_queued_bytes,
+                socket_mode=config.socket_mode, zap_domain=REQUEST_DOMAIN if secret else "",
             )  # fmt: skip
             self.handler.server = self.server
         except BaseException:
@@ -89,12 +134,22 @@ class Daemon:
 
     def tick(self) -> None:
         """Between requests: publish the events of the request just answered (after its
-        reply went out), and expire the sessions whose lease is over."""
+        reply went out); give back to every lease the time the daemon was deaf (a gap
+        since the last tick over DEAF_S); expire sessions whose lease is over, but only
+        once nothing is queued (a heartbeat may be waiting) or half a lease has passed;
+        free a bounded part of what ended sessions held."""
         self.pools.publish()
         now = time.monotonic()
-        if now >= self._next_scan:
+        if self._last_tick and now - self._last_tick > DEAF_S:
+            self.sessions.pause(now - self._last_tick)
+        self._last_tick = now
+        if now >= self._next_scan and not (
+            self.server.pending() and now - self._next_scan < self.sessions.lease_s / 2
+        ):
             self._next_scan = now + min(0.05, self.sessions.lease_s / 10)
             self.handler.expire(now)
+        if self.sessions.draining():
+            self.handler.reap(REAP_BUDGET)
             self.pools.publish()
 
     def serve(self) -> None:
@@ -105,12 +160,19 @@ class Daemon:
         self.server.stop()
 
     def close(self) -> None:
-        """Close every pool (publishing its removals), the socket and the publisher."""
+        """Close every pool (publishing its removals), the socket, the publisher, ZAP."""
         self.pools.close_all()
+        self.sessions.close_all()
         if hasattr(self, "server"):
             self.server.close()
         if self.publisher is not None:
             self.publisher.close()
+        self.authority.stop_zap()
+
+
+def _ipc_paths(endpoint: str, events: str) -> list[str]:
+    paths = [endpoint, events_endpoint(events, endpoint) if events else ""]
+    return [p[len("ipc://") :] for p in paths if p.startswith("ipc://")]
 
 
 # -- the command line -----------------------------------------------------------------
@@ -128,8 +190,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "before a session's sequences are freed (default 10)")  # fmt: skip
     parser.add_argument("--max-frame-bytes", type=int)
     parser.add_argument("--max-batch", type=int)
-    parser.add_argument("--curve-secret-key-file", help="z85 CURVE secret key (tcp://)")
-    parser.add_argument("--insecure", action="store_true", help="allow tcp:// without CURVE")
+    parser.add_argument("--max-request-tokens", type=int, help="tokens of work one request "
+                        "may carry, summed over a batch (default 1048576)")  # fmt: skip
+    parser.add_argument("--max-sessions", type=int, help="sessions at once (default 1024)")
+    parser.add_argument("--max-queued-bytes", type=int, help="bytes of requests queued per "
+                        "connection before the daemon stops reading it (default 64 MiB)")  # fmt: skip
+    parser.add_argument("--fence-timeout", type=float, help="seconds an expired session "
+                        "whose process cannot be watched (tcp://) stays fenced (default 300)")  # fmt: skip
+    parser.add_argument("--curve-secret-key-file", help="CURVE secret key (tcp://): z85, or "
+                        "a `kvcore keys` .key_secret file; must be mode 0600")  # fmt: skip
+    parser.add_argument("--authorized-keys", dest="authorized_keys_dir", help="directory of "
+                        "client public keys (*.key, `kvcore keys`): only they may connect")  # fmt: skip
+    parser.add_argument("--insecure", action="store_true", help="allow tcp:// without CURVE "
+                        "(anyone who reaches the port can read and write every pool)")  # fmt: skip
     parser.add_argument("--allow-ephemeral", action="store_true",
                         help="let attach create private pools (tests and development)")  # fmt: skip
     parser.add_argument("--log-level", default="INFO",
@@ -142,6 +215,9 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         "endpoint": args.endpoint, "events": args.events, "lease_timeout_s": args.lease_timeout,
         "max_frame_bytes": args.max_frame_bytes, "max_batch": args.max_batch,
         "curve_secret_key_file": args.curve_secret_key_file,
+        "authorized_keys_dir": args.authorized_keys_dir,
+        "max_request_tokens": args.max_request_tokens, "max_sessions": args.max_sessions,
+        "fence_timeout_s": args.fence_timeout, "max_queued_bytes": args.max_queued_bytes,
     }  # fmt: skip
     for key, value in overrides.items():
         if value is not None:
@@ -170,7 +246,9 @@ def main(args: argparse.Namespace) -> int:
     locks: list[EndpointLock] = []
     try:
         config = build_config(args)
-        endpoint = config.endpoint or default_endpoint()
+        endpoint = config.endpoint or default_endpoint()  # checks the runtime directory
+        for path in _ipc_paths(endpoint, config.events):  # before a lock file is made there
+            check_socket_path(path, {os.getuid()}, creating=True)
         locks.append(_lock(endpoint))
         events = events_endpoint(config.events, endpoint)
         if events.startswith("ipc://"):
@@ -181,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
             lock.release()
         print(f"kvcore serve: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, EndpointBusy) else 2
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: daemon.stop())
     _banner(daemon)
     gc.freeze()  # the pools' bookkeeping is long-lived: keep it out of every collection
@@ -206,4 +284,9 @@ def _banner(daemon: Daemon) -> None:
         print(f"  pool {pool.name!r}: {pool.device}, {lay.num_pages} pages x {lay.page_size} "
               f"tokens, {lay.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} "
               f"{lay.dtype}, {lay.total_bytes / (1 << 20):.1f} MiB ({where})")  # fmt: skip
+    if config.insecure and daemon.server.endpoint.startswith("tcp://"):
+        print("kvcore serve: WARNING: --insecure: no CURVE on tcp://; anyone who reaches "
+              "this port can attach, read and write every pool")  # fmt: skip
+    for name in daemon.swept:
+        print(f"  removed {name}, left by a killed daemon of this endpoint")
     print(f"  events: {daemon.handler.events_endpoint or 'off'}", flush=True)
