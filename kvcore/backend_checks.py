@@ -132,10 +132,12 @@ class ValueChecks:
         host copies of the fetched tensors, in the order queued."""
         import torch
 
-        parts = [f.long() for f in self.flags] + [v.long() for v in self.fetches]
+        parts = [v.long() for v in self.fetches]
+        if self.flags:
+            parts.insert(0, torch.cat(self.flags).long())
         if not parts:
             return []
-        values = torch.cat(parts).tolist()
+        values = torch.cat(parts).tolist()  # the one transfer
         for bad, message in zip(values, self.messages, strict=False):
             if bad:
                 raise BadRequest(message())

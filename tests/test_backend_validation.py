@@ -445,3 +445,61 @@ def test_meta_tensors_raise_typed_errors() -> None:
 def test_valid_random_calls_pass(case: tuple[str, dict[str, Any]]) -> None:
     op, kwargs = case
     call(Guarded(), op, kwargs)
+
+
+def _step(device: str) -> tuple[Any, ...]:
+    kv = torch.randn(NUM_PAGES, 2, PAGE, HKV, D, device=device)
+    table = t32(0, 1, 2, 3).reshape(2, 2).to(device)
+    copies = (t64(3).to(device), t64(2).to(device))
+    return kv, table, t32(5, 8).to(device), t64(5, 8).to(device), copies
+
+
+def test_runs_read_no_tensor_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the plan, copy/write/decode/prefill never bring a value to the host: any
+    Python-side read of a tensor (``item``, ``tolist``, ``bool``, ``int``) fails."""
+    backend = TorchBackend()
+    kv, table, lens, slots, copies = _step("cpu")
+    plan = backend.plan_decode(kv, table, lens, slots=slots, copies=copies)
+    prefill = backend.plan_prefill(kv, table, t32(0, 2, 5), lens)
+    assert plan.write is not None and plan.copy is not None
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a run read a tensor value on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    for layer in (kv, kv.clone()):
+        backend.copy_pages(plan.copy, layer)
+        backend.write_kv(plan.write, layer, torch.ones(2, HKV, D), torch.ones(2, HKV, D))
+        backend.decode(plan, torch.zeros(2, 4, D), layer, 0.5)
+        backend.prefill(prefill, torch.zeros(5, 4, D), layer, 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["torch", "triton", "cupy"])
+def test_runs_never_synchronise_on_cuda(name: str) -> None:
+    """torch's sync debug mode turns any device synchronisation of a run into an error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kvcore import backend as registry
+
+    try:
+        backend = registry.get(name)
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    kv, table, lens, slots, copies = _step("cuda")
+    kv = torch.randn(NUM_PAGES, 2, PAGE, HKV, 64, device="cuda", dtype=torch.float16)
+    plan = backend.plan_decode(kv, table, lens, slots=slots, copies=copies)
+    prefill = backend.plan_prefill(kv, table, t32(0, 2, 5).cuda(), lens)
+    assert plan.write is not None and plan.copy is not None
+    k = torch.ones(2, HKV, 64, device="cuda", dtype=torch.float16)
+    query = torch.zeros(5, 4, 64, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        backend.copy_pages(plan.copy, kv)
+        backend.write_kv(plan.write, kv, k, k)
+        backend.decode(plan, query[:2], kv, 0.125)
+        backend.prefill(prefill, query, kv, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -185,3 +185,34 @@ def test_dynamic_cache_on_a_bound_model_is_transformers_own(
     expected = reference(model, prompts, NEW)
     with private_client(endpoint, SMALL) as client, KVCoreCache(client, model):
         assert torch.equal(reference(model, prompts, NEW), expected)
+
+
+def test_one_validation_per_forward(
+    endpoint: str, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The adapter plans each forward once (tables, slots and copies in one read-back) and
+    runs every layer on that plan: the value checks run once per forward, not per layer."""
+    from kvcore import backend_checks
+
+    reads: list[int] = []
+    run = backend_checks.ValueChecks.run
+
+    def counted(self: backend_checks.ValueChecks) -> list[list[int]]:
+        reads.append(len(self.flags))
+        return run(self)
+
+    monkeypatch.setattr(backend_checks.ValueChecks, "run", counted)
+    prompts = [SMALL.prompt(n, seed=n) for n in (9, 23)]  # ragged: pages, slots, a mask
+    ids, mask = padded(prompts)
+    forwards = []
+
+    class Count(LogitsProcessor):
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            forwards.append(1)
+            return scores
+
+    with private_client(endpoint, SMALL) as client, KVCoreCache(client, model) as cache:
+        out = greedy(model, ids, NEW, attention_mask=mask, cache=cache,
+                     logits_processor=LogitsProcessorList([Count()]))  # fmt: skip
+    assert len(forwards) == NEW and len(reads) == NEW, (len(forwards), reads)
+    assert torch.equal(out, reference(model, prompts, NEW))

@@ -153,16 +153,15 @@ class TorchBackend(Backend):
         lens = plan.seq_lens.long()
         max_len = plan.max_seq_len
         position = torch.arange(max_len, device=lens.device)
-        valid = position[None, :] < lens[:, None]  # [B, L]
-        token = torch.where(valid, position[None, :], 0)
+        valid = position < lens[:, None]  # [B, L]
+        token = position * valid  # past a row's length: its token 0
         pages = plan.block_table.long().gather(1, token // page_size)
         offsets = token % page_size
         mask = None
         if min(plan.host_seq_lens) < max_len:
-            zero = torch.zeros((), device=lens.device)
-            mask = torch.where(valid, zero, float("-inf"))[:, None, None, :]
-        heads = torch.arange(kv_cache.shape[3], device=lens.device)
-        rows = _rows(kv_cache, pages[:, None, :], offsets[:, None, :], heads[None, :, None])
+            mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None, :]
+        rows = _rows(kv_cache, pages, offsets, per_head=True)
         return DecodeGather(max_len, pages, offsets, mask, rows)
 
     def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
@@ -172,7 +171,7 @@ class TorchBackend(Backend):
             slots = slots.index_select(0, keep)
         page_size = plan.cache.page_size
         page, offset = slots // page_size, slots % page_size
-        return WriteIndex(keep, page, offset, _rows(kv_cache, page, offset, None))
+        return WriteIndex(keep, page, offset, _rows(kv_cache, page, offset, per_head=False))
 
     # -- kernels ----------------------------------------------------------------------
 
@@ -231,35 +230,42 @@ class TorchBackend(Backend):
 
 
 def _rows(
-    kv_cache: torch.Tensor,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-    heads: torch.Tensor | None,
+    kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, *, per_head: bool
 ) -> Rows | None:
-    """K and V rows of the (page, offset[, kv head]) elements (broadcast together) in the
-    cache viewed as rows: head rows [D] when ``heads`` is given, else token rows
-    [Hkv, D]. None where the strides allow no such view: a row must be contiguous and
+    """K and V rows of the tokens at (``pages``, ``offsets``) (int64, one shape S) in the
+    cache viewed as rows: with ``per_head``, head rows [D] and an index [2, *S[:-1],
+    Hkv, S[-1]] (head-major, as SDPA reads K/V); else token rows [Hkv, D] and an index
+    [2, *S]. None where the strides allow no such view: a row must be contiguous and
     every stride of the indexed dims a multiple of the row's width (elements)."""
     num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     s_page, s_kv, s_tok, s_head, s_dim = kv_cache.stride()
     if s_dim != 1 and head_dim > 1:
         return None
     row_shape: tuple[int, ...]
-    if heads is None:  # token rows: one [Hkv, D] block per token
+    if per_head:
+        width, row_shape = head_dim, (head_dim,)
+    else:  # token rows: one [Hkv, D] block per token
         if s_head != head_dim and num_kv_heads > 1:
             return None
         width, row_shape = num_kv_heads * head_dim, (num_kv_heads, head_dim)
         s_head = 0
-    else:
-        width, row_shape = head_dim, (head_dim,)
     strides = (s_page, s_kv, s_tok, s_head)
     if any(s % width for s in strides):
         return None
     a_page, a_kv, a_tok, a_head = (s // width for s in strides)
-    k_rows = pages * a_page + offsets * a_tok
-    if heads is not None:
-        k_rows = k_rows + heads * a_head
+    token_rows = pages * a_page + offsets * a_tok
+    dev = pages.device
+    if per_head:  # [2, Hkv]: the row offset of (K or V, head h)
+        shift = torch.tensor(
+            [[kv * a_kv + h * a_head for h in range(num_kv_heads)] for kv in (0, 1)], device=dev
+        )
+        index = token_rows.unsqueeze(-2).unsqueeze(0) + shift.view(
+            2, *[1] * (pages.dim() - 1), -1, 1
+        )
+    else:
+        index = token_rows.unsqueeze(0) + torch.tensor([0, a_kv], device=dev).view(
+            2, *[1] * pages.dim()
+        )
     last = (num_pages - 1) * a_page + a_kv + (page_size - 1) * a_tok + (num_kv_heads - 1) * a_head
-    index = torch.stack([k_rows, k_rows + a_kv])
     contiguous = kv_cache.is_contiguous()
     return Rows(kv_cache.stride(), contiguous, last + 1, row_shape, index, index.view(-1))
