@@ -44,6 +44,7 @@ from kvcore.prefix import (
     chain_keys,
     encode_tokens,
     page_key,
+    page_keys,
     root_key,
 )
 
@@ -134,15 +135,16 @@ class Manager:
         self._pages = PageAllocator(layout.num_pages)
         self._refcounts = self._pages.refcounts  # read only: the allocator writes it
         self._index = PrefixIndex()
+        self._entries = self._index.entries  # read only: the index writes them
+        self._key_by_page = self._index.key_by_page  # read only, likewise
         self._seqs: dict[int, _Sequence] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
-        # Memos; each is a pure function of what it is keyed by, so neither can
-        # change a result. The root key of the last namespace; and the keys of the
-        # last prompt matched, so that a lookup followed by an allocate of the same
-        # prompt hashes it once: (root, token bytes, keys of its leading full
-        # pages), compared by bytes, never by identity.
+        # Memos of pure functions, so neither can change a result: the root key of
+        # the last namespace; and the keys of the last prompt matched (root, token
+        # bytes, keys of its first pages, at most the pages a hit may cover),
+        # compared by bytes, never by identity (see _match).
         self._root_memo: tuple[str, PrefixKey] = (DEFAULT_NAMESPACE, root_key(DEFAULT_NAMESPACE))
         self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
@@ -183,11 +185,15 @@ class Manager:
             raise BadRequest(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         pages = seq.pages
         total = seq.num_tokens + num_tokens
-        num_new = -(-total // self._page_size) - len(pages)
-        if num_new == 0 and (num_tokens == 0 or self._refcounts[pages[-1]] == 1):
+        if total <= len(pages) * self._page_size and (
+            num_tokens == 0 or self._refcounts[pages[-1]] == 1
+        ):
             seq.num_tokens = total  # the tokens fit the last page, which is this sequence's own
-            return _extension([], [])
-        return self._grow(seq, num_tokens, num_new)
+            result = _new(Extension)  # Extension([], []) without the frozen setattr calls
+            _set_new_pages(result, [])
+            _set_copies(result, [])
+            return result
+        return self._grow(seq, num_tokens, -(-total // self._page_size) - len(pages))
 
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
         """Publish every full page of ``seq_id`` not yet published; returns how many of
@@ -232,27 +238,19 @@ class Manager:
             return first
         # Only the new pages' tokens are encoded, so a commit per page stays O(page).
         offset = first * page_size - start
+        parent = keys[-1] if keys else seq.root
         token_bytes = encode_tokens(tokens[offset : offset + (end - first) * page_size])
-        stride = 4 * page_size
-        parent = keys[-1] if keys else seq.root
-        published = self._index.key_by_page
-        pages = seq.pages
-        new: list[PrefixKey] = []
-        for j in range(end - first):
-            key = page_key(parent, token_bytes[j * stride : (j + 1) * stride])
-            known = published.get(pages[first + j])
-            if known is not None and known != key:
+        new = page_keys(parent, token_bytes, page_size)
+        pages = seq.pages[first:end]
+        published = self._key_by_page
+        for i in range(len(new)):
+            known = published.get(pages[i])
+            if known is not None and known != new[i]:
                 raise BadRequest(
-                    f"page {pages[first + j]} (page {first + j} of sequence {seq_id}) was "
-                    "committed with other tokens"
+                    f"page {pages[i]} (page {first + i} of sequence {seq_id}) was committed "
+                    "with other tokens"
                 )
-            new.append(key)
-            parent = key
-        insert = self._index.insert
-        parent = keys[-1] if keys else seq.root
-        for j, key in enumerate(new):
-            insert(key, parent, pages[first + j])
-            parent = key
+        self._index.insert_chain(parent, new, pages)
         keys += new
         return end
 
@@ -276,7 +274,7 @@ class Manager:
         if seq is None:
             seq = self._get(seq_id)  # an int subclass, or UnknownSequence
             del self._seqs[seq_id]
-        self._pages.release(reversed(seq.pages), self._index.key_by_page)
+        self._pages.release(reversed(seq.pages), self._key_by_page)
 
     def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
         """What allocate of ``tokens`` in ``namespace`` would serve from the cache now
@@ -333,7 +331,7 @@ class Manager:
             )
             assert seq.root == root_key(seq.namespace), f"sequence {seq_id}: wrong root"
             references.update(seq.pages)
-        self._pages.check_integrity(references, self._index.key_by_page)
+        self._pages.check_integrity(references, self._key_by_page)
         self._index.check_integrity()
         if self._match_memo is not None:
             root, token_bytes, keys = self._match_memo
@@ -363,7 +361,7 @@ class Manager:
             assert last is not None
             dst = fresh.pop()
             pages[-1] = dst
-            self._pages.release((last,), self._index.key_by_page)  # still held by another
+            self._pages.release((last,), self._key_by_page)  # still held by another
             copies.append((last, dst))
         pages.extend(fresh)
         seq.num_tokens += num_tokens
@@ -372,26 +370,41 @@ class Manager:
     def _match(self, root: PrefixKey, token_bytes: bytes) -> tuple[list[PrefixKey], list[PageId]]:
         """Keys and pages of the longest indexed run of leading full pages, leaving
         at least the last token uncovered. Hashes one page past the match at most,
-        and nothing the last call hashed for the same root and bytes."""
+        and none of the leading pages whose bytes equal the last call's (same root):
+        a lookup then an allocate of one prompt hash it once, and prompts that share
+        a system prefix reuse its keys."""
         page_size = self._page_size
-        max_pages = max(len(token_bytes) // 4 - 1, 0) // page_size
         stride = 4 * page_size
+        max_pages = max(len(token_bytes) // 4 - 1, 0) // page_size
         memo = self._match_memo
         if memo is not None and memo[0] == root and memo[1] == token_bytes:
-            known = memo[2]
+            known = memo[2]  # keys of this prompt's first pages, at most max_pages
         else:
             known = []
+            if memo is not None and memo[0] == root:  # keep the keys of equal leading pages
+                last, keys = memo[1], memo[2]
+                same = min(len(keys), max_pages)
+                if token_bytes[: same * stride] != last[: same * stride]:
+                    same = 0
+                    while (
+                        token_bytes[same * stride : (same + 1) * stride]
+                        == (last[same * stride : (same + 1) * stride])
+                    ):
+                        same += 1
+                known = keys[:same]
             self._match_memo = (root, token_bytes, known)
-        entries = self._index.entries
+        get = self._entries.get
         pages: list[PageId] = []
-        parent = root
-        for i in range(max_pages):
-            if i < len(known):
-                key = known[i]
-            else:
-                key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
-                known.append(key)
-            entry = entries.get(key)
+        for key in known:
+            entry = get(key)
+            if entry is None:
+                return known[: len(pages)], pages
+            pages.append(entry.page)
+        parent = known[-1] if known else root
+        for i in range(len(known), max_pages):
+            key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
+            known.append(key)
+            entry = get(key)
             if entry is None:
                 break
             pages.append(entry.page)
@@ -434,14 +447,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_set_new_pages = Extension.new_pages.__set__  # type: ignore[attr-defined]
-_set_copies = Extension.copies.__set__  # type: ignore[attr-defined]
+# Extension is a frozen slots dataclass: its __init__ pays object.__setattr__ per
+# field. extend (once per generated token) fills the slots directly instead.
+_new = object.__new__
+_set_new_pages = vars(Extension)["new_pages"].__set__
+_set_copies = vars(Extension)["copies"].__set__
 
 
 def _extension(new_pages: list[int], copies: list[tuple[int, int]]) -> Extension:
-    """``Extension(new_pages, copies)``, filled through its slots rather than the
-    frozen dataclass's ``object.__setattr__`` per field (one per extend call)."""
-    result: Extension = object.__new__(Extension)
+    """``Extension(new_pages, copies)``, built as the fast path of extend builds it."""
+    result: Extension = _new(Extension)
     _set_new_pages(result, new_pages)
     _set_copies(result, copies)
     return result

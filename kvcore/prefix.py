@@ -54,14 +54,17 @@ def _tlv(tag: int, value: bytes) -> bytes:
     return _TLV_HEAD.pack(tag, len(value)) + value
 
 
+assert array("I").itemsize == 4, "array('I') is not 32-bit on this platform"
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
 def encode_tokens(tokens: Sequence[int]) -> bytes:
     """Tokens as little-endian u32 bytes; BadRequest if any is not an int in [0, 2**32)."""
     try:
         packed = array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise BadRequest(f"tokens must be ints in [0, 2**32): {exc}") from None
-    assert packed.itemsize == 4, "array('I') is not 32-bit on this platform"
-    if sys.byteorder == "big":
+    if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
 
@@ -83,7 +86,7 @@ def page_key(parent: PrefixKey, page_tokens: bytes, extra: bytes = b"") -> Prefi
     message = parent + _TLV_HEAD.pack(TAG_TOKENS, len(page_tokens)) + page_tokens
     if extra:
         message += _tlv(TAG_EXTRA, extra)
-    return PrefixKey(_sha256(message).digest())
+    return _sha256(message).digest()  # type: ignore[return-value]  # PrefixKey(), minus a call
 
 
 def chain_keys(
@@ -98,6 +101,20 @@ def chain_keys(
     for page in range(first_page, len(token_bytes) // stride):
         parent = page_key(parent, token_bytes[page * stride : (page + 1) * stride])
         yield parent
+
+
+def page_keys(parent: PrefixKey, token_bytes: bytes, page_size: int) -> list[PrefixKey]:
+    """Keys of every full page of ``token_bytes``, eagerly: :func:`chain_keys` in
+    one call (a commit's new pages). ``parent`` is the key of the page before."""
+    stride = 4 * page_size
+    head = _TLV_HEAD.pack(TAG_TOKENS, stride)
+    if len(token_bytes) == stride:  # one page: the common commit
+        return [_sha256(parent + head + token_bytes).digest()]  # type: ignore[list-item]
+    keys: list[PrefixKey] = []
+    for at in range(0, len(token_bytes) - stride + 1, stride):
+        parent = _sha256(parent + head + token_bytes[at : at + stride]).digest()  # type: ignore[assignment]
+        keys.append(parent)
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,17 +136,17 @@ class PageRemoved:
 
 PageEvent = PageStored | PageRemoved
 
-_set_key, _set_parent_key, _set_page = (
-    PageStored.key.__set__,  # type: ignore[attr-defined]
-    PageStored.parent_key.__set__,  # type: ignore[attr-defined]
-    PageStored.page.__set__,  # type: ignore[attr-defined]
-)
+# PageStored is a frozen slots dataclass: its __init__ pays object.__setattr__ per
+# field. The index (one entry per committed page) fills the slots directly instead.
+_new = object.__new__
+_set_key = vars(PageStored)["key"].__set__
+_set_parent_key = vars(PageStored)["parent_key"].__set__
+_set_page = vars(PageStored)["page"].__set__
 
 
 def _stored(key: PrefixKey, parent_key: PrefixKey, page: PageId) -> PageStored:
-    """``PageStored(key, parent_key, page)``, filled through its slots rather than the
-    frozen dataclass's three ``object.__setattr__`` calls (one per committed page)."""
-    entry: PageStored = object.__new__(PageStored)
+    """``PageStored(key, parent_key, page)``, built as :meth:`PrefixIndex.insert_chain` does."""
+    entry: PageStored = _new(PageStored)
     _set_key(entry, key)
     _set_parent_key(entry, parent_key)
     _set_page(entry, page)
@@ -184,6 +201,26 @@ class PrefixIndex:
         self._key_of[page] = key
         self._events.append(entry)
         return True
+
+    def insert_chain(
+        self, parent_key: PrefixKey, keys: Sequence[PrefixKey], pages: Sequence[PageId]
+    ) -> None:
+        """:meth:`insert` each ``keys[i]`` -> ``pages[i]``, the chain's keys following
+        ``parent_key``; keys already indexed are skipped (their pages stay private)."""
+        assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
+        stored, key_of, events = self._stored, self._key_of, self._events
+        for i, key in enumerate(keys):
+            page = pages[i]
+            if key not in stored:
+                assert page not in key_of, f"page {page} is indexed under another key"
+                entry = _new(PageStored)  # _stored(key, parent_key, page), inline
+                _set_key(entry, key)
+                _set_parent_key(entry, parent_key)
+                _set_page(entry, page)
+                stored[key] = entry
+                key_of[page] = key
+                events.append(entry)
+            parent_key = key
 
     def remove(self, page: PageId) -> None:
         """Drop an indexed page (eviction)."""

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kvcore.errors import BadRequest
-from kvcore.prefix import chain_keys, encode_tokens, page_key, root_key
+from kvcore.prefix import chain_keys, encode_tokens, page_key, page_keys, root_key
 
 SPEC = Path(__file__).resolve().parents[1] / "spec" / "hashing.md"
 
@@ -54,7 +54,16 @@ def test_chains() -> None:
     for chain in vectors()["chains"]:
         ns, toks, size = chain["namespace"], chain["tokens"], chain["page_size"]
         got = [k.hex() for k in chain_keys(root_key(ns), encode_tokens(toks), size)]
-        assert got == chain["keys"] == independent_chain(ns, toks, size)
+        eager = [k.hex() for k in page_keys(root_key(ns), encode_tokens(toks), size)]
+        assert got == eager == chain["keys"] == independent_chain(ns, toks, size)
+
+
+def test_page_keys_of_one_page_and_a_partial_tail() -> None:
+    root, toks = root_key("t"), list(range(11))
+    one = page_keys(root, encode_tokens(toks[:4]), 4)
+    assert [k.hex() for k in one] == independent_chain("t", toks[:4], 4)
+    assert page_keys(root, encode_tokens(toks), 4) == list(chain_keys(root, encode_tokens(toks), 4))
+    assert len(page_keys(root, encode_tokens(toks), 4)) == 2  # the partial third page has no key
 
 
 def test_extra() -> None:

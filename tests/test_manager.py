@@ -329,13 +329,16 @@ def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(prefix, "page_key", counting)
     monkeypatch.setattr(manager_module, "page_key", counting)
     query = [*prompt[:30], 99, 98, 97]  # pages 0-6 hit, page 7 differs
+    assert m.lookup(query, namespace="b").num_cached_tokens == 0  # nothing in "b"
+    assert calls == 1  # page 0's key in "b" misses: nothing more is hashed
     assert m.lookup(query).num_cached_tokens == 28
-    assert calls == 8  # seven hits and the first miss
+    assert calls == 9  # seven hits and the first miss, in "default"
     assert m.allocate(2, list(query)).num_cached_tokens == 28  # an equal list, not the same
     assert m.lookup(tuple(query)).num_cached_tokens == 28
-    assert calls == 8
-    other = [*query[:-1], 96]  # other bytes: hashed again
-    m.lookup(other)
-    assert calls == 16
+    assert calls == 9  # the memo, compared by bytes
+    other = [*query[:28], 5, 5, 5, 5, 5]  # pages 0-6 as query's, page 7 other bytes
+    assert m.lookup(other).num_cached_tokens == 28
+    assert calls == 10  # only page 7 hashed: the leading pages kept their keys
     assert m.lookup(query, namespace="b").num_cached_tokens == 0  # other root: hashed again
-    assert calls == 17
+    assert calls == 11
+    m.check_integrity()  # which also recomputes the memo's keys

@@ -12,9 +12,11 @@ The baseline, measured in the same run: :class:`MinimalCache`, the least a paged
 allocator with a chained-hash LRU prefix cache does for the same calls (no
 namespaces, no validation, no integrity checks, no events), driven by the same
 simulator on the same trace and timed by the same wrapper. Its replay must be
-identical to the Manager's (same admissions, hits, preemptions: checked), so
-both did the same work; ``manager_over_minimal`` = Manager page ops/s over
-minimal page ops/s, each the best of ``--repeat`` alternating runs.
+identical to the Manager's (same admissions, hits, preemptions, page counts:
+checked), so both did the same work; ``manager_over_minimal`` = Manager page
+ops/s over minimal page ops/s, each the best of ``--repeat`` alternating runs.
+The Manager's events are taken after every step, as the daemon takes them after
+every request.
 
 Page operations per call (the unit of ``page_ops_per_s``)::
 
@@ -318,8 +320,12 @@ def replay(
     """One timed replay of ``trace`` through ``cache``: (timings, run stats, wall seconds)."""
     timed = Timed(cache)
     pool = PagedPool(timed, True, int(args.watermark * layout.num_pages))
+    # As the daemon publishes after each request, take the Manager's events after
+    # each step (untimed: a list swap); the minimal baseline queues none.
+    take_events = getattr(cache, "take_events", None)
+    drain = (lambda _step: take_events()) if take_events is not None else None
     wall = time.perf_counter()
-    stats = simulate(trace, pool, fork_every=args.fork_every)
+    stats = simulate(trace, pool, fork_every=args.fork_every, on_step=drain)
     return timed, stats, time.perf_counter() - wall
 
 
