@@ -2,8 +2,8 @@
 
 It owns no memory: it decides which page of the pool holds which tokens of
 which sequence, who shares a page, and which pages hold which committed
-prefix. Engines (in-process, or over the wire through kvcore.service) write
-and read the pages themselves.
+prefix. Engines (in-process, or over the wire through the daemon, kvcore.daemon)
+write and read the pages themselves.
 
 Token ranges of one sequence, page_size = 4, 10 tokens::
 
@@ -18,13 +18,15 @@ that :meth:`Manager.take_events` hands over (the daemon publishes them after
 each request).
 
 Every public method either succeeds or raises a :class:`~kvcore.errors.KVCoreError`
-having changed nothing (stats counters and the event queue included). Invariants, checked by
-:meth:`check_integrity` after every step of the conformance state machine:
+having changed nothing (stats counters and the event queue included). Invariants,
+checked by :meth:`check_integrity` after every step of the conformance state machine:
 
 * free + evictable + held == total pages;
 * a page's refcount equals the number of block-table entries naming it;
 * no page is both free and referenced; every evictable page is indexed;
-* every block table has exactly ceil(num_tokens / page_size) pages.
+* every block table has exactly ceil(num_tokens / page_size) pages;
+* the memos (the last namespace's root, the last prompt's page keys) hold what
+  hashing would compute now.
 """
 
 from __future__ import annotations

@@ -144,15 +144,6 @@ _set_parent_key = vars(PageStored)["parent_key"].__set__
 _set_page = vars(PageStored)["page"].__set__
 
 
-def _stored(key: PrefixKey, parent_key: PrefixKey, page: PageId) -> PageStored:
-    """``PageStored(key, parent_key, page)``, built as :meth:`PrefixIndex.insert_chain` does."""
-    entry: PageStored = _new(PageStored)
-    _set_key(entry, key)
-    _set_parent_key(entry, parent_key)
-    _set_page(entry, page)
-    return entry
-
-
 class PrefixIndex:
     """Bijection key <-> page over committed pages, with each key's parent; O(1) per key.
 
@@ -191,29 +182,19 @@ class PrefixIndex:
     def is_indexed(self, page: PageId) -> bool:
         return page in self._key_of
 
-    def insert(self, key: PrefixKey, parent_key: PrefixKey, page: PageId) -> bool:
-        """Index ``page`` under ``key``; False (and no change) if the key is already indexed."""
-        if key in self._stored:
-            return False
-        assert page not in self._key_of, f"page {page} is indexed under another key"
-        entry = _stored(key, parent_key, page)
-        self._stored[key] = entry
-        self._key_of[page] = key
-        self._events.append(entry)
-        return True
-
     def insert_chain(
         self, parent_key: PrefixKey, keys: Sequence[PrefixKey], pages: Sequence[PageId]
     ) -> None:
-        """:meth:`insert` each ``keys[i]`` -> ``pages[i]``, the chain's keys following
-        ``parent_key``; keys already indexed are skipped (their pages stay private)."""
+        """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
+        is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
+        page (the first commit wins); the page passed for it stays private."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, events = self._stored, self._key_of, self._events
         for i, key in enumerate(keys):
             page = pages[i]
             if key not in stored:
                 assert page not in key_of, f"page {page} is indexed under another key"
-                entry = _new(PageStored)  # _stored(key, parent_key, page), inline
+                entry = _new(PageStored)  # PageStored(key, parent_key, page)
                 _set_key(entry, key)
                 _set_parent_key(entry, parent_key)
                 _set_page(entry, page)
