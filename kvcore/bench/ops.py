@@ -310,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fork-every", type=int, default=8,
                         help="fork every N-th request into a second sample (0: never)")
     parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=5,
                         help="replays per implementation, alternating; the best of each counts")
 
 
