@@ -3,8 +3,9 @@
 :func:`make_state_machine` drives a subject (the in-process :class:`~kvcore.Manager`,
 or a :class:`~kvcore.Client` talking to a daemon) against :class:`Model`, a
 small reference written for obviousness rather than speed: prefixes are keyed
-by their token tuples (no hashing), pages are tracked by the ids the subject
-hands out, and the eviction policy is replayed as a plain list.
+by their token tuples (hashed only to name them in events and snapshots, by
+spec/hashing.md's rules), pages are tracked by the ids the subject hands out,
+and the eviction policy is replayed as a plain list.
 
 After every step it checks, through the subject's public API:
 
@@ -25,8 +26,9 @@ After every step it checks, through the subject's public API:
   parent before its children.
 
 ``check_integrity``, ``take_events`` and ``prefix_snapshot`` are optional: a
-:class:`~kvcore.Client` has none of them (the daemon runs ``check_integrity``
-itself), so :class:`ManagerAPI` lists only what every subject has.
+:class:`~kvcore.Client` has no ``take_events`` (the daemon takes and publishes
+the events) nor ``check_integrity`` (the daemon runs it itself), so
+:class:`ManagerAPI` lists only what every subject has.
 
 Usage (a fresh subject with an empty pool per example)::
 
