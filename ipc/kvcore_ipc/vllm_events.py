@@ -1,0 +1,217 @@
+"""kvcore's page events in vLLM's KV-event format, for routers that read vLLM's stream.
+
+What vLLM's ``ZmqEventPublisher`` publishes, frame for frame (spec/vllm-events.md):
+each message is three frames ``[topic, seq, payload]``: ``topic`` (UTF-8, default
+empty), ``seq`` an 8-byte big-endian batch number counting from 0 per publisher,
+and ``payload`` a msgpack ``EventBatch`` ``[ts, events]`` whose events are tagged
+maps (``"type"``): ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
+``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``),
+``BlockRemoved`` (``block_hashes``, ``medium``) and ``AllBlocksCleared``.
+
+A block hash is the low 64 bits of kvcore's 32-byte page key read big-endian, as
+vLLM derives its integer block hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+Consecutive stored pages of one chain become one ``BlockStored``. A page of a
+namespace other than ``"default"`` carries the namespace as ``lora_name``, so a
+consumer that hashes tokens (Dynamo's indexer) keeps namespaces apart; queries
+for that namespace pass the same ``lora_name``.
+
+The replay socket (a ROUTER, as vLLM's ``replay_endpoint``) answers a request
+``[b"", seq as 8 bytes big-endian]`` with every buffered message numbered from
+``seq`` on, as ``[b"", topic, seq, payload]``, then ``[b"", b"", -1 as 8 bytes, b""]``.
+
+This module knows nothing of kvcore beyond :mod:`kvcore_ipc.messages`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvcore_ipc.messages import EventBatch, PageRemovedEvent, PageStoredEvent
+
+DEFAULT_NAMESPACE = "default"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MEDIUMS = ("GPU", "CPU")
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
+    """vLLM's ``BlockStored`` (fields without defaults are always on the wire)."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
+    pass
+
+
+VllmEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """vLLM's ``KVEventBatch``: ``[ts, events]`` (``data_parallel_rank`` omitted)."""
+
+    ts: float
+    events: list[VllmEvent]
+    data_parallel_rank: int | None = None
+
+
+def block_hash(key: bytes) -> int:
+    """A page key's 64-bit block hash: its low 8 bytes, big-endian (vLLM's rule)."""
+    return int.from_bytes(key[-8:], "big")
+
+
+def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmEvent]:
+    """The batch's events as vLLM events, in order; chained stores of one namespace merged."""
+    out: list[VllmEvent] = []
+    last_key = b""
+    for event in batch.events:
+        if isinstance(event, PageStoredEvent):
+            tokens = list(getattr(event, "tokens", []))
+            namespace = getattr(event, "namespace", DEFAULT_NAMESPACE) or DEFAULT_NAMESPACE
+            lora = None if namespace == DEFAULT_NAMESPACE else namespace
+            prev = out[-1] if out else None
+            if (
+                isinstance(prev, BlockStored)
+                and event.parent == last_key
+                and prev.lora_name == lora
+            ):
+                prev.block_hashes.append(block_hash(event.key))
+                prev.token_ids.extend(tokens)
+            else:
+                parent = None if _is_root(event.parent, namespace) else block_hash(event.parent)
+                out.append(BlockStored([block_hash(event.key)], parent, tokens, page_size,
+                                       None, medium, lora))  # fmt: skip
+            last_key = event.key
+        elif isinstance(event, PageRemovedEvent):
+            prev = out[-1] if out else None
+            if isinstance(prev, BlockRemoved):
+                prev.block_hashes.append(block_hash(event.key))
+            else:
+                out.append(BlockRemoved([block_hash(event.key)], medium))
+            last_key = b""
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def root_key(namespace: str) -> bytes:
+    """The namespace's root key (spec/hashing.md), the parent of a chain's first page."""
+    raw = namespace.encode("utf-8")
+    tlv = bytes([0x01]) + len(raw).to_bytes(4, "little") + raw
+    return hashlib.sha256(b"kvcore/prefix/v1" + tlv).digest()
+
+
+def _is_root(parent: bytes, namespace: str) -> bool:
+    return parent == root_key(namespace)
+
+
+class VllmEventPublisher:
+    """A PUB socket (+ an optional ROUTER replay socket) speaking vLLM's KV events.
+
+    ``publish`` never blocks (a slow subscriber loses messages and sees a gap in
+    ``seq``; it can ask the replay socket for the last ``buffer`` messages).
+    ``page_size`` (tokens) is each ``BlockStored.block_size``: one publisher serves
+    pools of one page size; ``medium`` is ``"GPU"`` or ``"CPU"`` (the pool's memory).
+    A batch of a new epoch is preceded by ``AllBlocksCleared``; :meth:`cleared`
+    sends one explicitly (a daemon start).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
+                 page_size: int = 16, medium: str | None = "GPU", topic: str = "",
+                 buffer: int = 10_000) -> None:  # fmt: skip
+        self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.bind(endpoint)
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.page_size = page_size
+        self.medium = medium
+        self._topic = topic.encode("utf-8")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self._epoch: int | None = None
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.replay_endpoint: str | None = None
+        self._replay: zmq.Socket[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self._replay = zmq.Context.instance().socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._thread = threading.Thread(target=self._serve_replay, name="kvcore-vllm-replay",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def publish(self, batch: EventBatch) -> None:
+        """Publish one kvcore batch (nothing if it maps to no vLLM event)."""
+        if self._epoch is not None and batch.epoch != self._epoch:
+            self.cleared()
+        self._epoch = batch.epoch
+        events = to_vllm(batch, self.page_size, self.medium)
+        if events:
+            self._send(events)
+
+    def cleared(self) -> None:
+        """Publish ``AllBlocksCleared``: subscribers drop what this publisher stored."""
+        self._send([AllBlocksCleared()])
+
+    def close(self) -> None:
+        """Stop the replay thread, close both sockets, remove ipc:// socket files."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sock, endpoint in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
+            if sock is None:
+                continue
+            sock.close(linger=0)
+            if endpoint and endpoint.startswith("ipc://"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(endpoint[6:])
+
+    def _send(self, events: list[Any]) -> None:
+        payload = self._encoder.encode(VllmEventBatch(time.time(), events))
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            self._buffer.append((seq, payload))
+        with contextlib.suppress(zmq.Again):  # dropped: the subscriber sees a seq gap
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+
+    def _serve_replay(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while not self._stop.is_set():
+            if not sock.poll(100):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                continue  # not a replay request
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                buffered = [(s, p) for s, p in self._buffer if s >= first]
+            for seq, payload in buffered:
+                sock.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((client, b"", b"", END_SEQ, b""))

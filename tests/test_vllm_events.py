@@ -1,0 +1,96 @@
+"""kvcore events in vLLM's KV-event format: frames, decoding by vLLM's own structs, replay."""
+
+from __future__ import annotations
+
+import zmq
+from kvcore_ipc.vllm_events import VllmEventPublisher, block_hash
+from vllm_events_helpers import batch, chain, removed
+
+
+def subscriber(endpoint: str) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def joined(sock: zmq.Socket[bytes], publisher: VllmEventPublisher) -> None:
+    """Wait out ZeroMQ's slow joiner: publish AllBlocksCleared until one arrives, then
+    drain the copies, so the next message published is the next one received."""
+    for _ in range(100):
+        publisher.cleared()
+        if sock.poll(50):
+            break
+    else:
+        raise AssertionError("the subscriber never joined")
+    while sock.poll(200):
+        sock.recv_multipart()
+
+
+def test_frames_are_vllms_and_vllm_decodes_the_batch() -> None:
+    import pytest
+
+    kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is not installed")
+    tokens = list(range(100, 112))
+    stored = chain(tokens, 4)
+    pub = VllmEventPublisher("tcp://127.0.0.1:*", page_size=4, medium="CPU", topic="kv")
+    sub = subscriber(pub.endpoint)
+    try:
+        joined(sub, pub)
+        pub.publish(batch(stored))
+        topic, seq, payload = sub.recv_multipart()
+        decoded = msgspec_decode(kv_events.KVEventBatch, payload)
+        assert topic == b"kv" and len(seq) == 8
+        (event,) = decoded.events
+        assert isinstance(event, kv_events.BlockStored)  # one event for the whole chain
+        assert event.block_hashes == [block_hash(e.key) for e in stored]
+        assert event.parent_block_hash is None  # the chain starts at the namespace root
+        assert event.token_ids == tokens and event.block_size == 4 and event.medium == "CPU"
+        assert event.lora_name is None
+        pub.publish(batch([removed(stored[2])]))
+        _, seq2, payload = sub.recv_multipart()
+        assert int.from_bytes(seq2, "big") == int.from_bytes(seq, "big") + 1
+        (gone,) = msgspec_decode(kv_events.KVEventBatch, payload).events
+        assert isinstance(gone, kv_events.BlockRemoved)
+        assert gone.block_hashes == [block_hash(stored[2].key)]
+        pub.publish(batch(chain(tokens, 4, namespace="tenant-a"), epoch=8))  # a new epoch
+        _, _, payload = sub.recv_multipart()
+        assert isinstance(msgspec_decode(kv_events.KVEventBatch, payload).events[0],
+                          kv_events.AllBlocksCleared)  # fmt: skip
+        _, _, payload = sub.recv_multipart()
+        (other,) = msgspec_decode(kv_events.KVEventBatch, payload).events
+        assert other.lora_name == "tenant-a" and other.block_hashes[0] != event.block_hashes[0]
+    finally:
+        sub.close(linger=0)
+        pub.close()
+
+
+def msgspec_decode(kind: type, payload: bytes) -> object:
+    import msgspec
+
+    return msgspec.msgpack.decode(payload, type=kind)
+
+
+def test_the_replay_socket_resends_from_a_sequence_number() -> None:
+    pub = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", page_size=4)
+    assert pub.replay_endpoint is not None
+    req: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(pub.replay_endpoint)
+    try:
+        stored = chain(list(range(40)), 4)
+        for event in stored:  # ten batches, numbered 0..9
+            pub.publish(batch([event]))
+        req.send_multipart((b"", (7).to_bytes(8, "big")))
+        got = []
+        while True:
+            assert req.poll(5000)
+            _, _topic, seq, _payload = req.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            got.append(int.from_bytes(seq, "big"))
+        assert got == [7, 8, 9]
+    finally:
+        req.close(linger=0)
+        pub.close()
