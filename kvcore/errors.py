@@ -1,6 +1,6 @@
 """Typed errors with stable codes.
 
-Three tiers of failure (docs/architecture.md):
+Three tiers of failure:
 
 * an expected outcome (the pool is full) and a caller's mistake (an unknown
   sequence, a malformed request) are a :class:`KVCoreError` subclass whose
