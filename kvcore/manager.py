@@ -165,7 +165,7 @@ class Manager:
         keys, hit_pages = self._match(root, token_bytes)
         num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
         refcounts = self._refcounts
-        pinned = sum(1 for page in hit_pages if refcounts[page] == 0)
+        pinned = [refcounts[page] for page in hit_pages].count(0)  # evictable hit pages
         self._check_room(num_new, pinned)
         self._pages.retain(hit_pages)
         pages = hit_pages + self._pages.take(num_new, self._evict)
@@ -284,7 +284,7 @@ class Manager:
         root = self._root(namespace)
         _, pages = self._match(root, encode_tokens(tokens))
         refcounts = self._refcounts
-        evictable = sum(1 for page in pages if refcounts[page] == 0)
+        evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
         return PrefixHit(len(pages) * self._page_size, evictable)
 
     def take_events(self) -> list[PageEvent]:
