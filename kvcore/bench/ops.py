@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "page_ops_per_s": pages / seconds,
         "calls_per_s": calls / seconds,
         "manager_over_minimal": minimal.seconds() / seconds,  # same page ops on both sides
-        "manager_over_minimal_runs": [r[3].seconds() / r[0].seconds() for r in runs],
+        "manager_over_minimal_runs": [round(r[3].seconds() / r[0].seconds(), 3) for r in runs],
         "calls": calls,
         "page_ops": pages,
         "manager_seconds": seconds,
