@@ -8,6 +8,10 @@ K and V together plus one SDPA call. Runs on any device torch runs on, for every
 dtype and shape the backend API allows (head dims 1..256, page sizes 1..128
 tokens).
 
+Syncs: a run never synchronises. Planning a write whose slots skip (< 0) finds
+the kept rows with ``nonzero``, a second device sync on CUDA; decode steps write
+every row and never skip.
+
 Numerics: scores, softmax and the weighted sum are computed in fp32 from the
 stored values (fp16/bf16 are upcast after the gather); the output is rounded
 once, to the query's dtype, at the end.
