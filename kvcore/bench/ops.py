@@ -10,13 +10,14 @@ in the mix. Only time inside Manager calls counts, not the simulator's.
 
 The baseline, measured in the same run: :class:`MinimalCache`, the least a paged
 allocator with a chained-hash LRU prefix cache does for the same calls (no
-namespaces, no validation, no integrity checks, no events), driven by the same
-simulator on the same trace and timed by the same wrapper. Its replay must be
-identical to the Manager's (same admissions, hits, preemptions, page counts:
-checked), so both did the same work; ``manager_over_minimal`` = Manager page
-ops/s over minimal page ops/s, each the best of ``--repeat`` alternating runs.
-The Manager's events are taken after every step, as the daemon takes them after
-every request.
+namespaces, no validation, no integrity checks, no events). One simulation
+drives both in lockstep (:class:`Lockstep`): every call goes to the Manager and
+to the baseline, in alternating order, each timed by the same wrapper, and
+their answers must agree (same pages, hits, failures), so both did the same
+work under the same machine load. ``manager_over_minimal`` = Manager page
+ops/s over baseline page ops/s, the median over ``--repeat`` replays; the
+Manager's own figures are those of its fastest replay. The Manager's events
+are taken after every step, as the daemon takes them after every request.
 
 Page operations per call (the unit of ``page_ops_per_s``)::
 
@@ -31,11 +32,13 @@ Page operations per call (the unit of ``page_ops_per_s``)::
 from __future__ import annotations
 
 import argparse
+import operator
+import statistics
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcore.bench import capacity
 from kvcore.bench.simulate import PageCache, PagedPool, RunStats, simulate
@@ -45,6 +48,7 @@ from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 
 OPS = ("allocate", "extend", "commit", "free", "fork", "lookup")
+_R = TypeVar("_R")
 
 
 @dataclass(slots=True)
@@ -165,6 +169,12 @@ class Timed:
 
     def page_ops(self) -> int:
         return sum(self.times[op].pages for op in OPS)
+
+
+def _same_extension(mine: object, theirs: object) -> bool:
+    """The Manager's Extension names the pages the baseline's tuple does."""
+    assert isinstance(mine, Extension), f"not an Extension: {mine!r}"
+    return (mine.new_pages, mine.copies) == theirs
 
 
 def _extension_pages(result: object) -> tuple[int, int]:
@@ -305,28 +315,89 @@ class MinimalCache:
         return Stats(total, free, lru, total - free - lru, len(self.page_of), len(self.seqs), 0, 0, 0)
 
 
+class Lockstep:
+    """Makes each call on both timed caches, the Manager's and the baseline's, in
+    alternating order (neither always runs on the other's warm CPU caches), and
+    checks that they answer alike; the simulator gets the Manager's answers. Both
+    see the same calls at nearly the same moment, so a busy machine slows both
+    alike and their ratio stays steady where their absolute speeds do not."""
+
+    def __init__(self, manager: Timed, minimal: Timed) -> None:
+        self.manager, self.minimal = manager, minimal
+        self.layout = manager.layout
+        self._minimal_first = False
+
+    def _both(self, call: Callable[[Timed], _R], agree: Callable[[_R, _R], bool]) -> _R:
+        minimal_first = self._minimal_first
+        self._minimal_first = not minimal_first
+        outcomes: list[_R | KVCoreError] = []
+        for cache in (self.minimal, self.manager) if minimal_first else (self.manager, self.minimal):
+            try:
+                outcomes.append(call(cache))
+            except KVCoreError as exc:  # out of pages: both must say so
+                outcomes.append(exc)
+        mine, theirs = outcomes[::-1] if minimal_first else outcomes
+        if isinstance(mine, KVCoreError) or isinstance(theirs, KVCoreError):
+            assert type(mine) is type(theirs), f"Manager: {mine!r}; minimal: {theirs!r}"
+            assert isinstance(mine, KVCoreError)
+            raise mine
+        assert agree(mine, theirs), f"Manager: {mine!r}; minimal: {theirs!r}"
+        return mine
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixHit:
+        return self._both(lambda c: c.lookup(tokens), operator.eq)
+
+    def allocate(self, seq_id: int, tokens: Sequence[int]) -> Allocation:
+        return self._both(lambda c: c.allocate(seq_id, tokens), operator.eq)
+
+    def extend(self, seq_id: int, num_tokens: int) -> object:
+        return self._both(lambda c: c.extend(seq_id, num_tokens), _same_extension)
+
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
+        return self._both(lambda c: c.commit(seq_id, tokens, start=start), operator.eq)
+
+    def free(self, seq_id: int) -> None:
+        self._both(lambda c: c.free(seq_id), operator.eq)
+
+    def fork(self, parent_id: int, child_id: int) -> object:
+        return self._both(lambda c: c.fork(parent_id, child_id), operator.eq)
+
+    def stats(self) -> Stats:
+        mine, theirs = self.manager.stats(), self.minimal.stats()
+        same = ("free_pages", "evictable_pages", "held_pages", "cached_pages", "num_sequences")
+        assert all(getattr(mine, f) == getattr(theirs, f) for f in same), f"{mine} vs {theirs}"
+        return mine
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_arguments(parser)
     parser.add_argument("--fork-every", type=int, default=8,
                         help="fork every N-th request into a second sample (0: never)")
     parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix")
-    parser.add_argument("--repeat", type=int, default=5,
-                        help="replays per implementation, alternating; the best of each counts")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="replays; the ratio is their median, the Manager's figures its best")
 
 
 def replay(
-    cache: PageCache, trace: Trace, layout: KVLayout, args: argparse.Namespace
-) -> tuple[Timed, RunStats, float]:
-    """One timed replay of ``trace`` through ``cache``: (timings, run stats, wall seconds)."""
-    timed = Timed(cache)
-    pool = PagedPool(timed, True, int(args.watermark * layout.num_pages))
-    # As the daemon publishes after each request, take the Manager's events after
-    # each step (untimed: a list swap); the minimal baseline queues none.
-    take_events = getattr(cache, "take_events", None)
-    drain = (lambda _step: take_events()) if take_events is not None else None
+    trace: Trace, layout: KVLayout, args: argparse.Namespace
+) -> tuple[Timed, Timed, RunStats, float]:
+    """One replay of ``trace`` driving a Manager and the baseline in lockstep:
+    (Manager timings, baseline timings, run stats, wall seconds)."""
+    manager, minimal = Timed(Manager(layout)), Timed(MinimalCache(layout))
+    pool = PagedPool(Lockstep(manager, minimal), True, int(args.watermark * layout.num_pages))
+    target = manager.target
+    assert isinstance(target, Manager)
+
+    def take_events(_step: int) -> None:
+        # As the daemon publishes after each request, the Manager's events are
+        # taken after each step (untimed: a list swap); the baseline queues none.
+        target.take_events()
+
     wall = time.perf_counter()
-    stats = simulate(trace, pool, fork_every=args.fork_every, on_step=drain)
-    return timed, stats, time.perf_counter() - wall
+    stats = simulate(trace, pool, fork_every=args.fork_every, on_step=take_events)
+    wall = time.perf_counter() - wall
+    target.check_integrity()
+    return manager, minimal, stats, wall
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -336,28 +407,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     capacity.check_fits(trace, layout, args.max_new_tokens)
     if args.repeat < 1:
         raise BadRequest(f"--repeat must be >= 1, got {args.repeat}")
-    runs: list[tuple[Timed, RunStats, float, Timed]] = []
-    for _ in range(args.repeat):
-        manager, stats, wall = replay(Manager(layout), trace, layout, args)
-        minimal, minimal_stats, _ = replay(MinimalCache(layout), trace, layout, args)
-        assert minimal_stats == stats, "the minimal baseline replayed differently"
-        for op in OPS:
-            mine, theirs = manager.times[op], minimal.times[op]
-            assert (len(mine.ns), mine.pages) == (len(theirs.ns), theirs.pages), f"{op} differs"
-        assert isinstance(manager.target, Manager)
-        manager.target.check_integrity()
-        runs.append((manager, stats, wall, minimal))
-    manager, stats, wall, _ = min(runs, key=lambda r: r[0].seconds())
-    minimal = min((r[3] for r in runs), key=Timed.seconds)
+    runs = [replay(trace, layout, args) for _ in range(args.repeat)]
+    ratios = sorted(r[1].seconds() / r[0].seconds() for r in runs)  # same page ops on both sides
+    manager, _, stats, wall = min(runs, key=lambda r: r[0].seconds())
+    minimal = min((r[1] for r in runs), key=Timed.seconds)
     per_op = {op: manager.times[op].summary() for op in OPS}
     calls = sum(s["calls"] for s in per_op.values())
     pages, seconds = manager.page_ops(), manager.seconds()
-    mstats = manager.stats()
+    mstats = manager.target.stats()
     return {
         "page_ops_per_s": pages / seconds,
         "calls_per_s": calls / seconds,
-        "manager_over_minimal": minimal.seconds() / seconds,  # same page ops on both sides
-        "manager_over_minimal_runs": [round(r[3].seconds() / r[0].seconds(), 3) for r in runs],
+        "manager_over_minimal": statistics.median(ratios),
+        "manager_over_minimal_runs": [round(ratio, 3) for ratio in ratios],
         "calls": calls,
         "page_ops": pages,
         "manager_seconds": seconds,
