@@ -89,3 +89,14 @@ def test_cli_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["bench", "ops", *SMALL]) == 0
     assert "manager_over_minimal" in capsys.readouterr().out
+
+
+def test_lockstep_refuses_a_baseline_that_answers_otherwise() -> None:
+    class Forgetful(ops.MinimalCache):
+        def commit(self, seq_id: int, tokens: Any, *, start: int = 0) -> int:
+            return 0  # publishes nothing: its lookups would never hit
+
+    layout = KVLayout(2, 2, 64, 8, "float16", 120)
+    pair = ops.Lockstep(ops.Timed(Manager(layout)), ops.Timed(Forgetful(layout)))
+    with pytest.raises(AssertionError, match="minimal"):
+        simulate(make_trace(TRACE), PagedPool(pair, True, 1))
