@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from kvcore_ipc.events import EventSubscriber
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import Timeout
 from kvcore.keys import create, load_keypair, load_public
-from kvcore_ipc.events import EventSubscriber
 
 POOL = ("--pool", "num_pages=8,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4")
 

@@ -61,37 +61,38 @@ def test_a_daemon_busy_with_one_long_request_keeps_the_leases_of_live_clients(
     """The operator allowed heavy requests; the time one takes is no one's lease. (The
     heavy client is another process: this one must stay free to heartbeat.)"""
     lease = 0.25
-    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--lease-timeout",
-                       str(lease), "--pool", POOL, "--max-request-tokens", "100000000") as daemon:  # fmt: skip
-        with Client.connect(daemon.endpoint, pool="p", map_memory=False) as live:
-            live.allocate(1, list(range(10)))
-            heavy = subprocess.run([sys.executable, "-c", HEAVY, daemon.endpoint],
-                                   capture_output=True, text=True, timeout=120)  # fmt: skip
-            took = float(heavy.stdout)
-            if took < 2 * lease:
-                pytest.skip(f"the heavy batch took only {took:.2f} s here")
-            assert live.num_tokens(1) == 10, "a live client lost its lease to a busy daemon"
-            assert live.daemon_stats().counters.expired_sessions <= 1  # the heavy one, exited
+    daemon = DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--lease-timeout",
+                           str(lease), "--pool", POOL, "--max-request-tokens", "100000000")  # fmt: skip
+    with daemon, Client.connect(daemon.endpoint, pool="p", map_memory=False) as live:
+        live.allocate(1, list(range(10)))
+        heavy = subprocess.run([sys.executable, "-c", HEAVY, daemon.endpoint],
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        took = float(heavy.stdout)
+        if took < 2 * lease:
+            pytest.skip(f"the heavy batch took only {took:.2f} s here")
+        assert live.num_tokens(1) == 10, "a live client lost its lease to a busy daemon"
+        assert live.daemon_stats().counters.expired_sessions <= 1  # the heavy one, exited
 
 
 def test_one_request_carries_bounded_work(tmp_path: Path) -> None:
-    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL,
-                       "--max-request-tokens", "100000") as daemon:  # fmt: skip
-        with Client.connect(daemon.endpoint, pool="p", map_memory=False) as client:
-            chain = list(range(4000))
-            batch = client.batch()
-            for _ in range(100):  # 400,000 tokens of lookups
-                batch.lookup(chain)
-            started = time.monotonic()
-            with pytest.raises(BadRequest, match="max_request_tokens"):
-                batch.run()
-            assert time.monotonic() - started < 1.0
-            client.allocate(1, chain)
-            with pytest.raises(BadRequest, match="max_request_tokens"):
-                with client.batch() as forks:
-                    for child in range(2, 100):  # each fork copies a 4,000-token table
-                        forks.fork(1, child)
-            assert client.stats().num_sequences == 1  # refused as a whole: nothing ran
+    daemon = DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL,
+                           "--max-request-tokens", "100000")  # fmt: skip
+    with daemon, Client.connect(daemon.endpoint, pool="p", map_memory=False) as client:
+        chain = list(range(4000))
+        batch = client.batch()
+        for _ in range(100):  # 400,000 tokens of lookups
+            batch.lookup(chain)
+        started = time.monotonic()
+        with pytest.raises(BadRequest, match="max_request_tokens"):
+            batch.run()
+        assert time.monotonic() - started < 1.0
+        client.allocate(1, chain)
+        forks = client.batch()
+        for child in range(2, 100):  # each fork copies a 4,000-token table
+            forks.fork(1, child)
+        with pytest.raises(BadRequest, match="max_request_tokens"):
+            forks.run()
+        assert client.stats().num_sequences == 1  # refused as a whole: nothing ran
 
 
 def test_detaching_many_forks_does_not_stall_the_daemon(tmp_path: Path) -> None:

@@ -1,0 +1,166 @@
+"""The trust model (docs/security.md): a session's pools and namespaces are fixed at attach
+by its credentials (CURVE key on tcp://, kernel-reported uid on ipc://); stats, snapshots
+and events show a tenant only what its grant covers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+from kvcore_ipc.events import EventSubscriber
+
+from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
+from kvcore.errors import Forbidden, KVCoreError
+from kvcore.keys import create, load_keypair, load_public
+
+POOLS = """
+[[pools]]
+name = "a"
+num_layers = 1
+num_kv_heads = 1
+head_dim = 8
+page_size = 4
+dtype = "float16"
+num_pages = 32
+[[pools]]
+name = "b"
+num_layers = 1
+num_kv_heads = 1
+head_dim = 8
+page_size = 4
+dtype = "float16"
+num_pages = 32
+"""
+
+
+@pytest.fixture(scope="module")
+def curve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    tmp = tmp_path_factory.mktemp("tenants")
+    _, server = create(tmp, "daemon")
+    _, alice = create(tmp, "alice")
+    _, ops = create(tmp, "ops")
+    config = tmp / "kvcore.toml"
+    config.write_text(
+        f'events = "tcp://127.0.0.1:*"\n{POOLS}'
+        f'[[tenants]]\nname = "alice"\nkeys = ["{load_public(alice).decode()}"]\n'
+        f'namespaces = ["alice"]\npools = ["a"]\n'
+        f'[[tenants]]\nname = "ops"\nkeys = ["{load_public(ops).decode()}"]\n'
+    )  # fmt: skip
+    with DaemonProcess("--config", str(config), "--endpoint", "tcp://127.0.0.1:*",
+                       "--curve-secret-key-file", str(server)) as daemon:  # fmt: skip
+        yield {"endpoint": daemon.endpoint, "server": load_public(server),
+               "alice": load_keypair(alice), "ops": load_keypair(ops)}  # fmt: skip
+
+
+def _as(curve: dict[str, object], who: str, **kw: object) -> Client:
+    return Client.connect(curve["endpoint"], map_memory=False, curve_server_key=curve["server"],
+                          curve_keypair=curve[who], **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -> None:
+    with pytest.raises(Forbidden, match="pool 'b'"):
+        _as(curve, "alice", pool="b", namespace="alice")
+    with pytest.raises(Forbidden, match="namespace 'bob'"):
+        _as(curve, "alice", pool="a", namespace="bob")
+    with _as(curve, "ops", pool="a", namespace="bob") as bob:
+        prompt = list(range(9))
+        bob.allocate(1, prompt)
+        bob.commit(1, prompt)
+        with _as(curve, "alice", pool="a", namespace="alice") as alice:
+            assert alice.lookup(prompt).num_cached_tokens == 0
+            with pytest.raises(Forbidden):
+                alice.lookup(prompt, namespace="bob")  # no reading another tenant's prefixes
+            with pytest.raises(Forbidden):
+                alice.allocate(2, prompt, namespace="bob")  # nor poisoning them
+            with pytest.raises(Forbidden):
+                alice.snapshot()  # every namespace's keys
+            seen = alice.daemon_stats()
+            assert [p.name for p in seen.pools] == ["a"]
+            assert {s.namespace for s in seen.sessions} == {"alice"}
+            everything = bob.daemon_stats()
+            assert {p.name for p in everything.pools} == {"a", "b"}
+            assert {s.namespace for s in everything.sessions} == {"alice", "bob"}
+            assert bob.lookup(prompt, namespace="alice").num_cached_tokens == 0  # ops may
+            bob.check_integrity()
+
+
+def test_only_a_grant_of_every_namespace_gets_the_events(curve: dict[str, object]) -> None:
+    with _as(curve, "ops", pool="a") as ops:
+        events = ops.attach_info.events
+        subs = {who: EventSubscriber(events, curve_server_key=curve["server"],  # type: ignore[arg-type]
+                                     curve_keypair=curve[who])  # type: ignore[arg-type]
+                for who in ("alice", "ops")}  # fmt: skip
+        time.sleep(0.3)
+        ops.allocate(5, list(range(100, 109)))
+        ops.commit(5, list(range(100, 109)))
+        assert subs["ops"].recv(3000) is not None
+        assert subs["alice"].recv(300) is None
+        for sub in subs.values():
+            sub.close()
+
+
+
+def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
+    """Run the checks in a forked child that switched to ``uid``; its findings."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no exception may escape
+        result: dict[str, object] = {}
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                with Client.connect(endpoint, pool="b", namespace="alice", map_memory=False):
+                    result["pool_b"] = "ok"
+            except KVCoreError as exc:
+                result["pool_b"] = exc.code
+            try:
+                with Client.connect(endpoint, pool="a", namespace="alice", map_memory=False) as c:
+                    result["attach"] = "ok"
+                    result["pools"] = [p.name for p in c.daemon_stats().pools]
+                    try:
+                        c.lookup([1, 2, 3, 4, 5], namespace="root-only")
+                        result["other_ns"] = "ok"
+                    except KVCoreError as exc:
+                        result["other_ns"] = exc.code
+            except KVCoreError as exc:
+                result["attach"] = exc.code
+        except BaseException as exc:
+            result["crash"] = repr(exc)
+        os.write(write, json.dumps(result).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        found: dict[str, object] = json.loads(pipe.read() or "{}")
+    os.waitpid(pid, 0)
+    return found
+
+
+def test_on_ipc_the_peers_uid_decides(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client as another uid")
+    shared = Path(tempfile.mkdtemp(prefix="kvcore-tenants-"))  # /tmp/...: others can traverse
+    try:
+        shared.chmod(0o755)
+        config = tmp_path / "kvcore.toml"
+        config.write_text(f'socket_mode = 0o666\n{POOLS}[[tenants]]\nname = "alice"\n'
+                          f'uids = [4242]\nnamespaces = ["alice"]\npools = ["a"]\n')  # fmt: skip
+        endpoint = f"ipc://{shared / 'd.sock'}"
+        with DaemonProcess("--config", str(config), "--endpoint", endpoint):
+            alice = _as_uid(4242, endpoint)
+            assert alice == {"pool_b": "forbidden", "attach": "ok", "pools": ["a"],
+                             "other_ns": "forbidden"}, alice  # fmt: skip
+            stranger = _as_uid(4243, endpoint)
+            assert stranger == {"pool_b": "forbidden", "attach": "forbidden"}, stranger
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
