@@ -1,0 +1,66 @@
+"""The framing of one entry on disk and in the remote store: a header, then the page.
+
+::
+
+    offset  size  field
+    0       8     magic b"KVCTIER1" (format version inside)
+    8       48    tier key (layout fingerprint || prefix key)
+    56      8     payload length in bytes, u64 LE (= the layout's page_bytes)
+    64      16    blake2b-128 of bytes [0, 64) || payload
+    80      n     payload: the page, [num_layers, 2, page_size, kv_heads, head_dim], native order
+
+An entry is valid for a reader iff the magic matches, the key equals the key
+the reader asked for (so a renamed or foreign file never answers another key),
+the length equals the reader's page_bytes and the checksum matches. Anything
+else (torn write, bit rot, another layout, another format) is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from kvcore.tiers.base import TIER_KEY_BYTES, TierKey
+
+MAGIC = b"KVCTIER1"
+_FIELDS = struct.Struct(f"<8s{TIER_KEY_BYTES}sQ")
+CHECKSUM_BYTES = 16
+Bytes = bytes | bytearray | memoryview
+HEADER_BYTES = _FIELDS.size + CHECKSUM_BYTES  # 80
+
+
+def _checksum(fields: Bytes, payload: Bytes) -> bytes:
+    digest = hashlib.blake2b(fields, digest_size=CHECKSUM_BYTES)
+    digest.update(payload)
+    return digest.digest()
+
+
+def encode_header(key: TierKey, payload: Bytes) -> bytes:
+    """The 80-byte header of ``payload`` stored under ``key`` (payload not copied)."""
+    fields = _FIELDS.pack(MAGIC, key, len(payload))
+    return fields + _checksum(fields, payload)
+
+
+def check_entry(
+    key: TierKey, header: Bytes, payload: Bytes, page_bytes: int
+) -> bool:
+    """True iff ``header`` + ``payload`` is a valid entry of ``key`` with a page of
+    ``page_bytes`` bytes (the module docstring's rule)."""
+    if len(header) != HEADER_BYTES or len(payload) != page_bytes:
+        return False
+    fields = header[: _FIELDS.size]
+    magic, stored_key, length = _FIELDS.unpack(fields)
+    if magic != MAGIC or stored_key != key or length != page_bytes:
+        return False
+    return bytes(header[_FIELDS.size :]) == _checksum(fields, payload)
+
+
+def header_names(header: Bytes, page_bytes: int) -> TierKey | None:
+    """The key a header claims, if its magic and length fit ``page_bytes`` (no checksum:
+    the cheap check a directory scan makes)."""
+    if len(header) != HEADER_BYTES:
+        return None
+    magic, stored_key, length = _FIELDS.unpack(header[: _FIELDS.size])
+    if magic != MAGIC or length != page_bytes:
+        return None
+    return TierKey(bytes(stored_key))

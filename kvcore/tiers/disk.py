@@ -1,0 +1,308 @@
+"""DiskTier: pages in files of one directory, bounded by bytes, surviving restarts.
+
+One file per entry, named by its key, holding the framed page (kvcore.tiers.codec)::
+
+    <dir>/<fingerprint hex>-<prefix key hex>.kv     80-byte header + page_bytes bytes
+    <dir>/.tmp-<fingerprint hex>-<random>           a write in progress
+    <dir>/.lock-<fingerprint hex>                   flock: one DiskTier per directory and layout
+
+* Writes are atomic: temp file, then rename over the final name. No fsync: a
+  file torn by a crash fails its checksum and is a miss, never wrong bytes.
+* Reads verify magic, key, length and checksum; a torn, corrupt or foreign
+  file is a miss, counted in ``corrupt`` and deleted.
+* Start-up scans the directory: each file of this layout whose size and header
+  fit is indexed (recency = its mtime), everything else of this layout is
+  deleted; files of other layouts are left to their own tier. So a new daemon
+  on the same directory serves the old entries, each verified when read.
+* LRU by access time, persisted as mtime (a hit touches the file); at most
+  ``capacity_bytes // entry_bytes`` entries of this layout.
+* The directory is the user's alone: created 0700, refused if it is a symlink,
+  another user's, or open to group/others; files are created 0600, opened
+  relative to the directory's fd with O_NOFOLLOW: no symlink is ever followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import io
+import os
+import re
+import secrets
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvcore.errors import BadRequest
+from kvcore.layout import KVLayout
+from kvcore.tiers.base import (
+    FINGERPRINT_BYTES,
+    TierKey,
+    TierStats,
+    check_keys,
+    check_pages,
+    layout_fingerprint,
+)
+from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header, header_names
+from kvcore.tiers.transfer import byte_view
+
+if TYPE_CHECKING:
+    import torch
+
+_NAME = re.compile(r"([0-9a-f]{32})-([0-9a-f]{64})\.kv")
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_directory(directory: str) -> None:
+    """Create ``directory`` 0700 if missing; BadRequest unless it is ours alone."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode):
+        raise BadRequest(f"disk tier directory {directory!r} is not a directory (or is a symlink)")
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise BadRequest(
+            f"disk tier directory {directory!r} must be owned by this user with mode 0700, "
+            f"got uid {info.st_uid} mode {stat.S_IMODE(info.st_mode):o}"
+        )
+
+
+class DiskTier:
+    """LRU of pages in files. Not thread-safe (the daemon's thread). :meth:`close` it."""
+
+    medium = "disk"
+
+    def __init__(self, layout: KVLayout, directory: str | os.PathLike[str], capacity_bytes: int) -> None:
+        self.layout = layout
+        self.fingerprint = layout_fingerprint(layout)
+        self.directory = os.fspath(directory)
+        self._page_bytes = layout.page_bytes
+        self.entry_bytes = HEADER_BYTES + layout.page_bytes
+        if not isinstance(capacity_bytes, int) or capacity_bytes < self.entry_bytes:
+            raise BadRequest(
+                f"capacity_bytes must hold one entry of {self.entry_bytes} bytes, got {capacity_bytes!r}"
+            )
+        self.capacity_pages = capacity_bytes // self.entry_bytes
+        _check_directory(self.directory)
+        self._dir = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._fp_hex = self.fingerprint.hex()
+        self._lock = self._take_lock()
+        self._lru: OrderedDict[TierKey, None] = OrderedDict()
+        self._stats = TierStats()
+        self._clock = 0  # ns; the newest mtime stamped (see _touch)
+        self._scan()
+
+    # -- the tier ---------------------------------------------------------------
+
+    def match(self, keys: Sequence[TierKey]) -> int:
+        lru = self._lru
+        for i, key in enumerate(keys):
+            if key not in lru:
+                return i
+        return len(keys)
+
+    def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
+        import torch
+
+        check_keys(self.fingerprint, keys)
+        held = self.match(keys)
+        page_bytes = self._page_bytes
+        buffer = bytearray(held * page_bytes)
+        view = memoryview(buffer)
+        count = 0
+        while count < held and self._read(keys[count], view[count * page_bytes : (count + 1) * page_bytes]):
+            self._lru.move_to_end(keys[count])
+            self._touch(keys[count])
+            count += 1
+        stats = self._stats
+        stats.hits += count
+        stats.misses += len(keys) - count
+        stats.bytes_out += count * page_bytes
+        self._gauges()
+        flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        shape = (count, self.layout.num_layers, *self.layout.page_shape)
+        return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
+
+    def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
+        """Write each new key's page to its own file (temp + rename); a key held is
+        touched. A failed write (disk full, I/O error) drops that page, counted."""
+        check_keys(self.fingerprint, keys)
+        check_pages(self.layout, keys, pages)
+        pages = pages.contiguous()
+        evicted: list[TierKey] = []
+        for row, key in enumerate(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                self._touch(key)
+                continue
+            while len(self._lru) >= self.capacity_pages:
+                old, _ = self._lru.popitem(last=False)
+                self._unlink(self._name(old))
+                evicted.append(old)
+            if self._write(key, byte_view(pages[row])):
+                self._lru[key] = None
+                self._touch(key)
+                self._stats.stored += 1
+                self._stats.bytes_in += self._page_bytes
+            else:
+                self._stats.dropped += 1
+        self._stats.evicted += len(evicted)
+        self._gauges()
+        return evicted
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[TierKey]:
+        """Held keys, least recently used first."""
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        return self._stats.copy()
+
+    def close(self) -> None:
+        """Release the directory (its lock and fd); the files stay for the next start."""
+        if self._dir >= 0:
+            os.close(self._lock)
+            os.close(self._dir)
+            self._dir = -1
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_integrity(self) -> None:
+        names = {
+            entry.name for entry in os.scandir(self._dir) if entry.name.startswith(self._fp_hex)
+        }
+        assert names == {self._name(key) for key in self._lru}, "index and directory disagree"
+        assert len(self._lru) <= self.capacity_pages, "more entries than capacity"
+        assert self._stats.pages == len(self._lru), "stats.pages drifted"
+
+    # -- files ------------------------------------------------------------------
+
+    def _name(self, key: TierKey) -> str:
+        return f"{self._fp_hex}-{key[FINGERPRINT_BYTES:].hex()}.kv"
+
+    def _take_lock(self) -> int:
+        lock = os.open(f".lock-{self._fp_hex}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o600, dir_fd=self._dir)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            os.close(self._dir)
+            raise BadRequest(
+                f"disk tier directory {self.directory!r} is in use by another tier of this layout"
+            ) from None
+        return lock
+
+    def _scan(self) -> None:
+        """Index this layout's valid-looking files by mtime; delete the rest of ours."""
+        found: list[tuple[int, TierKey]] = []
+        for entry in os.scandir(self._dir):
+            name = entry.name
+            if name.startswith(f".tmp-{self._fp_hex}"):
+                self._unlink(name)  # a write a crash interrupted
+                continue
+            match = _NAME.fullmatch(name)
+            if match is None or match.group(1) != self._fp_hex:
+                continue
+            key = TierKey(self.fingerprint + bytes.fromhex(match.group(2)))
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_size == self.entry_bytes and self._header_ok(key):
+                found.append((info.st_mtime_ns, key))
+            else:
+                self._unlink(name)
+                self._stats.corrupt += 1
+        found.sort()
+        self._clock = found[-1][0] if found else 0
+        for _, key in found[max(len(found) - self.capacity_pages, 0) :]:
+            self._lru[key] = None
+        for _, key in found[: max(len(found) - self.capacity_pages, 0)]:
+            self._unlink(self._name(key))
+        self._gauges()
+
+    def _header_ok(self, key: TierKey) -> bool:
+        try:
+            fd = os.open(self._name(key), _OPEN_READ, dir_fd=self._dir)
+        except OSError:
+            return False
+        with os.fdopen(fd, "rb", buffering=0) as file:
+            return header_names(file.read(HEADER_BYTES), self._page_bytes) == key
+
+    def _read(self, key: TierKey, payload: memoryview) -> bool:
+        """Read and verify ``key``'s entry into ``payload``; on failure drop it (a miss)."""
+        name = self._name(key)
+        header = bytearray(HEADER_BYTES)
+        try:
+            fd = os.open(name, _OPEN_READ, dir_fd=self._dir)
+            with os.fdopen(fd, "rb", buffering=0) as file:
+                info = os.fstat(file.fileno())
+                ok = (
+                    stat.S_ISREG(info.st_mode)
+                    and info.st_size == self.entry_bytes
+                    and _read_full(file, memoryview(header))
+                    and _read_full(file, payload)
+                    and check_entry(key, header, payload, self._page_bytes)
+                )
+        except OSError:
+            ok = False
+        if not ok:
+            self._stats.corrupt += 1
+            del self._lru[key]
+            self._unlink(name)
+        return ok
+
+    def _write(self, key: TierKey, payload: memoryview) -> bool:
+        temp = f".tmp-{self._fp_hex}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(temp, _OPEN_NEW, 0o600, dir_fd=self._dir)
+            with os.fdopen(fd, "wb") as file:
+                file.write(encode_header(key, payload))
+                file.write(payload)
+            os.replace(temp, self._name(key), src_dir_fd=self._dir, dst_dir_fd=self._dir)
+        except OSError:
+            self._unlink(temp)
+            return False
+        return True
+
+    def _touch(self, key: TierKey) -> None:
+        """Stamp ``key``'s file as the most recently used: mtime from a strictly
+        increasing clock (file timestamps are coarser than a burst of writes), so a
+        restart rebuilds the exact LRU order."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        with contextlib.suppress(OSError):
+            os.utime(self._name(key), ns=(self._clock, self._clock), dir_fd=self._dir,
+                     follow_symlinks=False)
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir)
+
+    def _gauges(self) -> None:
+        self._stats.pages = len(self._lru)
+        self._stats.bytes_used = len(self._lru) * self.entry_bytes
+
+
+def _read_full(file: io.FileIO, into: memoryview) -> bool:
+    """Fill ``into`` from a raw file; False at a short file."""
+    readinto = file.readinto
+    done = 0
+    while done < len(into):
+        got = readinto(into[done:])
+        if not got:
+            return False
+        done += got
+    return True

@@ -1,0 +1,197 @@
+"""HostTier: daemon-owned host memory below a pool, a fixed number of page slots.
+
+One preallocated tensor ``[capacity_pages, num_layers, 2, page_size, H, D]``
+holds every entry; a slot is one page (``page_bytes`` bytes). Puts and gets
+are one ``index_copy_`` / ``index_select`` over the slots for the whole batch:
+no Python copy of bytes, no loop over layers.
+
+Invariants (:meth:`HostTier.check_integrity`):
+
+* ``_lru`` (key -> slot, least recently used first) and ``_free`` (slots) are
+  disjoint and together name every slot exactly once;
+* ``stats.pages == len(_lru)``, ``stats.bytes_used == pages * page_bytes``.
+
+Inclusive caching: a get leaves the entry in place (a page promoted to the
+pool and evicted again costs no second copy: its put only refreshes it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcore.errors import BadRequest
+from kvcore.layout import KVLayout
+from kvcore.tiers.base import TierKey, TierStats, check_keys, check_pages, layout_fingerprint
+from kvcore.tiers.transfer import promote_rows
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(slots=True)
+class Spilled:
+    """Entries a put pushed out of the host tier, least recently used first, with
+    their bytes: ``pages`` is ``[len(keys), L, 2, page_size, H, D]``, for the next
+    tier down."""
+
+    keys: list[TierKey]
+    pages: torch.Tensor
+
+
+class HostTier:
+    """LRU of pages in preallocated host memory. Not thread-safe (the daemon's thread)."""
+
+    medium = "host"
+
+    def __init__(self, layout: KVLayout, capacity_pages: int, *, pin_memory: bool = False) -> None:
+        import torch
+
+        if not isinstance(capacity_pages, int) or isinstance(capacity_pages, bool) or capacity_pages < 1:
+            raise BadRequest(f"capacity_pages must be a positive int, got {capacity_pages!r}")
+        self.layout = layout
+        self.fingerprint = layout_fingerprint(layout)
+        self.capacity_pages = capacity_pages
+        self._page_bytes = layout.page_bytes
+        self._slots = torch.empty(
+            (capacity_pages, layout.num_layers, *layout.page_shape),
+            dtype=layout.torch_dtype(),
+            pin_memory=pin_memory,
+        )
+        self._lru: OrderedDict[TierKey, int] = OrderedDict()
+        self._free: list[int] = list(range(capacity_pages - 1, -1, -1))  # pop() takes slot 0 first
+        self._stats = TierStats()
+
+    def match(self, keys: Sequence[TierKey]) -> int:
+        lru = self._lru
+        for i, key in enumerate(keys):
+            if key not in lru:
+                return i
+        return len(keys)
+
+    def get_many(self, keys: Sequence[TierKey], *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """See :class:`~kvcore.tiers.base.Tier`. ``out``: a reusable contiguous CPU batch
+        of at least len(keys) pages to fill (its first m pages are returned); fresh
+        memory costs page faults that dwarf the copy itself."""
+        import torch
+
+        slots = self._take(keys)
+        index = torch.tensor(slots, dtype=torch.int64)
+        if out is None:
+            return self._slots.index_select(0, index)
+        if out.shape[1:] != self._slots.shape[1:] or out.dtype != self._slots.dtype or len(out) < len(keys):
+            raise BadRequest("out must be a batch of at least len(keys) pages of this layout")
+        return torch.index_select(self._slots, 0, index, out=out[: len(slots)])
+
+    def promote(
+        self, keys: Sequence[TierKey], views: Sequence[torch.Tensor], page_ids: Sequence[int]
+    ) -> int:
+        """Copy the pages of the leading run of ``keys`` held here straight into pool
+        pages ``page_ids[:m]`` of the pool's layer ``views``, each byte copied once;
+        returns m (pages). Counted as a get."""
+        if len(page_ids) < len(keys):
+            raise BadRequest("promote needs a pool page for every key")
+        slots = self._take(keys)
+        promote_rows(views, page_ids[: len(slots)], self._slots, slots)
+        return len(slots)
+
+    def _take(self, keys: Sequence[TierKey]) -> list[int]:
+        """Slots of the leading run of ``keys`` held, refreshed in the LRU and counted."""
+        check_keys(self.fingerprint, keys)
+        count = self.match(keys)
+        lru = self._lru
+        slots = [lru[key] for key in keys[:count]]
+        for key in keys[:count]:
+            lru.move_to_end(key)
+        stats = self._stats
+        stats.hits += count
+        stats.misses += len(keys) - count
+        stats.bytes_out += count * self._page_bytes
+        return slots
+
+    def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
+        return self.put_spill(keys, pages).keys
+
+    def put_spill(self, keys: Sequence[TierKey], pages: torch.Tensor) -> Spilled:
+        """:meth:`put_many`, also returning the bytes of what was pushed out.
+
+        ``keys`` are taken oldest first: if the new keys outnumber the slots, the
+        first ones go straight to the result, never stored. Keys repeated in the
+        batch are stored once (the first occurrence)."""
+        import torch
+
+        check_keys(self.fingerprint, keys)
+        check_pages(self.layout, keys, pages)
+        lru = self._lru
+        new: dict[TierKey, int] = {}  # key -> its row in ``pages``
+        for row, key in enumerate(keys):
+            if key in lru:
+                lru.move_to_end(key)
+            elif key not in new:
+                new[key] = row
+        overflow = max(len(new) - self.capacity_pages, 0)
+        rows = list(new.values())
+        passed_keys, passed_rows = list(new)[:overflow], rows[:overflow]
+        store_keys, store_rows = list(new)[overflow:], rows[overflow:]
+        evict = max(len(store_keys) - len(self._free), 0)
+        evicted_keys = [lru.popitem(last=False) for _ in range(evict)]
+        self._free.extend(slot for _, slot in reversed(evicted_keys))
+        spilled = torch.cat(
+            (
+                pages[torch.tensor(passed_rows, dtype=torch.int64)],
+                self._slots.index_select(
+                    0, torch.tensor([slot for _, slot in evicted_keys], dtype=torch.int64)
+                ),
+            )
+        ) if overflow or evict else pages[:0].clone()
+        targets = [self._free.pop() for _ in store_keys]
+        if store_keys:
+            self._slots.index_copy_(
+                0,
+                torch.tensor(targets, dtype=torch.int64),
+                pages[torch.tensor(store_rows, dtype=torch.int64)],
+            )
+        lru.update(zip(store_keys, targets, strict=True))
+        stats = self._stats
+        stats.stored += len(store_keys)
+        stats.evicted += evict
+        stats.bytes_in += len(store_keys) * self._page_bytes
+        stats.pages = len(lru)
+        stats.bytes_used = len(lru) * self._page_bytes
+        return Spilled(passed_keys + [key for key, _ in evicted_keys], spilled)
+
+    def discard(self, keys: Sequence[TierKey]) -> int:
+        """Drop the entries of ``keys`` that are held; returns how many."""
+        dropped = 0
+        for key in keys:
+            slot = self._lru.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+                dropped += 1
+        self._stats.pages = len(self._lru)
+        self._stats.bytes_used = len(self._lru) * self._page_bytes
+        return dropped
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[TierKey]:
+        """Held keys, least recently used first."""
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        return self._stats.copy()
+
+    def check_integrity(self) -> None:
+        used = list(self._lru.values())
+        assert len(set(used)) == len(used), "two keys share a host slot"
+        assert not set(used) & set(self._free), "a slot is both used and free"
+        assert len(used) + len(self._free) == self.capacity_pages, "a slot is lost"
+        assert len(set(self._free)) == len(self._free), "a free slot is listed twice"
+        assert self._stats.pages == len(used), "stats.pages drifted"
+        assert self._stats.bytes_used == len(used) * self._page_bytes, "stats.bytes_used drifted"

@@ -1,0 +1,342 @@
+"""RemoteTier: pages shared by daemons on many nodes through Mooncake Store (TCP).
+
+Each page is one store object, framed like a disk entry (kvcore.tiers.codec)::
+
+    object key  "kvcore/v1/<tier key hex>"    (layout fingerprint || prefix key)
+    value       80-byte header || page_bytes bytes, checksummed
+
+Where the time goes, and its bounds:
+
+* ``put_many`` (publish) only enqueues a copy of the pages on a bounded queue
+  (``queue_pages`` pages; a full queue drops the batch, counted in
+  ``dropped``); a publisher thread frames and writes them (``put_batch`` in
+  chunks of at most ``buffer_bytes``, the client's staging buffer).
+* ``match`` (one ``batch_is_exist``) and ``get_many`` (``get_batch`` in
+  chunks) run on one reader thread; the caller waits at most ``timeout_s``.
+  A call past the bound is abandoned (``timeouts``) and, while it is still
+  running, later calls do not queue behind it: they miss at once. A store that
+  is down, slow or returns a bad object costs a counted miss, never an
+  exception and never a wait longer than ``timeout_s``.
+* The connection (``setup``) is made on the reader thread when the tier is
+  built; until it succeeds every call misses (:meth:`RemoteTier.wait_ready`).
+
+Mooncake keeps objects in memory segments that its clients contribute
+(``segment_bytes`` here): a daemon that leaves takes its segment's share of
+the objects with it; the master evicts under memory pressure. Either is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+from kvcore.errors import BadRequest
+from kvcore.layout import KVLayout
+from kvcore.tiers.base import TierKey, TierStats, check_keys, check_pages, layout_fingerprint
+from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header
+from kvcore.tiers.transfer import byte_view
+from kvcore.tiers.worker import Worker, abandon, accepts
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+MIN_SEGMENT_BYTES = 16 << 20  # the store refuses smaller segments and buffers
+OBJECT_PREFIX = "kvcore/v1/"
+
+
+def mooncake_available() -> bool:
+    """True iff ``mooncake.store`` imports (the mooncake-transfer-engine package)."""
+    try:
+        importlib.import_module("mooncake.store")
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """Where the store is, and the bounds. Sizes in bytes, times in seconds."""
+
+    master: str  # the master's RPC address, "host:port"
+    metadata_server: str  # "http://host:port/metadata" (the master's built-in server)
+    local_hostname: str = "127.0.0.1"  # this node's address as the store's peers reach it
+    segment_bytes: int = 64 << 20  # memory this daemon contributes to the store
+    buffer_bytes: int = 32 << 20  # the client's staging buffer; bounds one put/get chunk
+    timeout_s: float = 1.0  # the longest a caller ever waits on the store
+    retry_s: float = 5.0  # after a failed connection, the pause before the next try
+    queue_pages: int = 1024  # publish queue bound, in pages
+
+    def __post_init__(self) -> None:
+        if self.segment_bytes < MIN_SEGMENT_BYTES or self.buffer_bytes < MIN_SEGMENT_BYTES:
+            raise BadRequest(f"segment_bytes and buffer_bytes must be >= {MIN_SEGMENT_BYTES}")
+        if not self.timeout_s > 0 or self.queue_pages < 1:
+            raise BadRequest("timeout_s must be > 0 and queue_pages >= 1")
+
+
+def object_key(key: TierKey) -> str:
+    """The store's key of a tier key."""
+    return OBJECT_PREFIX + key.hex()
+
+
+class RemoteTier:
+    """A Mooncake Store client with bounded waits. Call from one thread; :meth:`close` it."""
+
+    medium = "remote"
+
+    def __init__(self, layout: KVLayout, config: RemoteConfig) -> None:
+        self.layout = layout
+        self.fingerprint = layout_fingerprint(layout)
+        self.config = config
+        self._page_bytes = layout.page_bytes
+        self._entry_bytes = HEADER_BYTES + layout.page_bytes
+        if self._entry_bytes > config.buffer_bytes // 2:
+            raise BadRequest(f"buffer_bytes {config.buffer_bytes} is too small for pages of {self._page_bytes} bytes")
+        self._chunk = config.buffer_bytes // 2 // self._entry_bytes  # entries per store call
+        self._lock = threading.Lock()  # guards _stats and _queued
+        self._stats = TierStats()
+        self._queued = 0  # pages on the publish queue
+        self._closed = False
+        self._store: Any = None  # a MooncakeDistributedStore once connected (reader thread)
+        self._retry_at = time.monotonic() + config.retry_s
+        self._reader = Worker("kvcore-remote-read")
+        self._inflight: Future[Any] | None = None
+        self._ready: Future[bool] = self._reader.submit(self._connect)
+        self._queue: queue.Queue[_Batch | _Flush | None] = queue.Queue()
+        self._publisher = threading.Thread(target=self._publish_loop, name="kvcore-remote-put", daemon=True)
+        self._publisher.start()
+
+    # -- the tier ---------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the connection; True iff connected."""
+        try:
+            return self._ready.result(timeout=timeout_s)
+        except FutureTimeout:
+            return False
+
+    def match(self, keys: Sequence[TierKey]) -> int:
+        """Leading ``keys`` the store holds (one batched existence check); 0 when the
+        store is unreachable or slow (counted in ``timeouts``)."""
+        check_keys(self.fingerprint, keys)
+        if not keys:
+            return 0
+        found = self._bounded(self._exist, [object_key(k) for k in keys])
+        count = 0
+        for flag in found or ():
+            if flag != 1:
+                break
+            count += 1
+        return count
+
+    def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
+        import torch
+
+        check_keys(self.fingerprint, keys)
+        blobs = self._bounded(self._get_chunks, [object_key(k) for k in keys]) if keys else []
+        page_bytes = self._page_bytes
+        buffer = bytearray(len(blobs or ()) * page_bytes)
+        view = memoryview(buffer)
+        count = corrupt = 0
+        for key, blob in zip(keys, blobs or (), strict=False):
+            if not blob:
+                break
+            raw = memoryview(blob)
+            if not check_entry(key, raw[:HEADER_BYTES], raw[HEADER_BYTES:], page_bytes):
+                corrupt = 1
+                break
+            view[count * page_bytes : (count + 1) * page_bytes] = raw[HEADER_BYTES:]
+            count += 1
+        with self._lock:
+            stats = self._stats
+            stats.hits += count
+            stats.misses += len(keys) - count
+            stats.corrupt += corrupt
+            stats.bytes_out += count * page_bytes
+        flat = torch.frombuffer(buffer, dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
+        shape = (count, self.layout.num_layers, *self.layout.page_shape)
+        return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
+
+    def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
+        """Publish in the background: enqueue a copy of ``pages`` and return at once.
+        Nothing is evicted here (the store evicts on its own): returns []."""
+        check_keys(self.fingerprint, keys)
+        check_pages(self.layout, keys, pages)
+        if not keys:
+            return []
+        with self._lock:
+            if self._closed or self._queued + len(keys) > self.config.queue_pages:
+                self._stats.dropped += len(keys)
+                return []
+            self._queued += len(keys)
+        self._queue.put(_Batch(list(keys), pages.contiguous().clone()))
+        return []
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until the publish queue is empty (tests, shutdown)."""
+        marker = _Flush(threading.Event())
+        self._queue.put(marker)
+        return marker.done.wait(timeout_s)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._stats.copy()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            assert 0 <= self._queued <= self.config.queue_pages, "publish queue over its bound"
+
+    def close(self) -> None:
+        """Stop the threads and leave the store, waiting at most ``timeout_s`` in all."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._queue.put(None)
+        self._publisher.join(self.config.timeout_s)
+        if self._connected():
+            health = self._reader.submit(self._store.health_check)
+            closed: Future[Any] | None = None
+            with contextlib.suppress(FutureTimeout):
+                if health.result(timeout=self.config.timeout_s) == 0:
+                    closed = self._reader.submit(self._store.close)
+                    closed.result(timeout=self.config.timeout_s)
+            if closed is None or not closed.done():
+                abandon(self._store)
+        self._reader.stop()
+
+    # -- threads ----------------------------------------------------------------
+
+    def _connected(self) -> bool:
+        return self._ready.done() and self._ready.result()
+
+    def _connect(self) -> bool:
+        """Join the store (on the reader thread). The binding's ``setup`` holds the GIL
+        while it retries an absent master (about 90 s), stalling every thread of the
+        process, so it is called only after both servers accepted a TCP connection."""
+        config = self.config
+        metadata = urlsplit(config.metadata_server)
+        master_host, _, master_port = config.master.rpartition(":")
+        if not (
+            accepts(master_host, master_port, config.timeout_s)
+            and accepts(metadata.hostname or "", str(metadata.port or 80), config.timeout_s)
+        ):
+            return False
+        store = importlib.import_module("mooncake.store").MooncakeDistributedStore()
+        try:
+            code = store.setup({
+                "local_hostname": config.local_hostname,
+                "metadata_server": config.metadata_server,
+                "global_segment_size": config.segment_bytes,
+                "local_buffer_size": config.buffer_bytes,
+                "protocol": "tcp",
+                "rdma_devices": "",
+                "master_server_addr": config.master,
+            })
+        except Exception:  # a malformed address: the tier stays down, every call misses
+            return False
+        if code != 0:
+            return False
+        self._store = store
+        return True
+
+    def _reconnect(self) -> None:
+        """After a failed connection, try again at most every ``retry_s`` (not waited on)."""
+        now = time.monotonic()
+        if self._ready.done() and not self._ready.result() and now >= self._retry_at:
+            self._retry_at = now + self.config.retry_s
+            self._ready = self._reader.submit(self._connect)
+
+    def _bounded(self, call: Callable[[list[str]], T], names: list[str]) -> T | None:
+        """``call(names)`` on the reader thread, waited on for at most ``timeout_s``."""
+        busy = self._inflight is not None and not self._inflight.done()
+        if not busy and not self._closed:
+            self._reconnect()
+        if busy or not self._connected() or self._closed:
+            self._count_timeout()
+            return None
+        future = self._reader.submit(lambda: call(names))
+        self._inflight = future
+        try:
+            return future.result(timeout=self.config.timeout_s)
+        except FutureTimeout:
+            self._count_timeout()
+        except Exception:  # the binding raised: the store failed, which is a miss
+            self._count_timeout()
+        return None
+
+    def _count_timeout(self) -> None:
+        with self._lock:
+            self._stats.timeouts += 1
+
+    def _exist(self, names: list[str]) -> list[int]:
+        flags: list[int] = self._store.batch_is_exist(names)
+        return flags
+
+    def _get_chunks(self, names: list[str]) -> list[bytes]:
+        """get_batch in chunks that fit the staging buffer; stops at the first miss."""
+        blobs: list[bytes] = []
+        for start in range(0, len(names), self._chunk):
+            got: list[bytes] = self._store.get_batch(names[start : start + self._chunk])
+            blobs.extend(got)
+            if not all(got):
+                break
+        return blobs
+
+    def _publish_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, _Flush):
+                item.done.set()
+                continue
+            keys = item.keys
+            stored = self._publish(keys, item.pages) if self._ready.result() else 0
+            with self._lock:
+                self._queued -= len(keys)
+                self._stats.stored += stored
+                self._stats.pages += stored
+                self._stats.bytes_in += stored * self._page_bytes
+                self._stats.dropped += len(keys) - stored
+
+    def _publish(self, keys: list[TierKey], pages: torch.Tensor) -> int:
+        """Frame and put ``pages``; returns how many the store accepted."""
+        stored = 0
+        for start in range(0, len(keys), self._chunk):
+            names, values = [], []
+            for row in range(start, min(start + self._chunk, len(keys))):
+                payload = byte_view(pages[row])
+                names.append(object_key(keys[row]))
+                values.append(encode_header(keys[row], payload) + payload)
+            try:
+                code = self._store.put_batch(names, values)
+            except Exception:
+                code = -1
+            if code == 0:
+                stored += len(names)
+        return stored
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Pages to publish: a private copy, ``[len(keys), L, 2, page_size, H, D]``."""
+
+    keys: list[TierKey]
+    pages: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Flush:
+    """A queue item that flush() waits for: everything before it has been published."""
+
+    done: threading.Event

@@ -1,0 +1,199 @@
+"""DiskTier against a dict model, across restarts and corruption; its directory rules."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcore.errors import BadRequest
+from kvcore.layout import KVLayout
+from kvcore.prefix import PrefixKey
+from kvcore.tiers import DiskTier, TierKey, layout_fingerprint, tier_key
+from kvcore.tiers.codec import HEADER_BYTES
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8)
+PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+FP = layout_fingerprint(LAYOUT)
+KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(10)]
+ENTRY = HEADER_BYTES + LAYOUT.page_bytes
+
+
+def page_of(key: TierKey, version: int) -> torch.Tensor:
+    return torch.full(PAGE, float(key[-1] * 1000 + version))
+
+
+def path_of(directory: Path, key: TierKey) -> Path:
+    return directory / f"{key[:16].hex()}-{key[16:].hex()}.kv"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte, keeping the file's mtime (its LRU position)."""
+    info = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+
+
+class DiskModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = Path(tempfile.mkdtemp()) / "tier"
+        self.capacity = 4
+        self.tier = DiskTier(LAYOUT, self.directory, self.capacity * ENTRY + ENTRY // 2)
+        self.model: OrderedDict[TierKey, torch.Tensor] = OrderedDict()  # LRU first
+        self.corrupt: set[TierKey] = set()  # held, but their payload was damaged
+        self.version = 0
+
+    def teardown(self) -> None:
+        self.tier.close()
+        shutil.rmtree(self.directory.parent)
+
+    @rule(picks=st.lists(st.sampled_from(KEYS), max_size=6))
+    def put(self, picks: list[TierKey]) -> None:
+        self.version += 1
+        pages = torch.stack([page_of(k, self.version) for k in picks]) if picks else torch.empty(0, *PAGE)
+        evicted = self.tier.put_many(picks, pages)
+        expected: list[TierKey] = []
+        for key, page in zip(picks, pages, strict=True):
+            if key in self.model:
+                self.model.move_to_end(key)
+                continue
+            while len(self.model) >= self.capacity:
+                old, _ = self.model.popitem(last=False)
+                self.corrupt.discard(old)
+                expected.append(old)
+            self.model[key] = page
+        assert evicted == expected
+
+    @rule(picks=st.lists(st.sampled_from(KEYS), max_size=5))
+    def get(self, picks: list[TierKey]) -> None:
+        before = self.tier.stats()
+        got = self.tier.get_many(picks)
+        count = 0
+        while count < len(picks) and picks[count] in self.model and picks[count] not in self.corrupt:
+            count += 1
+        assert got.shape == (count, *PAGE)
+        for row, key in enumerate(picks[:count]):
+            assert torch.equal(got[row], self.model[key])
+            self.model.move_to_end(key)
+        broken = count < len(picks) and picks[count] in self.corrupt
+        if broken:
+            del self.model[picks[count]]
+            self.corrupt.discard(picks[count])
+        after = self.tier.stats()
+        assert after.hits - before.hits == count
+        assert after.misses - before.misses == len(picks) - count
+        assert after.corrupt - before.corrupt == int(broken)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def corrupt_payload(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        offset = data.draw(st.integers(HEADER_BYTES, ENTRY - 1))
+        flip_byte(path_of(self.directory, key), offset)
+        self.corrupt.add(key)
+
+    @rule()
+    def restart(self) -> None:
+        self.tier.close()
+        self.tier = DiskTier(LAYOUT, self.directory, self.capacity * ENTRY)
+
+    @invariant()
+    def agrees(self) -> None:
+        self.tier.check_integrity()
+        assert self.tier.keys() == list(self.model)
+        assert self.tier.match(list(self.model)) == len(self.model)
+
+
+TestDiskModel = DiskModel.TestCase
+TestDiskModel.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+
+
+@pytest.fixture
+def tier_dir(tmp_path: Path) -> Path:
+    return tmp_path / "tier"
+
+
+def test_restart_serves_old_entries_after_verifying(tier_dir: Path) -> None:
+    pages = torch.randn(3, *PAGE)
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        tier.put_many(KEYS[:3], pages)
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        assert tier.match(KEYS[:3]) == 3
+        assert torch.equal(tier.get_many(KEYS[:3]), pages)
+
+
+@pytest.mark.parametrize("damage", ["header", "truncate", "renamed", "symlink"])
+def test_damaged_entries_are_misses(tier_dir: Path, damage: str) -> None:
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        tier.put_many(KEYS[:2], torch.randn(2, *PAGE))
+    victim = path_of(tier_dir, KEYS[0])
+    if damage == "header":
+        flip_byte(victim, 20)
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-1])
+    elif damage == "renamed":  # another key's valid entry under this key's name
+        shutil.copyfile(path_of(tier_dir, KEYS[1]), victim)
+    else:
+        victim.unlink()
+        victim.symlink_to(path_of(tier_dir, KEYS[1]))
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        assert tier.match(KEYS[:1]) == 0
+        assert tier.get_many(KEYS[:1]).shape[0] == 0
+        assert tier.stats().corrupt == 1
+        assert not victim.exists() and not victim.is_symlink()
+        tier.check_integrity()
+
+
+def test_other_layouts_share_a_directory_apart(tier_dir: Path) -> None:
+    wide = KVLayout(2, 1, 8, 2, "float32", 8)
+    wide_keys = [tier_key(layout_fingerprint(wide), PrefixKey(bytes([i]) * 32)) for i in range(2)]
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as narrow, DiskTier(wide, tier_dir, 1 << 20) as other:
+        narrow.put_many(KEYS[:2], torch.randn(2, *PAGE))
+        other.put_many(wide_keys, torch.randn(2, wide.num_layers, *wide.page_shape))
+        assert other.match([tier_key(other.fingerprint, PrefixKey(bytes([0]) * 32))]) == 1
+        with pytest.raises(BadRequest):
+            other.get_many(KEYS[:1])
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as narrow:
+        assert narrow.keys() == KEYS[:2]
+        assert narrow.stats().corrupt == 0
+
+
+def test_directory_is_private(tmp_path: Path) -> None:
+    directory = tmp_path / "tier"
+    with DiskTier(LAYOUT, directory, ENTRY) as tier:
+        tier.put_many(KEYS[:1], torch.zeros(1, *PAGE))
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert stat.S_IMODE(path_of(directory, KEYS[0]).stat().st_mode) == 0o600
+        with pytest.raises(BadRequest):
+            DiskTier(LAYOUT, directory, ENTRY)  # one tier per directory and layout
+    os.chmod(directory, 0o755)
+    with pytest.raises(BadRequest):
+        DiskTier(LAYOUT, directory, ENTRY)
+    os.chmod(directory, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(directory)
+    with pytest.raises(BadRequest):
+        DiskTier(LAYOUT, link, ENTRY)
+    with pytest.raises(BadRequest):
+        DiskTier(LAYOUT, directory, ENTRY - 1)
+
+
+def test_a_shrunk_capacity_keeps_the_newest(tier_dir: Path) -> None:
+    with DiskTier(LAYOUT, tier_dir, 5 * ENTRY) as tier:
+        for key in KEYS[:5]:
+            tier.put_many([key], torch.zeros(1, *PAGE))
+    with DiskTier(LAYOUT, tier_dir, 2 * ENTRY) as tier:
+        assert tier.keys() == KEYS[3:5]
+        tier.check_integrity()

@@ -1,0 +1,135 @@
+"""HostTier against a dict model: capacity, LRU order, spills, exact bytes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvcore.errors import BadRequest
+from kvcore.layout import KVLayout
+from kvcore.prefix import PrefixKey
+from kvcore.tiers import HostTier, TierKey, layout_fingerprint, tier_key
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8)
+PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+FP = layout_fingerprint(LAYOUT)
+KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(12)]
+
+
+def page_of(key: TierKey, version: int) -> torch.Tensor:
+    """A page whose bytes name its key and a version (so a stale copy is caught)."""
+    return torch.full(PAGE, float(key[-1] * 1000 + version))
+
+
+class HostModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.capacity = 4
+        self.tier = HostTier(LAYOUT, self.capacity)
+        self.model: OrderedDict[TierKey, torch.Tensor] = OrderedDict()  # LRU first
+        self.version = 0
+
+    @rule(picks=st.lists(st.sampled_from(KEYS), max_size=7))
+    def put(self, picks: list[TierKey]) -> None:
+        self.version += 1
+        pages = torch.stack([page_of(k, self.version) for k in picks]) if picks else torch.empty(0, *PAGE)
+        spilled = self.tier.put_spill(picks, pages)
+        # the model: touch held keys, then store the new ones (first occurrence)
+        new: OrderedDict[TierKey, torch.Tensor] = OrderedDict()
+        for key, page in zip(picks, pages, strict=True):
+            if key in self.model:
+                self.model.move_to_end(key)
+            elif key not in new:
+                new[key] = page
+        overflow = max(len(new) - self.capacity, 0)
+        expected = list(new.items())[:overflow]
+        stored = list(new.items())[overflow:]
+        free = self.capacity - len(self.model)
+        for _ in range(max(len(stored) - free, 0)):
+            expected.append(self.model.popitem(last=False))
+        self.model.update(stored)
+        assert spilled.keys == [k for k, _ in expected]
+        for row, (_, page) in enumerate(expected):
+            assert torch.equal(spilled.pages[row], page)
+
+    @rule(picks=st.lists(st.sampled_from(KEYS), max_size=5))
+    def get(self, picks: list[TierKey]) -> None:
+        before = self.tier.stats()
+        assert self.tier.match(picks) == self.tier.match(picks)  # read-only
+        got = self.tier.get_many(picks)
+        count = 0
+        while count < len(picks) and picks[count] in self.model:
+            count += 1
+        assert got.shape == (count, *PAGE)
+        for row, key in enumerate(picks[:count]):
+            assert torch.equal(got[row], self.model[key])
+            self.model.move_to_end(key)
+        after = self.tier.stats()
+        assert after.hits - before.hits == count
+        assert after.misses - before.misses == len(picks) - count
+
+    @rule(picks=st.lists(st.sampled_from(KEYS), max_size=3))
+    def discard(self, picks: list[TierKey]) -> None:
+        expected = len({k for k in picks if k in self.model})
+        assert self.tier.discard(picks) == expected
+        for key in picks:
+            self.model.pop(key, None)
+
+    @invariant()
+    def agrees(self) -> None:
+        self.tier.check_integrity()
+        assert self.tier.keys() == list(self.model)
+        assert self.tier.stats().pages == len(self.model)
+
+
+TestHostModel = HostModel.TestCase
+TestHostModel.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+
+
+def test_host_rejects_foreign_keys_and_bad_pages() -> None:
+    tier = HostTier(LAYOUT, 2)
+    other = layout_fingerprint(KVLayout(2, 1, 8, 2, "float32", 8))
+    with pytest.raises(BadRequest):
+        tier.put_many([tier_key(other, PrefixKey(bytes(32)))], torch.zeros(1, *PAGE))
+    with pytest.raises(BadRequest):
+        tier.put_many(KEYS[:1], torch.zeros(1, *PAGE, dtype=torch.float16))
+    with pytest.raises(BadRequest):
+        tier.put_many(KEYS[:2], torch.zeros(1, *PAGE))
+    with pytest.raises(BadRequest):
+        HostTier(LAYOUT, 0)
+    assert tier.stats().pages == 0
+
+
+def test_host_counts_bytes() -> None:
+    tier = HostTier(LAYOUT, 3)
+    tier.put_many(KEYS[:2], torch.zeros(2, *PAGE))
+    tier.get_many(KEYS[:3])
+    stats = tier.stats()
+    assert (stats.stored, stats.hits, stats.misses) == (2, 2, 1)
+    assert stats.bytes_in == stats.bytes_out == 2 * LAYOUT.page_bytes
+    assert stats.bytes_used == 2 * LAYOUT.page_bytes
+
+
+def test_promote_and_staged_get_write_exact_pool_pages() -> None:
+    from kvcore.tiers import gather_pages, scatter_pages
+
+    tier = HostTier(LAYOUT, 4)
+    pages = torch.randn(3, *PAGE)
+    tier.put_many(KEYS[:3], pages)
+    pool = LAYOUT.layer_views(torch.zeros(LAYOUT.total_bytes // 4))
+    assert tier.promote([*KEYS[:2], KEYS[5]], pool, [6, 1, 3]) == 2
+    assert torch.equal(gather_pages(pool, [6, 1]), pages[:2])
+    assert torch.equal(gather_pages(pool, [3]), torch.zeros(1, *PAGE))
+    staging = torch.empty(4, *PAGE)
+    got = tier.get_many(KEYS[:3], out=staging)
+    assert got.data_ptr() == staging.data_ptr() and torch.equal(got, pages)
+    scatter_pages(pool, [0, 2, 4], got)
+    assert torch.equal(gather_pages(pool, [0, 2, 4]), pages)
+    with pytest.raises(BadRequest):
+        tier.promote(KEYS[:2], pool, [0])
+    assert tier.stats().hits == 5 and tier.stats().misses == 1
