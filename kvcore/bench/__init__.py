@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "rpc": "daemon round-trip latency against a raw ZeroMQ echo",
     "kernels": "paged decode/prefill time and bandwidth per backend",
     "e2e": "transformers generate() with the kvcore cache vs DynamicCache",
+    "load": "N client processes of random operations with page markers (clobbers, p99, RSS)",
 }
 
 
