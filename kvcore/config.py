@@ -19,6 +19,7 @@ A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`::
     session_max_sequences = 65536      # live sequences per session,
     namespace_max_pages = 0            # and the same summed over a namespace's sessions
     namespace_max_sequences = 0
+    group = ""              # host pools: a group whose members (tenants) may map it
 
     [[tenants]]             # who may attach to what (docs/security.md); none: single user
     name = "alice"
@@ -73,6 +74,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_max_sequences: int = 65536
     namespace_max_pages: int = 0
     namespace_max_sequences: int = 0
+    # A host pool's segment is the daemon user's alone (0600); with a group (name or gid)
+    # it is 0660 of that group, so tenants of other uids in it can map the pool.
+    group: str = ""
 
     def layout(self) -> KVLayout:
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):

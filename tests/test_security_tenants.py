@@ -125,8 +125,9 @@ def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
             except KVCoreError as exc:
                 result["pool_b"] = exc.code
             try:
-                with Client.connect(endpoint, pool="a", namespace="alice", map_memory=False) as c:
+                with Client.connect(endpoint, pool="a", namespace="alice") as c:
                     result["attach"] = "ok"
+                    result["mapped"] = c.kv_caches[0].shape[0]
                     result["pools"] = [p.name for p in c.daemon_stats().pools]
                     try:
                         c.lookup([1, 2, 3, 4, 5], namespace="root-only")
@@ -135,6 +136,8 @@ def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
                         result["other_ns"] = exc.code
             except KVCoreError as exc:
                 result["attach"] = exc.code
+            segments = [e for e in os.listdir("/dev/shm") if e.startswith("kvcore-")]
+            result["segments_readable"] = sum(os.access(f"/dev/shm/{e}", os.R_OK) for e in segments)
         except BaseException as exc:
             result["crash"] = repr(exc)
         os.write(write, json.dumps(result).encode())
@@ -149,18 +152,22 @@ def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
 def test_on_ipc_the_peers_uid_decides(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another uid")
+    import torch  # noqa: F401  (the child maps the pool; it cannot read root's site-packages)
+
     shared = Path(tempfile.mkdtemp(prefix="kvcore-tenants-"))  # /tmp/...: others can traverse
     try:
         shared.chmod(0o755)
         config = tmp_path / "kvcore.toml"
-        config.write_text(f'socket_mode = 0o666\n{POOLS}[[tenants]]\nname = "alice"\n'
+        pools = POOLS.replace('name = "a"\n', 'name = "a"\ngroup = "4242"\n')  # a's tenants map it
+        config.write_text(f'socket_mode = 0o666\n{pools}[[tenants]]\nname = "alice"\n'
                           f'uids = [4242]\nnamespaces = ["alice"]\npools = ["a"]\n')  # fmt: skip
         endpoint = f"ipc://{shared / 'd.sock'}"
         with DaemonProcess("--config", str(config), "--endpoint", endpoint):
             alice = _as_uid(4242, endpoint)
-            assert alice == {"pool_b": "forbidden", "attach": "ok", "pools": ["a"],
-                             "other_ns": "forbidden"}, alice  # fmt: skip
+            assert alice == {"pool_b": "forbidden", "attach": "ok", "mapped": 32, "pools": ["a"],
+                             "other_ns": "forbidden", "segments_readable": 1}, alice  # fmt: skip
             stranger = _as_uid(4243, endpoint)
-            assert stranger == {"pool_b": "forbidden", "attach": "forbidden"}, stranger
+            assert stranger == {"pool_b": "forbidden", "attach": "forbidden",
+                                "segments_readable": 0}, stranger  # fmt: skip
     finally:
         shutil.rmtree(shared, ignore_errors=True)

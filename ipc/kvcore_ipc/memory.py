@@ -103,6 +103,17 @@ class HostRegion:
         with warnings_suppressed():
             return torch.frombuffer(self.buffer(), dtype=torch.uint8, count=self.size)
 
+    def share_with_group(self, group: str) -> None:
+        """Owner only: make the segment mode 0660 of ``group`` (a name or a gid), so that
+        processes of other uids in that group can map it. KeyError if no such group."""
+        import grp
+
+        assert self._shm is not None, "only the owner shares a segment"
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        fd = self._shm._fd  # type: ignore[attr-defined]
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o660)
+
     def fence(self) -> None:
         """Replace an importer's mapping by private zero pages at the same address, so no
         later write of this process (a kernel still holding the tensors) reaches the

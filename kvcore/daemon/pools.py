@@ -73,8 +73,12 @@ class PoolTable:
             raise UnknownPool(f"no pool {name!r}; serving {sorted(self.pools)}")
         return pool
 
-    def open(self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False) -> Pool:
-        """Create the pool's memory and Manager. BadRequest if the name is taken."""
+    def open(
+        self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False, group: str = ""
+    ) -> Pool:
+        """Create the pool's memory and Manager. BadRequest if the name is taken. A host
+        segment is mode 0600 (the daemon's user), or 0660 of ``group`` if given (tenants
+        of other uids in that group can map it)."""
         if name in self.pools:
             raise BadRequest(f"pool {name!r} exists")
         if ephemeral and (
@@ -84,6 +88,8 @@ class PoolTable:
         region: HostRegion | CudaRegion
         if device == "cpu":
             region = HostRegion.create(layout.total_bytes, self.segment_prefix)
+            if group:
+                region.share_with_group(group)
         else:
             region = CudaRegion.create(layout.total_bytes, device)
         pool = Pool(name, device, Manager(layout), region, ephemeral)

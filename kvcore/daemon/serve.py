@@ -120,7 +120,7 @@ class Daemon:
             )  # fmt: skip
             for pool in config.pools:
                 layout = pool.layout()
-                self.pools.open(pool.name, pool.device, layout)
+                self.pools.open(pool.name, pool.device, layout, group=pool.group)
                 self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
             self.server = RouterServer(
                 endpoint, self.handler.handle, curve_secret_key=secret, insecure=config.insecure,
