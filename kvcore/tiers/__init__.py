@@ -2,7 +2,8 @@
 
 Stacked by layer: ``base`` (keys, counters, the contract), ``codec`` (the
 framing of a checksummed entry), ``transfer`` (pool <-> page batches in bulk),
-then one module per medium. Importing this package imports neither torch nor
+then one module per medium (``worker``: bounded calls into the store), and
+``stack`` (the tiers of one pool, top down, as the daemon drives them). Importing this package imports neither torch nor
 mooncake; each tier imports what it needs when it is built.
 """
 
@@ -20,6 +21,7 @@ from kvcore.tiers.base import (
 from kvcore.tiers.disk import DiskTier
 from kvcore.tiers.host import HostTier, Spilled
 from kvcore.tiers.remote import RemoteConfig, RemoteTier, mooncake_available
+from kvcore.tiers.stack import Run, TierStack
 from kvcore.tiers.transfer import gather_pages, scatter_pages
 
 __all__ = [
@@ -29,9 +31,11 @@ __all__ = [
     "HostTier",
     "RemoteConfig",
     "RemoteTier",
+    "Run",
     "Spilled",
     "Tier",
     "TierKey",
+    "TierStack",
     "TierStats",
     "gather_pages",
     "layout_fingerprint",

@@ -1,0 +1,128 @@
+"""TierStack: the lower tiers of one pool, top down, as the daemon will drive them.
+
+::
+
+    pool  --evict-->  host  --its LRU spills-->  disk  --its LRU drops-->  (gone)
+    pool  --commit (background publish)------------------------------->  remote
+    lookup/allocate: pool hits, then runs of the chain found below, top down:
+        keys   k0 k1 k2 | k3 k4 | k5 | k6 k7 k8 | k9 ...
+        where  pool     | host  | disk| remote  | miss  -> promote k3..k8 into pool pages
+
+There is no second index to keep in step: each tier answers for its own keys
+(O(1) per key locally, one batched call for the remote store), so "where does
+this key live" is :meth:`TierStack.locate`. Not thread-safe (the daemon's thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvcore.errors import BadRequest
+from kvcore.tiers.base import Tier, TierKey, TierStats
+from kvcore.tiers.disk import DiskTier
+from kvcore.tiers.host import HostTier
+from kvcore.tiers.remote import RemoteTier
+from kvcore.tiers.transfer import scatter_pages
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``count`` consecutive keys of a chain, from ``start``, held by ``tier``."""
+
+    tier: Tier
+    start: int
+    count: int
+
+
+class TierStack:
+    """host / disk / remote below one pool; any of them may be absent."""
+
+    def __init__(
+        self,
+        host: HostTier | None = None,
+        disk: DiskTier | None = None,
+        remote: RemoteTier | None = None,
+    ) -> None:
+        present: list[Tier] = [t for t in (host, disk, remote) if t is not None]
+        if len({t.fingerprint for t in present}) > 1:
+            raise BadRequest("the tiers of one pool must share its layout")
+        self.host, self.disk, self.remote = host, disk, remote
+        self._local: list[Tier] = [t for t in (host, disk) if t is not None]
+
+    def spill(self, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
+        """Pages the pool evicts (``[n, L, 2, page_size, H, D]``, on the CPU): into the
+        host tier, whose own evictions go to the disk tier (or straight to disk)."""
+        if self.host is not None:
+            spilled = self.host.put_spill(keys, pages)
+            keys, pages = spilled.keys, spilled.pages
+        if self.disk is not None and keys:
+            self.disk.put_many(keys, pages)
+
+    def publish(self, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
+        """Committed pages, for the shared store (queued; never waits on the network)."""
+        if self.remote is not None and keys:
+            self.remote.put_many(keys, pages)
+
+    def locate(self, keys: Sequence[TierKey], *, remote: bool = True) -> list[Run]:
+        """Runs covering the longest leading part of ``keys`` held below the pool, top
+        tier first at every position; the remote store is asked once, for the rest
+        (``remote=False``: local tiers only, no network). Read-only."""
+        runs: list[Run] = []
+        start = 0
+        while start < len(keys):
+            for tier in self._local:
+                count = tier.match(keys[start:])
+                if count:
+                    runs.append(Run(tier, start, count))
+                    start += count
+                    break
+            else:
+                break
+        if remote and self.remote is not None and start < len(keys):
+            count = self.remote.match(keys[start:])
+            if count:
+                runs.append(Run(self.remote, start, count))
+        return runs
+
+    def fetch(
+        self,
+        keys: Sequence[TierKey],
+        runs: Sequence[Run],
+        views: Sequence[torch.Tensor],
+        page_ids: Sequence[int],
+    ) -> int:
+        """Bring the pages of ``runs`` (from :meth:`locate`) into pool pages: key
+        ``keys[i]`` into ``page_ids[i]``. Stops at the first page a tier can no longer
+        give (evicted since, corrupt, store down); returns how many leading pages
+        were written (pages)."""
+        done = 0
+        for run in runs:
+            assert run.start == done, "runs must be consecutive from the first key"
+            want = keys[run.start : run.start + run.count]
+            ids = page_ids[run.start : run.start + run.count]
+            if isinstance(run.tier, HostTier):
+                got = run.tier.promote(want, views, ids)
+            else:
+                pages = run.tier.get_many(want)
+                got = len(pages)
+                scatter_pages(views, ids[:got], pages)
+            done += got
+            if got < run.count:
+                break
+        return done
+
+    def stats(self) -> dict[str, TierStats]:
+        """Counters per medium ("host", "disk", "remote") of the tiers present."""
+        tiers: list[Tier] = [t for t in (self.host, self.disk, self.remote) if t is not None]
+        return {tier.medium: tier.stats() for tier in tiers}
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
