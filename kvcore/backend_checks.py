@@ -169,25 +169,26 @@ def check_table(
     lens = check_index(seq_lens, "seq_lens", dev, torch.int32, (table.shape[0],))
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
     max_pages = table.shape[1]
-    lens64 = lens.long()
-    used = (lens64 + page_size - 1) // page_size  # pages per sequence
-    columns = torch.arange(max_pages, device=dev)
-    read = columns[None, :] < used[:, None]
+    # column j of row b is read iff its first token j * page_size < seq_lens[b]
+    first_token = torch.arange(0, max_pages * page_size, page_size, device=dev)
+    read = first_token < lens[:, None]
     bad_page = read & ((table < 0) | (table >= num_pages))
 
     def page_message() -> str:
         b, j = (int(x) for x in bad_page.nonzero()[0])
+        n = int(lens[b])
         return (
             f"block_table[{b}, {j}] = {int(table[b, j])} is not a page in [0, {num_pages}) "
-            f"(sequence {b} holds {int(lens64[b])} tokens = {int(used[b])} pages)"
+            f"(sequence {b} holds {n} tokens = {-(-n // page_size)} pages)"
         )
 
-    checks.check((lens64 < 1).any(), lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}")
+    checks.check((lens < 1).any(), lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}")
+    capacity = max_pages * page_size  # tokens a row can hold; int32 lens never exceed 2**31
     checks.check(
-        (lens64 > max_pages * page_size).any(),
+        (lens > min(capacity, 2**31 - 1)).any(),
         lambda: (
             f"seq_lens must be <= max_pages * page_size = {max_pages * page_size} "
-            f"(block_table has {max_pages} columns), got max {int(lens64.max())}"
+            f"(block_table has {max_pages} columns), got max {int(lens.max())}"
         ),
     )
     checks.check(bad_page.any(), page_message)
