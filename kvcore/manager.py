@@ -210,10 +210,13 @@ class Manager:
 
         ``start`` (tokens) is a multiple of page_size, at most committed pages x
         page_size, and ``start + len(tokens)`` at most the sequence's num_tokens;
-        BadRequest otherwise. Pages already published are neither hashed nor
-        validated again, so a client sends only what is new. A page whose key is
-        already indexed (another sequence committed the same prefix first) stays
-        private. BadRequest if the tokens contradict a page's published key.
+        BadRequest otherwise. Full pages sent again (``start`` below the committed
+        pages, as a client that always sends from token 0 does) are hashed and must
+        equal the keys the sequence holds (its own commits and its prefix hits), so
+        a client that sends only what is new (``start`` = committed pages x
+        page_size) pays nothing for them. A page whose key is already indexed
+        (another sequence committed the same prefix first) stays private.
+        BadRequest if the tokens contradict a page's key.
         """
         seq = self._seqs.get(seq_id) if type(seq_id) is int else None
         if seq is None:
@@ -236,6 +239,8 @@ class Manager:
                 f"commit of tokens up to {stop}; sequence {seq_id} holds {seq.num_tokens}"
             )
         end = stop // page_size
+        if start < first * page_size:
+            self._check_resent(seq, seq_id, tokens, start, min(end, first))
         if end <= first:
             return first
         # Only the new pages' tokens are encoded, so a commit per page stays O(page).
@@ -252,9 +257,27 @@ class Manager:
                     f"page {pages[i]} (page {first + i} of sequence {seq_id}) was committed "
                     "with other tokens"
                 )
-        self._index.insert_chain(parent, new, pages)
+        self._index.insert_chain(parent, new, pages, token_bytes, seq.namespace)
         keys += new
         return end
+
+    def _check_resent(
+        self, seq: _Sequence, seq_id: int, tokens: Sequence[int], start: int, end: int
+    ) -> None:
+        """BadRequest unless the full pages ``[start // page_size, end)`` of ``tokens``
+        (which begin at token ``start``) hash to the keys ``seq`` already holds."""
+        page_size = self._page_size
+        first = start // page_size
+        if end <= first:
+            return
+        parent = seq.keys[first - 1] if first else seq.root
+        sent = page_keys(parent, encode_tokens(tokens[: (end - first) * page_size]), page_size)
+        for i, key in enumerate(sent):
+            if key != seq.keys[first + i]:
+                raise BadRequest(
+                    f"page {first + i} of sequence {seq_id} is committed (or a prefix hit) "
+                    "with other tokens than this commit sends"
+                )
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:
         """New sequence ``child_id`` sharing every page of ``parent_id`` (refcount +1

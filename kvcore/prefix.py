@@ -119,11 +119,17 @@ def page_keys(parent: PrefixKey, token_bytes: bytes, page_size: int) -> list[Pre
 
 @dataclass(frozen=True, slots=True)
 class PageStored:
-    """A page became visible to prefix lookups (it was committed)."""
+    """A page became visible to prefix lookups (it was committed).
+
+    ``tokens`` (the page's page_size tokens, u32 LE bytes) and ``namespace`` are
+    what a consumer that hashes tokens itself needs (vLLM-format events); index
+    entries built without them (snapshots) leave them empty."""
 
     key: PrefixKey
     parent_key: PrefixKey  # root(namespace) for the first page of a chain
     page: PageId
+    tokens: bytes = b""
+    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +148,8 @@ _new = object.__new__
 _set_key = vars(PageStored)["key"].__set__
 _set_parent_key = vars(PageStored)["parent_key"].__set__
 _set_page = vars(PageStored)["page"].__set__
+_set_tokens = vars(PageStored)["tokens"].__set__
+_set_namespace = vars(PageStored)["namespace"].__set__
 
 
 class PrefixIndex:
@@ -183,13 +191,21 @@ class PrefixIndex:
         return page in self._key_of
 
     def insert_chain(
-        self, parent_key: PrefixKey, keys: Sequence[PrefixKey], pages: Sequence[PageId]
+        self,
+        parent_key: PrefixKey,
+        keys: Sequence[PrefixKey],
+        pages: Sequence[PageId],
+        token_bytes: bytes = b"",
+        namespace: str = "",
     ) -> None:
         """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
         is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
-        page (the first commit wins); the page passed for it stays private."""
+        page (the first commit wins); the page passed for it stays private.
+        ``token_bytes`` (the chain's tokens, u32 LE, or empty) and ``namespace``
+        label the entries and their events."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, events = self._stored, self._key_of, self._events
+        stride = len(token_bytes) // len(keys) if keys else 0
         for i, key in enumerate(keys):
             page = pages[i]
             if key not in stored:
@@ -198,6 +214,8 @@ class PrefixIndex:
                 _set_key(entry, key)
                 _set_parent_key(entry, parent_key)
                 _set_page(entry, page)
+                _set_tokens(entry, token_bytes[i * stride : (i + 1) * stride])
+                _set_namespace(entry, namespace)
                 stored[key] = entry
                 key_of[page] = key
                 events.append(entry)

@@ -279,7 +279,10 @@ def test_events_are_queued_in_order_and_taken_once() -> None:
     k0, k1 = (e.key for e in m.prefix_snapshot())
     p0, p1 = m.block_table(1)
     root = root_key("default")
-    assert m.take_events() == [PageStored(k0, root, p0), PageStored(k1, k0, p1)]
+    t0, t1 = encode_tokens(a[:4]), encode_tokens(a[4:])  # the pages' tokens label the events
+    assert m.take_events() == [
+        PageStored(k0, root, p0, t0, "default"), PageStored(k1, k0, p1, t1, "default")
+    ]
     assert m.take_events() == []
     m.free(1)
     m.allocate(2, [9] * 9)  # one free page, then the LRU: p1 (the tail) before p0
@@ -342,3 +345,20 @@ def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyP
     assert m.lookup(query, namespace="b").num_cached_tokens == 0  # other root: hashed again
     assert calls == 11
     m.check_integrity()  # which also recomputes the memo's keys
+
+
+def test_commit_that_contradicts_a_prefix_hit_or_an_earlier_commit_is_refused() -> None:
+    m = make(num_pages=16)
+    prompt = list(range(21))  # five full pages of 4 tokens, and one token more
+    m.allocate(1, prompt)
+    m.commit(1, prompt)
+    hit = m.allocate(2, prompt)
+    assert hit.num_cached_tokens == 20
+    forged = [7, *prompt[1:]]
+    with pytest.raises(BadRequest, match="other tokens"):
+        m.commit(2, forged)  # the hit pages hold other tokens: refused, nothing changes
+    assert m.commit(2, prompt) == 5 and m.commit(2, prompt[8:], start=8) == 5
+    with pytest.raises(BadRequest, match="other tokens"):
+        m.commit(1, [*prompt[:8], 0, 0, 0, 0], start=0)  # re-sends page 2 with other tokens
+    assert m.take_events() != [] and m.commit(1, prompt[20:], start=20) == 5
+    m.check_integrity()

@@ -172,7 +172,9 @@ class Model:
         stored, (namespace, tokens), page = event
         if stored:
             parent = (namespace, tokens[: len(tokens) - self.page_size])
-            return PageStored(self.key((namespace, tokens)), self.key(parent), PageId(page))
+            page_tokens = b"".join(t.to_bytes(4, "little") for t in tokens[-self.page_size :])
+            return PageStored(self.key((namespace, tokens)), self.key(parent), PageId(page),
+                              page_tokens, namespace)  # fmt: skip
         return PageRemoved(self.key((namespace, tokens)), PageId(page))
 
     def release(self, pages: Sequence[int]) -> None:
@@ -315,6 +317,19 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
                          "long": committed}[bad]  # fmt: skip
             tokens = [*seq.tokens[max(start, 0) :], 0] if bad == "long" else []
             self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens, start=start))
+
+        @precondition(lambda self: any(s.committed for s in self.model.seqs.values()))
+        @rule(data=st.data())
+        def commit_forged(self, data: st.DataObject) -> None:
+            """A commit that re-sends a committed (or prefix-hit) page with other tokens:
+            BadRequest, nothing changes."""
+            m = self.model
+            seq_id = data.draw(st.sampled_from(sorted(i for i, s in m.seqs.items() if s.committed)))
+            seq = m.seqs[seq_id]
+            page = data.draw(st.integers(0, seq.committed - 1), label="forged_page")
+            tokens = list(seq.tokens[: seq.committed * m.page_size])
+            tokens[page * m.page_size] += 1  # tokens are < 3: still a valid token id
+            self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens))
 
         @rule(seq_id=SEQ_IDS)
         def commit_too_many(self, seq_id: int) -> None:
