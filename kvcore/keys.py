@@ -46,7 +46,7 @@ def load_keypair(secret_file: str | Path) -> tuple[bytes, bytes]:
     """(public, secret) z85 keys from a ``.key_secret`` file."""
     import zmq.auth
 
-    public, secret = zmq.auth.load_certificate(str(secret_file))
+    public, secret = zmq.auth.load_certificate(str(Path(secret_file).expanduser()))
     if secret is None:
         raise ValueError(f"{secret_file} holds no secret key")
     return public, secret
@@ -56,7 +56,7 @@ def load_public(key_file: str | Path) -> bytes:
     """The z85 public key of a ``.key`` (or ``.key_secret``) file."""
     import zmq.auth
 
-    public, _secret = zmq.auth.load_certificate(str(key_file))
+    public, _secret = zmq.auth.load_certificate(str(Path(key_file).expanduser()))
     return public
 
 
