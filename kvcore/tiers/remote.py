@@ -18,7 +18,11 @@ Where the time goes, and its bounds:
   is down, slow or returns a bad object costs a counted miss, never an
   exception and never a wait longer than ``timeout_s``.
 * The connection (``setup``) is made on the reader thread when the tier is
-  built; until it succeeds every call misses (:meth:`RemoteTier.wait_ready`).
+  built, only once both servers accept TCP (``setup`` holds the GIL while it
+  retries an absent master: kvcore.tiers.worker); until it succeeds every call
+  misses (:meth:`RemoteTier.wait_ready`), and it is retried every ``retry_s``.
+* ``close`` leaves a healthy store within ``2 x timeout_s``; a store whose
+  master is gone is closed at process exit instead (it would hold the GIL).
 
 Mooncake keeps objects in memory segments that its clients contribute
 (``segment_bytes`` here): a daemon that leaves takes its segment's share of
@@ -243,8 +247,9 @@ class RemoteTier:
                 "master_server_addr": config.master,
             })
         except Exception:  # a malformed address: the tier stays down, every call misses
-            return False
+            code = -1
         if code != 0:
+            abandon(store)  # a half-set-up store must not be destroyed either (worker.py)
             return False
         self._store = store
         return True
