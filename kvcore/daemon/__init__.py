@@ -2,7 +2,9 @@
 
 Parts, one job each (docs/architecture.md, "The daemon"):
 
-* :mod:`.sessions` — leases and sequence ownership in both directions;
+* :mod:`.sessions` — leases, fencing and sequence ownership in both directions;
+* :mod:`.auth` — credentials (peer uid, CURVE key) -> grants of pools and namespaces;
+* :mod:`.quotas` — the ledger of what sessions and namespaces hold; bounded work;
 * :mod:`.pools` — a pool's memory region, its Manager, its event numbering;
 * :mod:`.handler` — one frame in, one frame out, through :mod:`kvcore.ops`;
 * :mod:`.serve` — the Daemon assembly, the command line, locks, signals, logs.
