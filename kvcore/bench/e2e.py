@@ -439,15 +439,16 @@ def _layer_record(args: argparse.Namespace, spec: TinyLlama, page_size: int,
 def _time_layer(decode: Callable[[], object], sdpa: Callable[[], object], calls: int,
                 rounds: int) -> LayerTimes:  # fmt: skip
     """Paired rounds: ``calls`` decode calls, then ``calls`` SDPA calls, ``rounds`` times."""
+    calls = max(1, calls)
     decode(), sdpa()  # warm up
     decode_s: list[float] = []  # seconds per call, one entry per round
     sdpa_s: list[float] = []
     for _ in range(max(1, rounds)):
         for fn, samples in ((decode, decode_s), (sdpa, sdpa_s)):
             start = time.perf_counter()
-            for _ in range(max(1, calls)):
+            for _ in range(calls):
                 fn()
-            samples.append((time.perf_counter() - start) / max(1, calls))
+            samples.append((time.perf_counter() - start) / calls)
     return LayerTimes(
         decode_us=statistics.median(decode_s) * 1e6,
         sdpa_us=statistics.median(sdpa_s) * 1e6,
@@ -502,7 +503,8 @@ class _LayerInputs:
         return lambda: backend.decode(plan, self.query, self.kv_cache, self.scale)
 
     def sdpa(self) -> torch.Tensor:
-        """SDPA as transformers calls it for one new token: [B, Hq, 1, D] over dense K/V."""
+        """One SDPA call for one new token per row: [B, Hq, 1, D] over dense K/V (GQA
+        native), masked past each row's length when the batch is ragged."""
         import torch.nn.functional as F
 
         return F.scaled_dot_product_attention(
