@@ -7,6 +7,12 @@ from kvcore_ipc.vllm_events import VllmEventPublisher, block_hash
 from vllm_events_helpers import batch, chain, removed
 
 
+def test_the_block_hash_is_the_low_64_bits_of_the_page_key() -> None:
+    key = chain([1, 2, 3, 4], 4)[0].key  # spec/hashing.md's first vector
+    assert key.hex() == "152c2a912d40b0a95101684912837768a1c4e55ab68da2524df427af941ca8d0"
+    assert block_hash(key) == 0x4DF427AF941CA8D0 == 5617158270295517392  # spec/vllm-events.md
+
+
 def subscriber(endpoint: str) -> zmq.Socket[bytes]:
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)

@@ -19,7 +19,8 @@ Round trips: one ``allocate`` per request (when vLLM first asks), and one batch
 per step for everything queued (commits and frees), sent after the step's output
 is processed (``take_events``) or before the next step (``build_connector_meta``).
 A failed call never fails vLLM: the request is a miss (nothing loaded, nothing
-saved), and for ``retry_s`` seconds the scheduler does not ask the daemon again.
+saved), and for ``retry_s`` seconds (doubled after each failure in a row, up to
+a minute) the scheduler does not ask the daemon; then it attaches again.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcore.vllm")
+MAX_RETRY_S = 60.0  # the longest quiet period after failures in a row
 
 
 @dataclass(slots=True)
@@ -84,6 +86,7 @@ class SchedulerSide:
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self._quiet_until = 0.0  # monotonic time before which the daemon is not asked
         self._stale = False  # a call failed: attach again before the next one
+        self._retry_s = config.retry_s  # the next quiet period, seconds
         self.kv_cache_manager: KVCacheManager | None = None
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------
@@ -244,6 +247,7 @@ class SchedulerSide:
                 self._failed("attach", exc)
                 return False
             self._stale = False
+            self._retry_s = self.config.retry_s
             self._tracked.clear()  # the old sequences died with the old session
             self._queued.clear()
         return True
@@ -255,7 +259,8 @@ class SchedulerSide:
         if isinstance(exc, OutOfPages):
             log.info("kvcore: %s: %s", what, exc)
             return
-        self._quiet_until = time.monotonic() + self.config.retry_s
+        self._quiet_until = time.monotonic() + self._retry_s
         self._stale = True
         log.warning("kvcore: %s failed (%s: %s); treating requests as misses for %.0f s",
-                    what, type(exc).__name__, exc, self.config.retry_s)  # fmt: skip
+                    what, type(exc).__name__, exc, self._retry_s)  # fmt: skip
+        self._retry_s = min(2 * self._retry_s, MAX_RETRY_S)  # each failure in a row doubles it

