@@ -309,6 +309,8 @@ class Client:
         if reply.error is not None:
             if reply.error.code == LeaseLost.code:
                 self._lose(self._channel)
+            elif self._lost and reply.error.code == NotAttached.code:  # the heartbeat acked first
+                raise LeaseLost("this session's lease was lost; reconnect() to attach again")
             raise error_from_code(reply.error.code, reply.error.message)
         if reply.result is None:
             raise InternalError(f"reply to {type(body).__name__} has neither result nor error")
