@@ -226,7 +226,7 @@ class PagedRows:
             row for row in self.rows if row.num_written // self.page_size > row.num_committed
         ]
         for row in committing:
-            ops.commit(row.seq, row.tokens[: row.num_written])
+            _commit_new(ops, row, self.page_size)
         for row in growing:
             ops.extend(row.seq, _round_up(len(row.tokens) + q, self.page_size) - row.reserved)
         if committing:
@@ -262,7 +262,7 @@ class PagedRows:
                 ops = self.client.batch()
                 for row in self.rows:
                     if row.num_written // self.page_size > row.num_committed:
-                        ops.commit(row.seq, row.tokens[: row.num_written])
+                        _commit_new(ops, row, self.page_size)
                 if len(ops):
                     self._sync()
                     ops.run()
@@ -339,3 +339,10 @@ def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> 
             "at least one 1); pass tokenizer(padding_side='left') or unpadded rows"
         )
     return [int(p) for p in pads]
+
+
+def _commit_new(ops: Any, row: Row, page_size: int) -> None:
+    """Queue the commit of ``row``'s written full pages, sending only the tokens after
+    its committed pages (the protocol's ``start``: the wire carries only what is new)."""
+    start = row.num_committed * page_size
+    ops.commit(row.seq, row.tokens[start : row.num_written], start=start)
