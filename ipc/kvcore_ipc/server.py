@@ -179,17 +179,20 @@ class RouterServer:
         sock.setsockopt(zmq.RCVTIMEO, tick_ms)  # a blocking recv, as lean as a raw echo loop
         while not self._stop:
             try:
-                frames = sock.recv_multipart(copy=False)
+                identity = sock.recv()  # bytes: as lean as a raw echo loop
             except zmq.Again:
                 tick()
                 continue
             except InterruptedError:
                 continue
-            if len(frames) == 2:
-                sock.send_multipart((frames[0], handler(frames[1].bytes, frames[1])))
-            elif len(frames) == 3 and not frames[1].bytes:
-                sock.send_multipart((frames[0], b"", handler(frames[2].bytes, frames[2])))
+            body = sock.recv(copy=False)  # a Frame: it knows the peer (peer_of)
+            if not body.more:
+                sock.send_multipart((identity, handler(body.bytes, body)))
+            elif not body.bytes and not (body := sock.recv(copy=False)).more:
+                sock.send_multipart((identity, b"", handler(body.bytes, body)))
             else:
+                while body.more:  # any other shape: drop the rest of the message
+                    body = sock.recv(copy=False)
                 self.dropped_frames += 1
             tick()
 

@@ -88,6 +88,11 @@ class Ledger:
     def check(self, pool: str, session: int, namespace: str, body: msg.BatchOp) -> None:
         """QuotaExceeded if ``body`` would take the session or namespace over a quota."""
         book = self._books[pool]
+        kind = type(body)
+        if kind is msg.Extend and not (book.limits.session_pages or book.limits.namespace_pages):
+            return  # the hot path: an extend adds no sequence, and pages are not limited
+        if kind not in _GROW:
+            return
         match body:
             case msg.Allocate(tokens=tokens):
                 self._room(book, session, namespace, -(-len(tokens) // book.page_size), 1)
@@ -115,13 +120,25 @@ class Ledger:
     def apply(self, pool: str, session: int, namespace: str, body: msg.BatchOp) -> None:
         """Book the effect of ``body``, which the Manager just carried out."""
         book = self._books[pool]
+        kind = type(body)
+        if kind is msg.Extend:  # the hot path
+            seq = body.seq  # type: ignore[attr-defined]
+            old = book.tokens[seq]
+            new = old + body.num_tokens  # type: ignore[attr-defined]
+            book.tokens[seq] = new
+            grown = -(-new // book.page_size) - -(-old // book.page_size)
+            if grown:
+                session, namespace = book.holder[seq]
+                book.sessions[session].pages += grown
+                book.namespaces[namespace].pages += grown
+            return
+        if kind not in _GROW and kind is not msg.Free:
+            return
         match body:
             case msg.Allocate(seq=seq, tokens=tokens):
                 self._set(book, seq, len(tokens), (session, namespace))
             case msg.Fork(parent=parent, child=child):
                 self._set(book, child, book.tokens[parent], (session, namespace))
-            case msg.Extend(seq=seq, num_tokens=n):
-                self._set(book, seq, book.tokens[seq] + n, book.holder[seq])
             case msg.Free(seq=seq):
                 self.drop(pool, seq)
 
@@ -173,16 +190,21 @@ class Ledger:
 
 
 def request_work(ops: Iterable[msg.BatchOp], ledger: Ledger, pool: str, limit: int) -> None:
-    """BadRequest if ``ops`` (one request) would cost more than ``limit`` tokens of work."""
+    """BadRequest if ``ops`` (one request) would cost more than ``limit`` tokens of work.
+    (Type tests, not ``match``: this runs for every op of every batch.)"""
     work = 0
     for op in ops:
-        match op:
-            case msg.Allocate(tokens=t) | msg.Commit(tokens=t) | msg.Lookup(tokens=t):
-                work += len(t)
-            case msg.Extend(num_tokens=n):
-                work += n
-            case msg.Fork(parent=parent):
-                work += ledger.pages(pool, parent) * ledger.page_size(pool)
-        if work > limit:
-            raise BadRequest(f"this request is more than {limit} tokens of work "
-                             f"(max_request_tokens): split it")  # fmt: skip
+        kind = type(op)
+        if kind is msg.Extend:
+            work += op.num_tokens  # type: ignore[attr-defined]
+        elif kind in _CARRY_TOKENS:
+            work += len(op.tokens)  # type: ignore[attr-defined]
+        elif kind is msg.Fork:
+            work += ledger.pages(pool, op.parent) * ledger.page_size(pool)  # type: ignore[attr-defined]
+    if work > limit:
+        raise BadRequest(f"this request is {work} tokens of work, more than {limit} "
+                         f"(max_request_tokens): split it")  # fmt: skip
+
+
+_CARRY_TOKENS = frozenset({msg.Allocate, msg.Commit, msg.Lookup})
+_GROW = frozenset({msg.Allocate, msg.Fork, msg.Extend})  # the ops a quota may refuse
