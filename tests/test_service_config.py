@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore.config import PoolConfig, ServiceConfig, parse_pool_spec, parse_size
+from kvcore.config import PoolConfig, ServiceConfig, TenantConfig, parse_pool_spec, parse_size
 from kvcore.errors import BadRequest
 
 
@@ -20,6 +20,13 @@ from kvcore.errors import BadRequest
         {"pools": []},
         {"pools": [PoolConfig(), PoolConfig()]},  # the same name twice
         {"pools": [PoolConfig(page_size=0)]},
+        {"pools": [PoolConfig(session_max_pages=-1)]},
+        {"max_sessions": 0},
+        {"max_request_tokens": 0},
+        {"fence_timeout_s": float("nan")},
+        {"socket_mode": 0o666},  # wider than 0600 only with tenants
+        {"socket_mode": 0o1777, "tenants": [TenantConfig(name="t")]},
+        {"tenants": [TenantConfig(name="t", keys=["short"])]},
     ],
 )
 def test_bad_service_settings_are_rejected(bad: dict[str, object]) -> None:

@@ -45,14 +45,17 @@ class Peer:
     key: str | None  # tcp:// with CURVE: the client's z85 public key (set by ZAP)
 
 
-def peer_of(frame: zmq.Frame) -> Peer:
-    """The peer of a received frame. libzmq appends ``:uid:gid:pid`` to the address of a
-    Unix-socket peer; a ZAP handler sets ``User-Id`` (the CURVE key)."""
+def peer_of(frame: zmq.Frame, *, ipc: bool) -> Peer:
+    """The peer of a frame received on an ``ipc`` (Unix) socket or not. libzmq gives a
+    Unix-socket peer the address ``localhost:uid:gid:pid`` (SO_PEERCRED); only then are
+    uid and pid read (a TCP peer's IPv6 address must never pass for one). A ZAP handler
+    sets ``User-Id`` (the CURVE key)."""
     uid = pid = None
     with contextlib.suppress(zmq.ZMQError):
-        address = str(frame.get("Peer-Address"))
-        parts = address.rsplit(":", 3)
-        if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        parts = str(frame.get("Peer-Address")).split(":")
+        if ipc and len(parts) == 4 and parts[0] == "localhost" and all(
+            p.isdigit() for p in parts[1:]
+        ):
             uid, pid = int(parts[1]), int(parts[3])
     key = None
     with contextlib.suppress(zmq.ZMQError):

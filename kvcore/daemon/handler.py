@@ -78,6 +78,7 @@ class Handler:
         self.requests = 0
         self.errors = 0
         self.server: RouterServer | None = None  # set once the socket is bound (frame counters)
+        self.ipc = False  # the socket is ipc:// (peers have kernel credentials); set by the Daemon
 
     def handle(self, frame: bytes, raw: zmq.Frame | None = None) -> bytes:
         """Answer one request frame (``raw``: the received frame, which knows the peer)."""
@@ -172,7 +173,7 @@ class Handler:
                 f"client speaks protocol v{body.version}; this daemon speaks v{msg.PROTOCOL_VERSION}"
             )
         root_key(body.namespace)  # BadRequest if the namespace is over 256 bytes
-        peer = peer_of(raw) if raw is not None else None
+        peer = peer_of(raw, ipc=self.ipc) if raw is not None else None
         grant = self.authority.grant(peer) if peer is not None else self.authority.local()
         grant.check_pool(body.pool)
         grant.check_namespace(body.namespace)
@@ -251,7 +252,8 @@ class Handler:
 
     def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
         """What the peer's grant may see: its pools, and the sessions of its namespaces."""
-        grant = self.authority.grant(peer_of(raw)) if raw is not None else self.authority.local()
+        authority = self.authority
+        grant = authority.grant(peer_of(raw, ipc=self.ipc)) if raw is not None else authority.local()
         now = time.monotonic()
         pools = []
         for pool in self.pools.pools.values():

@@ -128,6 +128,7 @@ class Daemon:
                 socket_mode=config.socket_mode, zap_domain=REQUEST_DOMAIN if secret else "",
             )  # fmt: skip
             self.handler.server = self.server
+            self.handler.ipc = endpoint.startswith("ipc://")
         except BaseException:
             self.close()
             raise
