@@ -21,7 +21,7 @@ import pytest
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
-from kvcore.errors import OutOfPages
+from kvcore.errors import NotAttached, OutOfPages
 from kvcore.layout import KVLayout
 
 LEASE_S = 1.0
@@ -110,3 +110,20 @@ def test_a_fenced_session_is_released_when_its_process_exits(daemon: DaemonProce
             assert time.monotonic() < deadline, "pages of a dead fenced client were kept"
             time.sleep(0.02)
         owner.check_integrity()
+
+
+def test_an_unwatchable_fenced_session_is_released_after_the_fence_timeout(tmp_path: Path) -> None:
+    """A tcp:// peer's process cannot be watched: its fence ends after fence_timeout_s."""
+    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--insecure", "--lease-timeout", "0.5",
+                       "--fence-timeout", "1", "--pool", "num_pages=8,num_layers=1") as daemon:  # fmt: skip
+        quiet = Client.connect(daemon.endpoint, heartbeat=False, map_memory=False)
+        quiet.allocate(1, [1, 2, 3])
+        with Client.connect(daemon.endpoint, map_memory=False) as watcher:
+            time.sleep(0.9)
+            assert watcher.stats().held_pages == 1  # fenced: its writes could still land
+            time.sleep(1.0)
+            assert watcher.stats().held_pages == 0  # the fence timed out
+            watcher.check_integrity()
+        with pytest.raises(NotAttached):
+            quiet.extend(1, 1)  # it is gone, not fenced any more
+        quiet.close()
