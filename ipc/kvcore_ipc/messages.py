@@ -335,7 +335,8 @@ class NumTokens(_Op, tag="num_tokens"):
 
 
 class GetStats(_Op, tag="stats"):
-    """Pools, sessions and counters; allowed without a session."""
+    """Pools, sessions and counters; allowed without a session, and limited to what the
+    requester's credentials may see (spec/protocol.md, "Trust")."""
 
     Result = StatsOk
 
