@@ -103,6 +103,8 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     endpoint: str = ""  # "" = default_endpoint()
     events: str = ""  # "" = no event stream; "auto" = an ipc socket next to the endpoint
+    events_format: str = "kvcore"  # "kvcore" (spec/protocol.md) or "vllm" (spec/vllm-events.md)
+    events_replay: str = ""  # vllm format: ROUTER endpoint replaying buffered batches; "" = off
     lease_timeout_s: float = 10.0
     # A session that expired while its process lives is fenced (its pages kept, not reused)
     # until the process exits or the client acknowledges; a peer whose process the daemon
@@ -125,6 +127,10 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         if not self.pools:
             raise BadRequest("no pools configured")
+        if self.events_format not in ("kvcore", "vllm"):
+            raise BadRequest(f"events_format is 'kvcore' or 'vllm', not {self.events_format!r}")
+        if self.events_replay and self.events_format != "vllm":
+            raise BadRequest("events_replay serves the vllm events format only")
         names = [pool.name for pool in self.pools]
         if len(set(names)) != len(names):
             raise BadRequest(f"pool names repeat: {names}")

@@ -146,3 +146,57 @@ def test_events_auto_gives_each_daemon_its_own_locked_socket(tmp_path: Path) -> 
             DaemonProcess("--endpoint", f"ipc://{tmp_path}/c.sock",
                           "--events", f"ipc://{tmp_path}/a.events.sock", *args[2:]).start()  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_events_format_vllm_through_a_daemon(tmp_path: Path) -> None:
+    """vLLM's frames (topic, 8-byte big-endian seq, [ts, events]) decoded with plain msgpack:
+    AllBlocksCleared at start, then BlockStored with the committed tokens and 64-bit hashes
+    of the page keys, BlockRemoved on eviction."""
+    import msgpack
+    import zmq
+
+    events, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path}/d.sock", "--events", events,
+                       "--events-format", "vllm", "--events-replay", replay, "--pool",
+                       "num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,"
+                       "num_pages=4") as daemon:  # fmt: skip
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(events)
+        time.sleep(0.3)
+        with Client.connect(daemon.endpoint, namespace="tenant-x") as client:
+            prompt = list(range(10, 19))
+            client.allocate(1, prompt)
+            client.commit(1, prompt)  # two pages
+            keys = [p.key for p in client.snapshot().pages]
+            client.free(1)
+            client.allocate(2, list(range(100, 116)))  # every page: evicts both
+        got = []
+        while sub.poll(500):
+            topic, seq, payload = sub.recv_multipart()
+            got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        sub.close(linger=0)
+        asker = zmq.Context.instance().socket(zmq.DEALER)  # the replay, from batch 0 on
+        asker.connect(replay)
+        asker.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while asker.poll(2000):
+            _, _topic, seq, payload = asker.recv_multipart()
+            if not payload:
+                break  # the end marker
+            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+        asker.close(linger=0)
+    assert replayed[0][0] == 0 and replayed[0][1][1] == [{"type": "AllBlocksCleared"}]
+    assert replayed[1:] == got  # a new daemon starts clean; the replay has what was sent
+    seqs = [s for s, _ in got]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    events_seen = [e for _, (_ts, evs, *_) in got for e in evs]
+    stored = [e for e in events_seen if e["type"] == "BlockStored"]
+    removed = [e for e in events_seen if e["type"] == "BlockRemoved"]
+    assert len(stored) == 1  # one chain of two pages: one BlockStored
+    (event,) = stored
+    assert event["block_hashes"] == [int.from_bytes(k[-8:], "big") for k in keys]
+    assert event["parent_block_hash"] is None
+    assert event["token_ids"] == list(range(10, 18)) and event["block_size"] == 4
+    assert event["medium"] == "CPU" and event["lora_name"] == "tenant-x"  # namespaces apart
+    assert sorted(h for e in removed for h in e["block_hashes"]) == sorted(event["block_hashes"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -31,6 +32,16 @@ from kvcore_ipc.messages import EventBatch
 def topic(pool: str) -> bytes:
     """The first frame of a pool's events: its name and a NUL terminator."""
     return pool.encode() + b"\0"
+
+
+class Publisher(Protocol):
+    """What the daemon publishes through: this module's EventPublisher (kvcore's format)
+    or kvcore_ipc.vllm_events.VllmEventPublisher (vLLM's)."""
+
+    endpoint: str
+
+    def publish(self, batch: EventBatch) -> None: ...
+    def close(self) -> None: ...
 
 
 class EventPublisher:

@@ -419,6 +419,8 @@ class PageStoredEvent(_Message, tag="stored", tag_field="kind"):
     key: bytes  # 32-byte prefix key (spec/hashing.md)
     parent: bytes  # the previous page's key, or the namespace root
     page: int
+    tokens: list[int] = msgspec.field(default_factory=list)  # the page's page_size tokens
+    namespace: str = ""  # the namespace the page was committed in
 
 
 class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):

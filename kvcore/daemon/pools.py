@@ -18,10 +18,11 @@ finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from kvcore_ipc import messages as msg
-from kvcore_ipc.events import EventPublisher
+from kvcore_ipc.events import Publisher
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore.errors import BadRequest, UnknownPool
@@ -59,7 +60,7 @@ class PoolTable:
     __slots__ = ("_publisher", "_seq_no", "epoch", "pools", "segment_prefix")
 
     def __init__(
-        self, epoch: int, publisher: EventPublisher | None, segment_prefix: str = "kvcore"
+        self, epoch: int, publisher: Publisher | None, segment_prefix: str = "kvcore"
     ) -> None:
         self.epoch = epoch
         self.segment_prefix = segment_prefix
@@ -148,5 +149,8 @@ class PoolTable:
 
 def _wire(event: PageEvent) -> msg.Event:
     if isinstance(event, PageStored):
-        return msg.PageStoredEvent(event.key, event.parent_key, event.page)
+        tokens = array("I", event.tokens)  # u32 little-endian (the host's order, checked)
+        return msg.PageStoredEvent(
+            event.key, event.parent_key, event.page, tokens.tolist(), event.namespace
+        )
     return msg.PageRemovedEvent(event.key, event.page)

@@ -31,9 +31,10 @@ import msgspec
 import zmq
 from kvcore_ipc import messages as msg
 from kvcore_ipc.codec import ServerCodec
-from kvcore_ipc.events import EventPublisher
+from kvcore_ipc.events import EventPublisher, Publisher
 from kvcore_ipc.memory import HostRegion, sweep
 from kvcore_ipc.server import EndpointBusy, EndpointLock, RouterServer, endpoint_in_use
+from kvcore_ipc.vllm_events import VllmEventPublisher
 
 from kvcore.config import (
     ServiceConfig,
@@ -95,7 +96,7 @@ class Daemon:
             raise BadRequest("CURVE needs the public keys of the clients it admits: "
                              "--authorized-keys DIR (see `kvcore keys`) or tenants' keys")  # fmt: skip
         self.swept = sweep(segment_prefix(endpoint))  # what a killed daemon of this endpoint left
-        self.publisher: EventPublisher | None = None
+        self.publisher: Publisher | None = None
         self.pools = PoolTable(self.epoch, None, segment_prefix(endpoint))
         self.sessions = SessionTable(config.lease_timeout_s, config.fence_timeout_s,
                                      config.max_sessions)  # fmt: skip
@@ -105,11 +106,14 @@ class Daemon:
             if secret is not None:
                 self.authority.start_zap()
             events = events_endpoint(config.events, endpoint)
-            if events:
+            if events and config.events_format == "vllm":
+                self.publisher = vllm_publisher(config, events)
+            elif events:
                 self.publisher = EventPublisher(
                     events, curve_secret_key=secret, zap_domain=EVENTS_DOMAIN if secret else "",
                     max_messages=max(1, config.events_buffer_bytes // MAX_EVENT_MESSAGE_BYTES),
                 )  # fmt: skip
+            if self.publisher is not None:
                 self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
             self.handler = Handler(
                 self.pools, self.sessions, ServerCodec(config.max_frame_bytes, config.max_batch),
@@ -179,6 +183,20 @@ def _ipc_paths(endpoint: str, events: str) -> list[str]:
 # -- the command line -----------------------------------------------------------------
 
 
+def vllm_publisher(config: ServiceConfig, endpoint: str) -> VllmEventPublisher:
+    """The vLLM-format publisher (spec/vllm-events.md): ``medium`` GPU for cuda pools,
+    CPU for host pools; a new daemon start is announced with AllBlocksCleared.
+    ipc:// only or CURVE-less tcp:// (vLLM's subscribers speak no CURVE)."""
+    if config.curve_secret_key_file and not endpoint.startswith("ipc://"):
+        raise BadRequest("--events-format vllm over tcp:// would be unencrypted; use an ipc:// "
+                         "--events endpoint (vLLM's subscribers speak no CURVE)")  # fmt: skip
+    mediums = {p.name: "CPU" if p.device == "cpu" else "GPU" for p in config.pools}
+    publisher = VllmEventPublisher(endpoint, config.events_replay or None,
+                                   page_size=config.pools[0].page_size, mediums=mediums)  # fmt: skip
+    publisher.cleared()
+    return publisher
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file (see kvcore.config); flags override it")
     parser.add_argument("--endpoint", help="ipc:// or tcp:// endpoint (default: runtime dir)")
@@ -187,6 +205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(repeatable; replaces the configured pools)")  # fmt: skip
     parser.add_argument("--events", help="PUB endpoint for page events ('auto': beside "
                         "the request socket, one per daemon)")  # fmt: skip
+    parser.add_argument("--events-format", choices=["kvcore", "vllm"], help="the event "
+                        "stream's format: kvcore's (spec/protocol.md) or vLLM's KV events, as "
+                        "KV-aware routers read them (spec/vllm-events.md); default kvcore")  # fmt: skip
+    parser.add_argument("--events-replay", help="vllm format: ROUTER endpoint that replays "
+                        "buffered event batches (vLLM's replay_endpoint)")  # fmt: skip
     parser.add_argument("--lease-timeout", type=float, help="seconds without a request "
                         "before a session's sequences are freed (default 10)")  # fmt: skip
     parser.add_argument("--max-frame-bytes", type=int)
@@ -214,6 +237,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
     config = load_toml(args.config) if args.config else ServiceConfig()
     overrides: dict[str, Any] = {
         "endpoint": args.endpoint, "events": args.events, "lease_timeout_s": args.lease_timeout,
+        "events_format": args.events_format, "events_replay": args.events_replay,
         "max_frame_bytes": args.max_frame_bytes, "max_batch": args.max_batch,
         "curve_secret_key_file": args.curve_secret_key_file,
         "authorized_keys_dir": args.authorized_keys_dir,
