@@ -1,7 +1,7 @@
 """``kvcore demo``: two engine processes share one prefix cache through the daemon.
 
 The demo starts ``kvcore serve`` with a host pool that fits the demo model
-(kvcore.integrations.tiny_llama: Llama architecture, random weights from a
+(kvcore.demo_model: Llama architecture, random weights from a
 fixed seed, nothing downloaded), or attaches to ``--endpoint``. It then runs two
 engine processes. Each builds the same model, asks its own question after the
 same system prompt with transformers' ``generate()`` on a KVCoreCache, and
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvcore.daemon_process import DaemonProcess
-    from kvcore.integrations.tiny_llama import TinyLlama
+    from kvcore.demo_model import TinyLlama
 
     console = Console()
     spec = TinyLlama()
@@ -194,7 +194,7 @@ def _engine(endpoint: str, pool: str, role: str, new_tokens: int) -> dict[str, A
 
     from kvcore.backend import get as get_backend
     from kvcore.client import Client
-    from kvcore.integrations.tiny_llama import TinyLlama, timed_greedy
+    from kvcore.demo_model import TinyLlama, timed_greedy
     from kvcore.integrations.transformers import KVCoreCache
 
     torch.set_num_threads(1)  # two engines on a small machine: no thread oversubscription

@@ -12,7 +12,7 @@ import torch
 
 from kvcore import Client, KVLayout
 from kvcore.daemon_process import DaemonProcess
-from kvcore.integrations.tiny_llama import TinyLlama, greedy
+from kvcore.demo_model import TinyLlama, greedy
 
 # Small enough for 2 cores: 2 layers, hidden 128, GQA 4 query / 2 KV heads, head dim 32.
 SMALL = TinyLlama(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,

@@ -16,7 +16,7 @@ import torch
 from hf_helpers import SMALL, held, module_endpoint, padded, private_client, reference
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from kvcore.integrations.tiny_llama import greedy
+from kvcore.demo_model import greedy
 from kvcore.integrations.transformers import KVCoreCache
 
 NEW = 16

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.demo import NAMESPACE, PAGE_SIZE, SYSTEM_PROMPT_TOKENS, finish_engine, start_engine
-from kvcore.integrations.tiny_llama import TinyLlama
+from kvcore.demo_model import TinyLlama
 
 
 def test_engine_b_reuses_engine_a_system_prompt(tmp_path: Path) -> None:

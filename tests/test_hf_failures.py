@@ -11,7 +11,7 @@ from hf_helpers import SMALL, daemon, held, module_endpoint, padded, private_cli
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
-from kvcore.integrations.tiny_llama import greedy
+from kvcore.demo_model import greedy
 from kvcore.integrations.transformers import KVCoreCache
 
 

@@ -11,7 +11,7 @@ from hf_helpers import held, module_endpoint, padded, private_client
 
 from kvcore.backend import Backend, get
 from kvcore.errors import Unsupported
-from kvcore.integrations.tiny_llama import TinyLlama, greedy
+from kvcore.demo_model import TinyLlama, greedy
 from kvcore.integrations.transformers import KVCoreCache
 
 # 1 layer, head dim 32, GQA 2:1; page size 4 so short prompts still span pages

@@ -1,6 +1,6 @@
 """``kvcore bench e2e``: transformers generate() with the kvcore cache vs DynamicCache.
 
-Same run, same model (kvcore.integrations.tiny_llama, the demo model), same
+Same run, same model (kvcore.demo_model, the demo model), same
 prompts. A daemon is started with a host pool that fits the model (or
 ``--endpoint`` names one whose pool ``--pool`` fits it).
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
     from kvcore.backend import Backend
     from kvcore.client import Client
-    from kvcore.integrations.tiny_llama import TinyLlama
+    from kvcore.demo_model import TinyLlama
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +238,7 @@ def timed_generate(
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from kvcore.integrations.tiny_llama import greedy
+    from kvcore.demo_model import greedy
 
     stamps: list[float] = []
 
@@ -303,7 +303,7 @@ def _quiet(logger_name: str) -> Iterator[None]:
 
 
 def _spec(args: argparse.Namespace) -> TinyLlama:
-    from kvcore.integrations.tiny_llama import TinyLlama
+    from kvcore.demo_model import TinyLlama
 
     spec = TinyLlama()
     if args.hidden_size:  # keep head_dim 64 and the 2:1 GQA ratio; MLP 2x wide
@@ -324,7 +324,7 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
              client: Client) -> dict[str, Any]:  # fmt: skip
     from transformers import DynamicCache
 
-    from kvcore.integrations.tiny_llama import timed_greedy
+    from kvcore.demo_model import timed_greedy
     from kvcore.integrations.transformers import KVCoreCache
 
     page_size = client.layout.page_size

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvcore.integrations.tiny_llama import TinyLlama
+from kvcore.demo_model import TinyLlama
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
 MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
