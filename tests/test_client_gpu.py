@@ -67,3 +67,44 @@ def test_gpu_pool_is_shared_across_processes_by_cuda_ipc(daemon: object) -> None
     result = json.loads(read.stdout)
     assert result["hits"] == 2 and result["pages"][:2] == written["pages"][:2]
     assert result["values"] == [1.0, 2.0]
+
+
+SPEC_READER = r"""
+import json, sys
+import msgpack, zmq
+import cupy  # opens the handle with cudaIpcOpenMemHandle: no torch, no rebuild path
+
+endpoint, page, fill = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect(endpoint)
+sock.send(msgpack.packb({"id": 1, "session": 0, "epoch": 0, "body": {"op": "attach",
+          "version": 1, "pool": "gpu", "namespace": "spec"}}))
+assert sock.poll(30000), "no reply"
+ok = msgpack.unpackb(sock.recv())["result"]
+memory, layout = ok["memory"], ok["layout"]
+assert memory["kind"] == "cuda" and len(memory["handle"]) == 64, len(memory["handle"])
+base = cupy.cuda.runtime.ipcOpenMemHandle(memory["handle"])
+S, H, D = layout["page_size"], layout["num_kv_heads"], layout["head_dim"]
+page_elems = 2 * S * H * D
+ptr = base + memory["offset"] + (layout["num_pages"] + page) * page_elems * 2  # layer 1, fp16
+mem = cupy.cuda.UnownedMemory(ptr, page_elems * 2, None)
+values = cupy.ndarray((page_elems,), cupy.float16, cupy.cuda.MemoryPointer(mem, 0))
+print(json.dumps({"mean": float(values.astype(cupy.float32).mean()), "fill": fill}))
+"""
+
+
+def test_a_spec_only_client_opens_the_raw_64_byte_handle(daemon: object) -> None:
+    """spec/protocol.md's CudaMemory read by plain msgpack and opened by CuPy's
+    cudaIpcOpenMemHandle: the handle is the raw 64 bytes at the right offset."""
+    pytest.importorskip("cupy")
+    endpoint: str = daemon.endpoint  # type: ignore[attr-defined]
+    writer = subprocess.Popen([sys.executable, "-c", ENGINE, "writer", endpoint], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    assert writer.stdout is not None and writer.stdin is not None
+    written = json.loads(writer.stdout.readline())
+    page = written["pages"][1]
+    read = subprocess.run([sys.executable, "-c", SPEC_READER, endpoint, str(page), "2.0"],
+                          text=True, capture_output=True, timeout=120)  # fmt: skip
+    writer.communicate("done\n", timeout=60)
+    assert read.returncode == 0, read.stderr
+    assert json.loads(read.stdout)["mean"] == 2.0
