@@ -218,6 +218,7 @@ class Client:
             self._beat.stop()
             self._beat = None
         if self.session and not self._lost:
+            self._wait_for_gpu()
             with contextlib.suppress(KVCoreError):  # the daemon is gone or restarted
                 self._call(msg.Detach(), msg.Empty, timeout_s=min(self._timeout_s, 2.0))
         self._unmap()
@@ -246,6 +247,8 @@ class Client:
 
     def run_op(self, op: Operation[Any, T], request: msg.BatchOp) -> T:
         """One Manager operation over the wire: its result, as the Manager returns it."""
+        if isinstance(request, msg.Free):
+            self._wait_for_gpu()
         result: T = op.decode(self._call(request, op.result))
         return result
 
@@ -275,6 +278,13 @@ class Client:
     def batch(self) -> Batch:
         """Collect operations and send them in one round trip (see :class:`Batch`)."""
         return Batch(self)
+
+    def _wait_for_gpu(self) -> None:
+        """Before pages go back to the daemon (free, close): on a CUDA pool, wait for the
+        kernels queued on this process's current stream, which may still read them; the
+        daemon may hand a freed page to another process at once."""
+        if isinstance(self._region, CudaRegion):
+            self._region.wait_for_stream()
 
     # -- the wire ------------------------------------------------------------------
 
@@ -366,6 +376,8 @@ class Batch:
         """Send the ops; the list of their results (the Manager's result types)."""
         queued, self._ops = self._ops, []
         requests = msg.Batch([request for _, request in queued])
+        if any(isinstance(request, msg.Free) for request in requests.ops):
+            self._client._wait_for_gpu()
         kinds = {op for op, _ in queued}
         error: msg.ErrorBody | None
         if len(kinds) == 1:  # one scheduler step is usually all extends: decode in one pass

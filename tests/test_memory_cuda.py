@@ -12,6 +12,7 @@ process opening the handle) is in tests/test_client_gpu.py.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -162,3 +163,55 @@ def test_pools_are_allocated_outside_expandable_segments(monkeypatch: pytest.Mon
         CudaRegion.create(4096, "cuda:0")
     assert seen == [["expandable_segments:False"]]
     assert settings == ["expandable_segments:False", "expandable_segments:True"]
+
+
+def test_free_waits_for_the_engines_stream_before_the_daemon_has_the_pages(
+    tmp_path: Path,
+) -> None:
+    """A freed page may go to another process at once: on a CUDA pool the client waits for
+    the kernels queued on its stream (which may still read the page) before it sends
+    ``free``, a batch holding a ``free``, or the ``detach`` of close."""
+    from kvcore import Client
+    from kvcore.daemon_process import DaemonProcess
+
+    log: list[str] = []
+
+    class Recording(CudaRegion):
+        __slots__ = ()
+
+        def wait_for_stream(self) -> None:
+            log.append("wait")
+
+        def close(self) -> None:
+            pass
+
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}",
+                       "--pool", "num_pages=8,num_layers=1") as daemon:  # fmt: skip
+        client = Client.connect(daemon.endpoint)
+        host, client._region = client._region, Recording(None, 0)  # type: ignore[arg-type]
+        channel = client._channel
+
+        class Logged:
+            def send(self, frame: bytes) -> None:
+                body = msgpack.unpackb(frame)["body"]
+                ops = [o["op"] for o in body["ops"]] if body["op"] == "batch" else [body["op"]]
+                log.append("+".join(ops))
+                channel.send(frame)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(channel, name)
+
+        client._channel = Logged()  # type: ignore[assignment]
+        client.allocate(1, list(range(20)))
+        client.allocate(2, list(range(40, 60)))
+        client.free(1)
+        with client.batch() as batch:
+            batch.extend(2, 1)
+        with client.batch() as batch:
+            batch.extend(2, 1)
+            batch.free(2)
+        client.close()
+        assert host is not None
+        host.close()
+    assert log == ["allocate", "allocate", "wait", "free", "extend", "wait", "extend+free",
+                   "wait", "detach"]  # fmt: skip

@@ -308,6 +308,16 @@ class CudaRegion:
     def as_tensor(self) -> torch.Tensor:
         return self.tensor
 
+    def wait_for_stream(self) -> None:
+        """Block until the work queued so far on this process's current stream of the
+        pool's GPU has run: an event recorded there, waited for on the host. Called before
+        pages go back to the daemon, which may hand them to another process at once."""
+        import torch
+
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(torch.cuda.current_stream(self.tensor.device))
+        done.synchronize()
+
     def close(self) -> None:
         del self.tensor
 
