@@ -7,19 +7,8 @@ import hashlib
 import socket
 import struct
 
-import msgspec
 from kvcore_ipc.messages import EventBatch, PageRemovedEvent, PageStoredEvent
 from kvcore_ipc.vllm_events import root_key
-
-if "tokens" in PageStoredEvent.__struct_fields__:
-    Stored: type[PageStoredEvent] = PageStoredEvent
-else:  # the daemon's events do not carry tokens yet: the same event with them
-
-    class _Stored(PageStoredEvent, tag="stored", tag_field="kind"):
-        tokens: list[int] = msgspec.field(default_factory=list)
-        namespace: str = "default"
-
-    Stored = _Stored
 
 
 def page_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -34,7 +23,9 @@ def chain(tokens: list[int], page_size: int, namespace: str = "default",
     for i in range(len(tokens) // page_size):
         page = tokens[i * page_size : (i + 1) * page_size]
         key = page_key(parent, page)
-        events.append(Stored(key, parent, first_page + i, tokens=page, namespace=namespace))  # type: ignore[call-arg]
+        events.append(
+            PageStoredEvent(key, parent, first_page + i, tokens=page, namespace=namespace)
+        )
         parent = key
     return events
 

@@ -86,8 +86,8 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
     last_key = b""
     for event in batch.events:
         if isinstance(event, PageStoredEvent):
-            tokens = list(getattr(event, "tokens", []))
-            namespace = getattr(event, "namespace", DEFAULT_NAMESPACE) or DEFAULT_NAMESPACE
+            tokens = list(event.tokens)
+            namespace = event.namespace or DEFAULT_NAMESPACE
             lora = None if namespace == DEFAULT_NAMESPACE else namespace
             prev = out[-1] if out else None
             if (
