@@ -131,7 +131,7 @@ class Manager:
     is a known sequence whose last page has room and is its own.
     """
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, *, record_evictions: bool = False) -> None:
         self.layout = layout
         self._page_size = layout.page_size
         self._pages = PageAllocator(layout.num_pages)
@@ -143,6 +143,10 @@ class Manager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._evictions = 0
+        # (key, page) of each eviction since the last take_evicted(), if recording: what
+        # a caller that keeps evicted bytes (kvcore.daemon.tiering) must copy out of the
+        # page before anyone writes into it again.
+        self._evicted: list[tuple[PrefixKey, PageId]] | None = [] if record_evictions else None
         # Memos of pure functions, so neither can change a result: the root key of
         # the last namespace; and the keys of the last prompt matched (root, token
         # bytes, keys of its first pages, at most the pages a hit may cover),
@@ -310,6 +314,72 @@ class Manager:
         evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
         return PrefixHit(len(pages) * self._page_size, evictable)
 
+    def adopt(
+        self,
+        tokens: Sequence[int],
+        num_pages: int,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        medium: str = "",
+    ) -> list[int]:
+        """Index fresh pages for the ``num_pages`` full pages of ``tokens`` that follow
+        the pages a :meth:`lookup` of ``tokens`` hits now, as if committed: the caller
+        fills them with bytes found below the pool (a lower tier) before anyone reads
+        them. Returns the pages, in chain order; fewer than ``num_pages`` when a key
+        further down the chain is already indexed (the run stops before it)::
+
+            tokens    | hit pages (pool) | adopted: num_pages | rest . . | last token
+                      k0 .. k(m-1)        km .. k(m+n-1)
+
+        The adopted pages (and the evictable hit pages) end up evictable, most
+        recently used, tail least recent; no sequence holds them; adopting nothing
+        changes nothing. ``medium`` labels their stored
+        events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
+        if the run reaches the last token (a hit never covers it).
+        """
+        root = self._root(namespace)
+        token_bytes = encode_tokens(tokens)
+        if type(num_pages) is not int or num_pages < 0:
+            raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
+        keys, hit_pages = self._match(root, token_bytes)
+        max_pages = max(len(token_bytes) // 4 - 1, 0) // self._page_size
+        if len(hit_pages) + num_pages > max_pages:
+            raise BadRequest(f"adopt of {num_pages} pages after {len(hit_pages)} hits "
+                             f"covers the last token ({max_pages} pages may hit)")  # fmt: skip
+        stride = 4 * self._page_size
+        first = len(hit_pages)
+        parent = keys[-1] if keys else root
+        new: list[PrefixKey] = []
+        for key in chain_keys(parent, token_bytes[: (first + num_pages) * stride],
+                              self._page_size, first):  # fmt: skip
+            if key in self._entries:
+                break
+            new.append(key)
+        if not new:
+            return []
+        pinned = [self._refcounts[page] for page in hit_pages].count(0)
+        self._check_room(len(new), pinned)
+        self._pages.retain(hit_pages)  # so that the take below cannot evict them
+        pages = self._pages.take(len(new), self._evict)
+        chain_bytes = token_bytes[first * stride : (first + len(new)) * stride]
+        self._index.insert_chain(parent, new, pages, chain_bytes, namespace, medium)
+        self._pages.release(reversed(hit_pages + pages), self._key_by_page)
+        return list(pages)
+
+    @property
+    def records_evictions(self) -> bool:
+        """True iff built with ``record_evictions`` (:meth:`take_evicted` lists them)."""
+        return self._evicted is not None
+
+    def take_evicted(self) -> list[tuple[PrefixKey, PageId]]:
+        """(key, page) of every page evicted since the last call, in order (the order
+        of their PageRemoved events); [] unless built with ``record_evictions``."""
+        evicted = self._evicted
+        if not evicted:
+            return []
+        self._evicted = []
+        return evicted
+
     def take_events(self) -> list[PageEvent]:
         """The prefix index's events since the last call, oldest first (PageStored when
         a page is committed, PageRemoved when it is evicted); clears the queue."""
@@ -442,6 +512,9 @@ class Manager:
             raise OutOfPages(f"need {num_pages} pages, {available} free or evictable")
 
     def _evict(self, page: PageId) -> None:
+        if self._evicted is not None:
+            key = self._key_by_page[page]
+            self._evicted.append((key, page))
         self._index.remove(page)
         self._evictions += 1
 

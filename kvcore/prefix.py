@@ -130,14 +130,17 @@ class PageStored:
     page: PageId
     tokens: bytes = b""
     namespace: str = ""
+    medium: str = ""  # "": committed by an engine; else the lower tier it was promoted from
 
 
 @dataclass(frozen=True, slots=True)
 class PageRemoved:
-    """A page left the index (it was evicted); its key no longer hits."""
+    """A page left the index (it was evicted); its key no longer hits in the pool.
+    ``medium``: "" if its bytes were dropped, else the lower tier now holding them."""
 
     key: PrefixKey
     page: PageId
+    medium: str = ""
 
 
 PageEvent = PageStored | PageRemoved
@@ -150,6 +153,7 @@ _set_parent_key = vars(PageStored)["parent_key"].__set__
 _set_page = vars(PageStored)["page"].__set__
 _set_tokens = vars(PageStored)["tokens"].__set__
 _set_namespace = vars(PageStored)["namespace"].__set__
+_set_medium = vars(PageStored)["medium"].__set__
 
 
 class PrefixIndex:
@@ -197,12 +201,14 @@ class PrefixIndex:
         pages: Sequence[PageId],
         token_bytes: bytes = b"",
         namespace: str = "",
+        medium: str = "",
     ) -> None:
         """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
         is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
         page (the first commit wins); the page passed for it stays private.
-        ``token_bytes`` (the chain's tokens, u32 LE, or empty) and ``namespace``
-        label the entries and their events."""
+        ``token_bytes`` (the chain's tokens, u32 LE, or empty), ``namespace`` and
+        ``medium`` (where the bytes came from: "" for a commit) label the entries
+        and their events."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, events = self._stored, self._key_of, self._events
         stride = len(token_bytes) // len(keys) if keys else 0
@@ -216,6 +222,7 @@ class PrefixIndex:
                 _set_page(entry, page)
                 _set_tokens(entry, token_bytes[i * stride : (i + 1) * stride])
                 _set_namespace(entry, namespace)
+                _set_medium(entry, medium)
                 stored[key] = entry
                 key_of[page] = key
                 events.append(entry)

@@ -22,6 +22,9 @@ After every step it checks, through the subject's public API:
 * when the subject has ``take_events`` (the in-process Manager), the events of
   each step are exactly the model's index changes in order: PageStored when the
   model indexes a page, PageRemoved when it evicts one; failed calls queue none;
+* when it has ``adopt`` (the in-process Manager), pages adopted after a prompt's
+  hits are the model's fresh pages, indexed as committed and left evictable; when
+  it records evictions, ``take_evicted`` lists the step's removed pages in order;
 * when it has ``prefix_snapshot``, the snapshot is the model's index, each
   parent before its children.
 
@@ -385,6 +388,40 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
             seq = self.model.seqs[seq_id]
             self.lookup(seq.tokens, seq.namespace)
 
+        @rule(tokens=TOKENS, namespace=NAMESPACES, num_pages=st.integers(0, 4))
+        def adopt(self, tokens: list[int], namespace: str, num_pages: int) -> None:
+            """Pages found below the pool (a lower tier) indexed after the pool's hits,
+            as if committed, and left evictable (subjects with ``adopt`` only)."""
+            m = self.model
+            adopt = getattr(self.subject, "adopt", None)
+            if adopt is None:
+                return
+            call = partial(adopt, tokens, num_pages, namespace=namespace)
+            hits = m.hit_pages(namespace, tokens)
+            if len(hits) + num_pages > max(len(tokens) - 1, 0) // m.page_size:
+                return self.expect_error(BadRequest, call)
+            prefixes = []  # the run stops before a prefix already indexed
+            for i in range(len(hits), len(hits) + num_pages):
+                prefix = m.prefix_id(namespace, tokens, i + 1)
+                if prefix in m.index:
+                    break
+                prefixes.append(prefix)
+            if prefixes and not m.fits(len(prefixes), hits):
+                return self.expect_error(OutOfPages, call)
+            got = call()
+            assert len(got) == len(prefixes), f"adopted {got}, model says {len(prefixes)} pages"
+            if not got:
+                return
+            held = m.refcounts()
+            m.lru = [page for page in m.lru if page not in hits]
+            m.seqs[-1] = ModelSeq(namespace, [], list(hits))  # the hits, pinned while it takes
+            m.take(got)
+            del m.seqs[-1]
+            for prefix, page in zip(prefixes, got, strict=True):
+                m.index[prefix] = page
+                m.events.append((True, prefix, page))
+            m.lru += [page for page in reversed(hits + got) if page not in held]
+
         @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace"]))
         def bad_input(self, seq_id: int, bad: str) -> None:
             if bad == "token":
@@ -434,6 +471,9 @@ def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
             if take_events is not None:
                 got = take_events()
                 assert got == expected, f"events {got}, model says {expected}"
+            if getattr(self.subject, "records_evictions", False):
+                evicted = [(e.key, e.page) for e in expected if isinstance(e, PageRemoved)]
+                assert self.subject.take_evicted() == evicted, "evictions differ from events"
             snapshot = getattr(self.subject, "prefix_snapshot", None)
             if snapshot is None:
                 return
