@@ -7,11 +7,13 @@ large batch preempts. The last test kills the daemon.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_helpers import MODEL, PAGE_SIZE, Engine, pool_flag, vllm_available, write_model
@@ -34,8 +36,28 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with DaemonProcess.private("--pool", pool_flag(num_pages=512), "--lease-timeout", "5") as d:
+    with DaemonProcess.private("--pool", pool_flag(num_pages=512), "--lease-timeout", "5",
+                               "--events", "auto", "--events-format", "vllm") as d:  # fmt: skip
         yield d
+
+
+@pytest.fixture(scope="module")
+def indexer(daemon: DaemonProcess) -> Iterator[Any]:
+    """Dynamo's indexer on the daemon's vLLM-format events (None without Dynamo)."""
+    if (
+        importlib.util.find_spec("dynamo") is None
+        or importlib.util.find_spec("dynamo.indexer") is None
+    ):
+        yield None
+        return
+    from test_dynamo_indexer import Indexer
+
+    (events,) = [line.split()[1] for line in daemon.lines if line.startswith("  events:")]
+    started = Indexer(events, PAGE_SIZE)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +82,14 @@ def held(endpoint: str) -> tuple[int, int]:
 
 
 def test_b_hits_the_prefix_a_served_and_decodes_the_same_tokens(
-    engines: dict[str, Engine], daemon: DaemonProcess
+    engines: dict[str, Engine], daemon: DaemonProcess, indexer: Any
 ) -> None:
     a, b, plain = engines["a"], engines["b"], engines["plain"]
     prompt_a, prompt_b = PREFIX + MODEL.prompt(40, 8), PREFIX + MODEL.prompt(40, 9)
     out_a = a.generate([prompt_a], max_tokens=12)
     assert out_a["tokens"] == plain.generate([prompt_a], max_tokens=12)["tokens"]
+    if indexer is not None:  # a router sees what A committed: its 9 full prompt pages
+        assert indexer.wait_for(prompt_a, 288, lora_name="test") == 288
     before = b.stats()["external_hit_tokens"]
     out_b = b.generate([prompt_b], max_tokens=12)
     assert out_b["cached"][0] >= len(PREFIX), out_b  # vLLM counts the external hit
