@@ -47,6 +47,7 @@ import msgspec
 
 from kvcore.errors import BadRequest, UntrustedEndpoint
 from kvcore.layout import KVLayout
+from kvcore.tiers.config import TierConfig, split_flags
 
 SOCKET_NAME = "kvcore.sock"
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
@@ -77,6 +78,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A host pool's segment is the daemon user's alone (0600); with a group (name or gid)
     # it is 0660 of that group, so tenants of other uids in it can map the pool.
     group: str = ""
+    # Lower tiers below the pool (host memory, a disk directory, a Mooncake store); off by
+    # default. TOML: a [pools.tiers] table; --pool: host_tier=, disk_tier=, ... (tiers/config.py).
+    tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def layout(self) -> KVLayout:
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):
@@ -190,6 +194,9 @@ def parse_pool_spec(spec: str) -> PoolConfig:
         key = key.strip().replace("-", "_")
         value = value.strip()
         fields[key] = int(value) if re.fullmatch(r"[0-9]+", value) else value
+    tiers = split_flags(fields)
+    if tiers is not None:
+        fields["tiers"] = tiers
     try:
         return msgspec.convert(fields, PoolConfig)
     except msgspec.ValidationError as exc:
