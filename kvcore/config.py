@@ -28,7 +28,12 @@ A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`::
     namespaces = ["alice"]  # the namespaces its sessions may use ("*": any)
     pools = []              # the pools it may attach to ([]: every pool)
 
-Flags override the file; ``--pool`` takes the same keys as ``k=v,k=v``.
+``KVCORE_<FIELD>`` environment variables override the file for every scalar field
+(``KVCORE_LEASE_TIMEOUT_S=5``, ``KVCORE_EVENTS=auto``), ``KVCORE_POOL_<FIELD>``
+sets a field of every configured pool (``KVCORE_POOL_SIZE=1GiB``) and
+``KVCORE_POOLS`` replaces the pools by ``;``-separated ``--pool`` specs
+(:func:`apply_env`). Flags override both; ``--pool`` takes the same keys as
+``k=v,k=v``.
 Invalid configuration raises :class:`~kvcore.errors.BadRequest`. Paths of
 the runtime directory and of ipc:// sockets are checked by
 :func:`check_runtime_dir` and :func:`check_socket_path` (docs/security.md).
@@ -41,6 +46,7 @@ import math
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -53,6 +59,8 @@ SOCKET_NAME = "kvcore.sock"
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
 MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is plenty
 MAX_BATCH = 1 << 20  # operations
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ENV_PREFIX = "KVCORE_"
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
 
@@ -125,6 +133,10 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     authorized_keys_dir: str = ""  # tcp://: only clients whose public key is here may connect
     socket_mode: int = 0o600  # of ipc:// sockets; 0o660/0o666 only with [[tenants]]
     allow_ephemeral: bool = False  # attach may create private pools (tests, development)
+    metrics_port: int | None = None  # HTTP port of /metrics and /health; None = off, 0 = any free
+    metrics_addr: str = "127.0.0.1"  # the address it binds (loopback unless told otherwise)
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
+    log_format: str = "text"  # "text" or "json" (one object per line, for log shippers)
     pools: list[PoolConfig] = msgspec.field(default_factory=lambda: [PoolConfig()])
     tenants: list[TenantConfig] = msgspec.field(default_factory=list)
 
@@ -133,6 +145,11 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest("no pools configured")
         if self.events_format not in ("kvcore", "vllm"):
             raise BadRequest(f"events_format is 'kvcore' or 'vllm', not {self.events_format!r}")
+        if self.log_format not in ("text", "json") or self.log_level not in LOG_LEVELS:
+            raise BadRequest(f"log_format is 'text' or 'json' and log_level one of {LOG_LEVELS}; "
+                             f"got {self.log_format!r}, {self.log_level!r}")  # fmt: skip
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise BadRequest(f"metrics_port is a TCP port (0: any free one), not {self.metrics_port}")
         if self.events_replay and self.events_format != "vllm":
             raise BadRequest("events_replay serves the vllm events format only")
         names = [pool.name for pool in self.pools]
@@ -182,6 +199,37 @@ def load_toml(path: str | Path) -> ServiceConfig:
         return msgspec.toml.decode(Path(path).read_bytes(), type=ServiceConfig)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BadRequest(f"{path}: {exc}") from None
+
+
+def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -> ServiceConfig:
+    """``config`` with the ``KVCORE_*`` variables of ``environ`` (default: os.environ)
+    applied (see the module doc). Values are converted to the field's type (``1``,
+    ``true``, ``2.5``); a bad value raises BadRequest naming the variable. Variables
+    that name no field are left alone (other parts of kvcore read some)."""
+    environ = os.environ if environ is None else environ
+    scalar = {f.name: f.type for f in msgspec.structs.fields(ServiceConfig)
+              if f.name not in ("pools", "tenants")}  # fmt: skip
+    changes: dict[str, object] = {}
+    for field_name, field_type in scalar.items():
+        var = ENV_PREFIX + field_name.upper()
+        if var in environ:
+            changes[field_name] = _env_value(var, environ[var], field_type)
+    config = msgspec.structs.replace(config, **changes)
+    if environ.get(ENV_PREFIX + "POOLS"):
+        config.pools = [parse_pool_spec(spec) for spec in environ[ENV_PREFIX + "POOLS"].split(";")]
+    for f in msgspec.structs.fields(PoolConfig):
+        var = f"{ENV_PREFIX}POOL_{f.name.upper()}"
+        if var in environ:
+            value = _env_value(var, environ[var], f.type)
+            config.pools = [msgspec.structs.replace(p, **{f.name: value}) for p in config.pools]
+    return config
+
+
+def _env_value(var: str, raw: str, field_type: object) -> object:
+    try:
+        return msgspec.convert(raw, field_type, strict=False)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"{var}={raw!r}: {exc}") from None
 
 
 def parse_pool_spec(spec: str) -> PoolConfig:

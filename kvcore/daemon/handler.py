@@ -43,11 +43,15 @@ from kvcore.ops import OPERATIONS, Operation
 from kvcore.prefix import root_key
 
 from .auth import Authority
+from .metrics import NamespaceUsage, RequestTimer, Snapshot
 from .pools import Pool, PoolTable
 from .quotas import Ledger, Limits, request_work
 from .sessions import Session, SessionTable, State
 
 log = logging.getLogger("kvcore.daemon")
+
+REFUSALS = frozenset({"forbidden", "quota_exceeded", "untrusted_endpoint", "version_mismatch",
+                      "layout_mismatch"})  # logged at WARNING; other error replies at DEBUG  # fmt: skip
 
 
 class Handler:
@@ -76,7 +80,9 @@ class Handler:
         self.events_endpoint = events_endpoint
         self.started = time.monotonic()
         self.requests = 0
-        self.errors = 0
+        self.errors = 0  # error replies and failed ops inside batches
+        self.errors_by_code: dict[str, int] = {}  # the same, by error code (metrics)
+        self.timer: RequestTimer | None = None  # latency per op; set when metrics are on
         self.server: RouterServer | None = None  # set once the socket is bound (frame counters)
         self.ipc = False  # the socket is ipc:// (peers have kernel credentials); set by the Daemon
 
@@ -86,20 +92,40 @@ class Handler:
         try:
             request = self.codec.decode_request(frame)
         except FrameError as exc:
-            self.errors += 1
+            self._failed(exc.code, exc.message, None)
             return self.codec.encode_error(exc.request_id, exc.code, exc.message)
         except Exception as exc:  # a frame the codec failed to classify: still a bad request
-            self.errors += 1
+            self._failed("bad_request", repr(exc), None)
             return self.codec.encode_error(0, "bad_request", f"undecodable request: {exc!r}")
+        if self.timer is not None:
+            return self._timed(self.timer, request, raw)
+        return self._answer(request, raw)
+
+    def _timed(self, timer: RequestTimer, request: msg.Request, raw: zmq.Frame | None) -> bytes:
+        start = time.perf_counter()
+        reply = self._answer(request, raw)
+        timer.observe(type(request.body), time.perf_counter() - start)
+        return reply
+
+    def _answer(self, request: msg.Request, raw: zmq.Frame | None) -> bytes:
         try:
             return self.codec.encode_result(request.id, self._dispatch(request, raw))
         except KVCoreError as exc:
-            self.errors += 1
+            self._failed(exc.code, str(exc), request)
             return self.codec.encode_error(request.id, exc.code, str(exc))
         except Exception as exc:  # a bug: report it, keep serving
-            self.errors += 1
+            self._failed("internal", "", None)
             log.exception("internal error on %s", type(request.body).__name__)
             return self.codec.encode_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
+
+    def _failed(self, code: str, message: str, request: msg.Request | None) -> None:
+        """Count an error reply (or a failed op of a batch) by code; log refusals."""
+        self.errors += 1
+        self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
+        level = logging.WARNING if code in REFUSALS else logging.DEBUG
+        if request is not None and log.isEnabledFor(level):
+            log.log(level, "session %x: %s refused: %s: %s", request.session,
+                    type(request.body).__name__, code, message)  # fmt: skip
 
     def _dispatch(self, request: msg.Request, raw: zmq.Frame | None) -> msgspec.Struct:
         body = request.body
@@ -125,13 +151,15 @@ class Handler:
                     for item in ops:  # every BatchOp is in the table (kvcore.ops asserts it)
                         results.append(self._run(session, pool, OPERATIONS[type(item)], item))
                 except KVCoreError as exc:
-                    self.errors += 1
+                    self._failed(exc.code, str(exc), request)
                     return msg.BatchOk(results, msg.ErrorBody(exc.code, str(exc)))
                 return msg.BatchOk(results)
             case msg.Heartbeat():
                 return msg.Empty()
             case msg.Detach():
                 self.sessions.end(session)  # its sequences drain in the next ticks
+                log.info("session %x detached from pool %r (pid %d, %d sequences)",
+                         session.id, session.pool, session.pid, len(session.seqs))  # fmt: skip
                 return msg.Empty()
             case msg.Check():
                 return self._check()
@@ -145,7 +173,7 @@ class Handler:
         if request.session == 0:
             raise NotAttached("attach first")
         if request.epoch != self.epoch:
-            raise StaleEpoch(f"epoch {request.epoch} is over; this daemon runs epoch {self.epoch}")
+            raise StaleEpoch(f"epoch {request.epoch:x} is over; this daemon runs epoch {self.epoch:x}")
         return self.sessions.renew(request.session, time.monotonic())
 
     def _run(self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any) -> msgspec.Struct:
@@ -203,6 +231,8 @@ class Handler:
             raise BadRequest("an ephemeral pool needs a full layout (num_pages > 0)")
         layout = KVLayout(**msgspec.structs.asdict(body.layout))
         pool = self.pools.open(body.pool, "cpu", layout, ephemeral=True)
+        log.info("ephemeral pool %r opened: %d pages x %d tokens", pool.name,
+                 layout.num_pages, layout.page_size)  # fmt: skip
         self.ledger.open_pool(pool.name, layout.page_size, Limits(session_sequences=65536))
         return pool
 
@@ -249,6 +279,19 @@ class Handler:
         )
         for name, pool in pools.items():
             self.ledger.check_integrity(name, pool.manager.num_tokens)
+
+    def snapshot(self) -> Snapshot:
+        """The operator's stats, errors by code and per-namespace usage (for metrics; the
+        loop calls it between requests)."""
+        usage: dict[tuple[str, str], list[int]] = {}
+        for s in self.sessions:
+            held = self.ledger.usage(s.pool, s.id)
+            total = usage.setdefault((s.pool, s.namespace), [0, 0])
+            total[0] += held.pages
+            total[1] += held.sequences
+        namespaces = [NamespaceUsage(pool, ns, pages, seqs)
+                      for (pool, ns), (pages, seqs) in sorted(usage.items())]  # fmt: skip
+        return Snapshot(self._stats(None), dict(self.errors_by_code), namespaces)
 
     def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
         """What the peer's grant may see: its pools, and the sessions of its namespaces."""

@@ -7,7 +7,8 @@ TOML), an exclusive lock on each ``ipc://`` endpoint it binds (the request
 socket and the event socket: a second daemon on the same paths is refused,
 and a dead daemon's socket files are swept), the trust checks of those paths
 (docs/security.md), the sweep of a killed daemon's segments, signals
-(SIGINT, SIGTERM, SIGHUP: a clean stop), the banner and logging.
+(SIGINT, SIGTERM, SIGHUP: a clean stop), the banner and logging (text or one JSON
+object per line), and the metrics endpoint (``--metrics-port``, kvcore/daemon/metrics.py).
 
 The loop's tick (:meth:`Daemon.tick`) keeps leases fair to clients: time in
 which the daemon could not hear anyone (it was stopped, or busy) is no one's
@@ -19,12 +20,14 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import json
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
@@ -37,7 +40,9 @@ from kvcore_ipc.server import EndpointBusy, EndpointLock, RouterServer, endpoint
 from kvcore_ipc.vllm_events import VllmEventPublisher
 
 from kvcore.config import (
+    LOG_LEVELS,
     ServiceConfig,
+    apply_env,
     check_socket_path,
     default_endpoint,
     load_toml,
@@ -46,6 +51,7 @@ from kvcore.config import (
 )
 from kvcore.errors import BadRequest, KVCoreError
 
+from . import metrics
 from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key
 from .handler import Handler
 from .pools import MAX_EVENT_MESSAGE_BYTES, PoolTable
@@ -102,7 +108,10 @@ class Daemon:
                                      config.max_sessions)  # fmt: skip
         self.ledger = Ledger()
         self._next_scan = self._last_tick = 0.0
+        self.metrics: metrics.Exchange | None = None
+        self.metrics_server: metrics.MetricsServer | None = None
         try:
+            check_shm(config)
             if secret is not None:
                 self.authority.start_zap()
             events = events_endpoint(config.events, endpoint)
@@ -126,6 +135,9 @@ class Daemon:
                 layout = pool.layout()
                 self.pools.open(pool.name, pool.device, layout, group=pool.group)
                 self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
+                log.info("pool %r created: %s, %d pages x %d tokens, %.1f MiB", pool.name,
+                         pool.device, layout.num_pages, layout.page_size,
+                         layout.total_bytes / (1 << 20))  # fmt: skip
             self.server = RouterServer(
                 endpoint, self.handler.handle, curve_secret_key=secret, insecure=config.insecure,
                 hard_limit_bytes=4 * config.max_frame_bytes, max_queued_bytes=config.max_queued_bytes,
@@ -133,6 +145,9 @@ class Daemon:
             )  # fmt: skip
             self.handler.server = self.server
             self.handler.ipc = endpoint.startswith("ipc://")
+            if config.metrics_port is not None:
+                self.metrics, self.handler.timer, self.metrics_server = metrics.start(
+                    self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr)
         except BaseException:
             self.close()
             raise
@@ -145,6 +160,8 @@ class Daemon:
         free a bounded part of what ended sessions held."""
         self.pools.publish()
         now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.turn(now)
         if self._last_tick and now - self._last_tick > DEAF_S:
             self.sessions.pause(now - self._last_tick)
         self._last_tick = now
@@ -165,7 +182,10 @@ class Daemon:
         self.server.stop()
 
     def close(self) -> None:
-        """Close every pool (publishing its removals), the socket, the publisher, ZAP."""
+        """Close the metrics endpoint, every pool (publishing its removals), the socket,
+        the publisher, ZAP."""
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.pools.close_all()
         self.sessions.close_all()
         if hasattr(self, "server"):
@@ -173,6 +193,25 @@ class Daemon:
         if self.publisher is not None:
             self.publisher.close()
         self.authority.stop_zap()
+
+
+def check_shm(config: ServiceConfig, shm: str = "/dev/shm") -> None:
+    """BadRequest, with the numbers, if the host pools need more shared memory than ``shm``
+    has free: a segment larger than its filesystem is created without complaint and
+    kills whoever touches the missing pages (SIGBUS)."""
+    need = sum(p.layout().total_bytes for p in config.pools if p.device == "cpu")
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return  # no such filesystem here: nothing to measure against
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if need > free:
+        gib = 1 << 30
+        raise BadRequest(
+            f"the host pools need {need / gib:.2f} GiB of shared memory, but {shm} has "
+            f"{free / gib:.2f} GiB free (of {size / gib:.2f} GiB): give the pools a smaller "
+            f"size, or grow {shm} (containers: docker run --shm-size; docs/deploy.md)"
+        )
 
 
 def _ipc_paths(endpoint: str, events: str) -> list[str]:
@@ -229,12 +268,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(anyone who reaches the port can read and write every pool)")  # fmt: skip
     parser.add_argument("--allow-ephemeral", action="store_true",
                         help="let attach create private pools (tests and development)")  # fmt: skip
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])  # fmt: skip
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics and "
+                        "/health over HTTP on this port (0: any free port; default: off)")  # fmt: skip
+    parser.add_argument("--metrics-addr", help="address the metrics port binds "
+                        "(default 127.0.0.1: loopback only)")  # fmt: skip
+    parser.add_argument("--log-level", choices=LOG_LEVELS, help="default INFO")
+    parser.add_argument("--log-format", choices=["text", "json"], help="text lines, or one "
+                        "JSON object per line for log shippers (default text)")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace) -> ServiceConfig:
-    config = load_toml(args.config) if args.config else ServiceConfig()
+    config = apply_env(load_toml(args.config) if args.config else ServiceConfig())
     overrides: dict[str, Any] = {
         "endpoint": args.endpoint, "events": args.events, "lease_timeout_s": args.lease_timeout,
         "events_format": args.events_format, "events_replay": args.events_replay,
@@ -243,6 +287,8 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         "authorized_keys_dir": args.authorized_keys_dir,
         "max_request_tokens": args.max_request_tokens, "max_sessions": args.max_sessions,
         "fence_timeout_s": args.fence_timeout, "max_queued_bytes": args.max_queued_bytes,
+        "metrics_port": args.metrics_port, "metrics_addr": args.metrics_addr,
+        "log_level": args.log_level, "log_format": args.log_format,
     }  # fmt: skip
     for key, value in overrides.items():
         if value is not None:
@@ -265,12 +311,38 @@ def _lock(endpoint: str) -> EndpointLock:
     return lock
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message
+    (and the traceback, if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+        }  # fmt: skip
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    """The ``kvcore`` loggers to stderr, as text or JSON lines (replaces earlier set-up)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("kvcore serve: %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="kvcore serve: %(levelname)s %(message)s")  # fmt: skip
+    setup_logging(args.log_level or "INFO", args.log_format or "text")
     locks: list[EndpointLock] = []
     try:
         config = build_config(args)
+        setup_logging(config.log_level, config.log_format)  # the file's or environment's
+        log.debug("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
         endpoint = config.endpoint or default_endpoint()  # checks the runtime directory
         for path in _ipc_paths(endpoint, config.events):  # before a lock file is made there
             check_socket_path(path, {os.getuid()}, creating=True)
@@ -314,4 +386,7 @@ def _banner(daemon: Daemon) -> None:
               "this port can attach, read and write every pool")  # fmt: skip
     for name in daemon.swept:
         print(f"  removed {name}, left by a killed daemon of this endpoint")
+    if daemon.metrics_server is not None:
+        print(f"  metrics: {daemon.metrics_server.url}/metrics, health: "
+              f"{daemon.metrics_server.url}/health")  # fmt: skip
     print(f"  events: {daemon.handler.events_endpoint or 'off'}", flush=True)
