@@ -219,7 +219,7 @@ def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -
         config.pools = [parse_pool_spec(spec) for spec in environ[ENV_PREFIX + "POOLS"].split(";")]
     for f in msgspec.structs.fields(PoolConfig):
         var = f"{ENV_PREFIX}POOL_{f.name.upper()}"
-        if var in environ:
+        if var in environ and f.name != "tiers":  # tiers: a table, in TOML or --pool
             value = _env_value(var, environ[var], f.type)
             config.pools = [msgspec.structs.replace(p, **{f.name: value}) for p in config.pools]
     return config

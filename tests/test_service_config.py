@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import os
+from pathlib import Path
+
 import pytest
 
-from kvcore.config import PoolConfig, ServiceConfig, TenantConfig, parse_pool_spec, parse_size
+from kvcore.config import (
+    PoolConfig,
+    ServiceConfig,
+    TenantConfig,
+    apply_env,
+    load_toml,
+    parse_pool_spec,
+    parse_size,
+)
+from kvcore.daemon.serve import add_arguments, build_config, check_shm
 from kvcore.errors import BadRequest
 
 
@@ -40,3 +53,34 @@ def test_pool_spec_parses_ascii_digits_only() -> None:
     for spec in ("num_layers=²", "num_layers", "colour=red"):
         with pytest.raises(BadRequest):
             parse_pool_spec(spec)
+
+
+def test_environment_overrides_the_file_and_flags_override_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "kvcore.toml"
+    toml.write_text('lease_timeout_s = 7.0\nevents = ""\n[[pools]]\nname = "a"\nnum_pages = 8\n')
+    env = {"KVCORE_LEASE_TIMEOUT_S": "5", "KVCORE_EVENTS": "auto", "KVCORE_INSECURE": "true",
+           "KVCORE_METRICS_PORT": "0", "KVCORE_POOL_NUM_LAYERS": "4", "KVCORE_UNRELATED": "x"}  # fmt: skip
+    config = apply_env(load_toml(toml), env)
+    assert (config.lease_timeout_s, config.events, config.insecure) == (5.0, "auto", True)
+    assert config.metrics_port == 0
+    assert [(p.name, p.num_layers, p.num_pages) for p in config.pools] == [("a", 4, 8)]
+    pools = apply_env(ServiceConfig(), {"KVCORE_POOLS": "name=x,num_pages=4;name=y,num_pages=2"})
+    assert [(p.name, p.num_pages) for p in pools.pools] == [("x", 4), ("y", 2)]
+    with pytest.raises(BadRequest, match="KVCORE_MAX_BATCH"):
+        apply_env(ServiceConfig(), {"KVCORE_MAX_BATCH": "many"})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = build_config(parser.parse_args(["--config", str(toml), "--lease-timeout", "3"]))
+    assert (config.lease_timeout_s, config.events) == (3.0, "auto")  # flag > env > file
+
+
+def test_host_pools_larger_than_shared_memory_are_refused() -> None:
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    huge = ServiceConfig(pools=[PoolConfig(size=free + (1 << 30))])
+    with pytest.raises(BadRequest, match=r"GiB free .* --shm-size"):
+        check_shm(huge)
+    check_shm(ServiceConfig(pools=[PoolConfig(num_pages=8)]))
