@@ -2,6 +2,9 @@
 
 ``pytest --hypothesis-profile=long`` runs the property suites with many more
 examples (minutes); the default profile keeps the whole suite fast on 2 cores.
+Neither keeps an example database: a failure is reported once, with the blob
+that reproduces it (``@reproduce_failure``), and a clean checkout never replays
+another run's failures.
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ if not _cuda_available():
 
 settings.register_profile(
     "default",
+    database=None,
+    print_blob=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
     "long",
     max_examples=2000,
+    database=None,
+    print_blob=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
