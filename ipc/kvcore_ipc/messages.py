@@ -184,6 +184,25 @@ class PoolStats(_Message):
     num_sessions: int
     ephemeral: bool = False
     event_seq_no: int = 0  # seq_no of the pool's last published event
+    tiers: list[TierStats] = []  # the pool's lower tiers, top down (docs/concepts.md, "Tiers")
+
+
+class TierStats(_Message):
+    """Counters of one lower tier of a pool; ``pages`` and ``bytes_used`` are gauges, the
+    rest count since the daemon started. Pages are pool pages (one page, every layer)."""
+
+    medium: str  # "host", "disk" or "remote"
+    pages: int = 0  # entries held now (remote: pages this daemon published)
+    bytes_used: int = 0
+    hits: int = 0  # pages read back into the pool
+    misses: int = 0  # pages asked for and not returned (corrupt ones included)
+    corrupt: int = 0  # entries that failed verification
+    stored: int = 0  # pages written into the tier
+    evicted: int = 0  # entries pushed out to make room
+    bytes_in: int = 0  # payload bytes written into the tier
+    bytes_out: int = 0  # payload bytes read back out
+    dropped: int = 0  # pages a full publish queue (remote) discarded
+    timeouts: int = 0  # store calls abandoned at their bound, or missed while it was down
 
 
 class SessionStats(_Message):
@@ -217,6 +236,7 @@ class SnapshotPage(_Message):
     key: bytes  # 32-byte prefix key (spec/hashing.md)
     parent: bytes  # the previous page's key, or the namespace root
     page: int
+    medium: str = ""  # "": committed by an engine; else the tier it was promoted from
 
 
 class SnapshotOk(_Message):
@@ -421,6 +441,7 @@ class PageStoredEvent(_Message, tag="stored", tag_field="kind"):
     page: int
     tokens: list[int] = msgspec.field(default_factory=list)  # the page's page_size tokens
     namespace: str = ""  # the namespace the page was committed in
+    medium: str = ""  # "": committed by an engine; else the tier it was promoted from
 
 
 class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):
@@ -428,6 +449,7 @@ class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):
 
     key: bytes
     page: int
+    medium: str = ""  # "": its bytes were dropped; else the lower tier now holding them
 
 
 Event = PageStoredEvent | PageRemovedEvent

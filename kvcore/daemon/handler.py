@@ -310,7 +310,7 @@ class Handler:
                 cached_pages=s.cached_pages, num_sequences=s.num_sequences,
                 query_tokens=s.query_tokens, hit_tokens=s.hit_tokens, evictions=s.evictions,
                 num_sessions=self.sessions.on_pool(pool.name), ephemeral=pool.ephemeral,
-                event_seq_no=self.pools.last_seq_no(pool.name),
+                event_seq_no=self.pools.last_seq_no(pool.name), tiers=pool.tier_stats(),
             ))  # fmt: skip
         sessions = [
             msg.SessionStats(

@@ -11,6 +11,10 @@ every page still in its prefix index. One published message carries at most
 continuing), so the bytes buffered for a slow subscriber are bounded by its
 high-water mark in messages.
 
+A pool whose configuration declares lower tiers (kvcore.tiers.config) is served
+by a :class:`~.tiering.TieredManager` over its memory: the handler calls it like
+any Manager; :meth:`Pool.tier_stats` gives its counters per medium.
+
 Host segments are named ``<segment_prefix>-<pid>-<random>``: the prefix is
 derived from the daemon's endpoint, so a daemon started on the same endpoint
 finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
@@ -18,6 +22,7 @@ finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from dataclasses import dataclass
 
@@ -29,6 +34,9 @@ from kvcore.errors import BadRequest, UnknownPool
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 from kvcore.prefix import PageEvent, PageStored
+from kvcore.tiers.config import TierConfig
+
+from .tiering import TieredManager, open_stack
 
 MAX_EPHEMERAL_BYTES = 1 << 30
 MAX_EPHEMERAL_PAGES = 1 << 20
@@ -53,6 +61,16 @@ class Pool:
     def layout_message(self) -> msg.PoolLayout:
         return msg.PoolLayout(**self.layout.to_dict())
 
+    def tier_stats(self) -> list[msg.TierStats]:
+        """Counters of the pool's lower tiers, top down ([] without tiers)."""
+        manager = self.manager
+        if not isinstance(manager, TieredManager):
+            return []
+        return [
+            msg.TierStats(medium=medium, **dataclasses.asdict(counters))
+            for medium, counters in manager.tier_stats().items()
+        ]
+
 
 class PoolTable:
     """The daemon's pools by name, and their event streams."""
@@ -75,11 +93,13 @@ class PoolTable:
         return pool
 
     def open(
-        self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False, group: str = ""
-    ) -> Pool:
+        self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False,
+        group: str = "", tiers: TierConfig | None = None,
+    ) -> Pool:  # fmt: skip
         """Create the pool's memory and Manager. BadRequest if the name is taken. A host
         segment is mode 0600 (the daemon's user), or 0660 of ``group`` if given (tenants
-        of other uids in that group can map it)."""
+        of other uids in that group can map it). With ``tiers`` that declare any tier,
+        the Manager is a TieredManager over the pool's memory."""
         if name in self.pools:
             raise BadRequest(f"pool {name!r} exists")
         if ephemeral and (
@@ -93,7 +113,15 @@ class PoolTable:
                 region.share_with_group(group)
         else:
             region = CudaRegion.create(layout.total_bytes, device)
-        pool = Pool(name, device, Manager(layout), region, ephemeral)
+        manager = Manager(layout)
+        if tiers is not None and tiers.enabled:
+            try:
+                stack = open_stack(layout, tiers, name)
+            except BaseException:
+                region.close()
+                raise
+            manager = TieredManager(layout, layout.layer_views(region.as_tensor()), stack)
+        pool = Pool(name, device, manager, region, ephemeral)
         self.pools[name] = pool
         return pool
 
@@ -105,6 +133,8 @@ class PoolTable:
             msg.PageRemovedEvent(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()
         ]
         self._send(name, [*map(_wire, pool.manager.take_events()), *removed])
+        if isinstance(pool.manager, TieredManager):
+            pool.manager.close()
         pool.region.close()
 
     def close_all(self) -> None:
@@ -151,6 +181,7 @@ def _wire(event: PageEvent) -> msg.Event:
     if isinstance(event, PageStored):
         tokens = array("I", event.tokens)  # u32 little-endian (the host's order, checked)
         return msg.PageStoredEvent(
-            event.key, event.parent_key, event.page, tokens.tolist(), event.namespace
+            event.key, event.parent_key, event.page, tokens.tolist(), event.namespace,
+            medium=event.medium,
         )
-    return msg.PageRemovedEvent(event.key, event.page)
+    return msg.PageRemovedEvent(event.key, event.page, medium=event.medium)

@@ -133,7 +133,7 @@ class Daemon:
             )  # fmt: skip
             for pool in config.pools:
                 layout = pool.layout()
-                self.pools.open(pool.name, pool.device, layout, group=pool.group)
+                self.pools.open(pool.name, pool.device, layout, group=pool.group, tiers=pool.tiers)
                 self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
                 log.info("pool %r created: %s, %d pages x %d tokens, %.1f MiB", pool.name,
                          pool.device, layout.num_pages, layout.page_size,
