@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from kvcore_ipc import messages as msg
-from kvcore_ipc.channel import ChannelTimeout, DealerChannel
+from kvcore_ipc.channel import ChannelTimeout, DealerChannel, NoListener
 from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
@@ -305,6 +305,8 @@ class Client:
         while True:  # replies with other ids answer earlier requests that timed out
             try:
                 frame = self._channel.recv(timeout_ms)
+            except NoListener:
+                raise Timeout(f"{type(body).__name__}: {no_daemon(self.endpoint)}") from None
             except ChannelTimeout as exc:
                 raise Timeout(f"{type(body).__name__}: {exc}") from None
             try:
@@ -325,6 +327,11 @@ class Client:
         if reply.result is None:
             raise InternalError(f"reply to {type(body).__name__} has neither result nor error")
         return reply.result
+
+
+def no_daemon(endpoint: str) -> str:
+    """What to tell a user whose daemon is gone (or was never started)."""
+    return f"no daemon answers on {endpoint} — start one with `kvcore serve`"
 
 
 def _check_endpoint(endpoint: str, trusted: set[int]) -> set[int]:

@@ -45,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
     import zmq
     from kvcore_ipc.channel import ChannelTimeout
 
+    from kvcore.client import no_daemon
     from kvcore.config import default_endpoint
     from kvcore.errors import KVCoreError
 
@@ -52,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         stats = fetch(endpoint, args.timeout)
     except ChannelTimeout:
-        print(f"kvcore stats: no daemon answers on {endpoint}", file=sys.stderr)
+        print(f"kvcore stats: {no_daemon(endpoint)}", file=sys.stderr)
         return 1
     except zmq.ZMQError as exc:  # e.g. an endpoint that is not a ZeroMQ address
         print(f"kvcore stats: cannot reach {endpoint!r}: {exc}", file=sys.stderr)

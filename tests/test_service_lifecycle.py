@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,28 @@ def test_second_daemon_on_a_live_endpoint_is_refused_and_stale_socket_reused(
     assert (tmp_path / "d.sock").exists()
     with DaemonProcess(*args, env=_env(tmp_path)), Client.connect(endpoint, map_memory=False) as c:
         assert c.stats().total_pages == 4
+
+
+def test_a_gone_daemon_fails_fast_and_says_how_to_start_one(tmp_path: Path) -> None:
+    """No daemon (never started, or killed with its socket file left): calls fail in about
+    a second, not after the 10 s timeout, and `kvcore stats` says the same."""
+    missing = f"ipc://{tmp_path}/none.sock"
+    start = time.monotonic()
+    with pytest.raises(Timeout, match=r"no daemon answers on .* start one with `kvcore serve`"):
+        Client.connect(missing, map_memory=False)
+    assert time.monotonic() - start < 2.0
+    stats = subprocess.run([sys.executable, "-m", "kvcore.cli", "stats", "--endpoint", missing],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert stats.returncode == 1 and "start one with `kvcore serve`" in stats.stderr
+    daemon = DaemonProcess.private("--pool", "num_layers=1,num_pages=8").start()
+    try:
+        client = Client.connect(daemon.endpoint, map_memory=False, heartbeat=False)
+        daemon.stop(signal.SIGKILL)  # its socket file stays behind: connections are refused
+        start = time.monotonic()
+        with pytest.raises(Timeout, match="no daemon answers"):
+            client.allocate(1, [1, 2, 3])
+        assert time.monotonic() - start < 2.0
+        client.close()
+    finally:
+        daemon.stop(signal.SIGKILL)
+        (Path("/dev/shm") / f"kvcore-{_shm_name(daemon.output)}").unlink(missing_ok=True)

@@ -3,15 +3,50 @@
 A channel is owned by one thread (ZeroMQ sockets are not thread-safe); a
 heartbeat thread opens its own channel. The channel moves bytes only: the
 caller matches reply ids and discards late replies of timed-out requests.
+
+A wait longer than ``PROBE_MS`` checks that something still listens at the
+endpoint (:func:`listening`): when the operating system says nobody does (no
+socket file, connection refused) the wait ends at once with :class:`NoListener`,
+instead of running out the whole timeout against a daemon that is gone.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
+
 import zmq
+
+PROBE_MS = 500  # a reply not here after this long: check that the endpoint still listens
 
 
 class ChannelTimeout(TimeoutError):
     """No reply within the timeout."""
+
+
+class NoListener(ChannelTimeout):
+    """Nothing listens at the endpoint any more (or yet): no reply will come."""
+
+
+def listening(endpoint: str) -> bool:
+    """False only if the operating system says nothing accepts connections at ``endpoint``
+    (an ipc:// path with no socket or a dead one's file; a refused tcp:// port); True
+    when something does, and when it cannot tell (other transports, an unreachable host)."""
+    try:
+        if endpoint.startswith("ipc://"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(endpoint[len("ipc://") :])
+        elif endpoint.startswith("tcp://"):
+            host, _, port = endpoint[len("tcp://") :].rpartition(":")
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=0.2):
+                pass
+    except (FileNotFoundError, ConnectionRefusedError):
+        return False
+    except OSError as exc:
+        return exc.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK)
+    except ValueError:  # a port that is not a number: let ZeroMQ say what is wrong
+        return True
+    return True
 
 
 class DealerChannel:
@@ -45,17 +80,26 @@ class DealerChannel:
         self._socket.send(frame)
 
     def recv(self, timeout_ms: int | None = None) -> bytes:
-        """The next frame; ChannelTimeout after ``timeout_ms`` (default: the channel's)."""
+        """The next frame; ChannelTimeout after ``timeout_ms`` (default: the channel's),
+        NoListener as soon as a wait over PROBE_MS finds nothing listening."""
         sock = self._socket
         timeout = self.timeout_ms if timeout_ms is None else timeout_ms
-        if timeout != self._rcvtimeo:
-            sock.setsockopt(zmq.RCVTIMEO, timeout)
-            self._rcvtimeo = timeout
-        try:
-            frame: bytes = sock.recv()
-        except zmq.Again:
-            raise ChannelTimeout(f"no reply from {self.endpoint} in {timeout} ms") from None
-        return frame
+        waited = 0
+        while True:
+            step = min(timeout - waited, PROBE_MS)
+            if step != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, step)
+                self._rcvtimeo = step
+            try:
+                frame: bytes = sock.recv()
+            except zmq.Again:
+                waited += step
+                if waited >= timeout:
+                    raise ChannelTimeout(f"no reply from {self.endpoint} in {timeout} ms") from None
+                if not listening(self.endpoint):
+                    raise NoListener(f"nothing listens on {self.endpoint}") from None
+                continue
+            return frame
 
     def close(self) -> None:
         self._socket.close(linger=0)
