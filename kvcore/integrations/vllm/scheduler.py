@@ -29,8 +29,9 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from kvcore.client import Batch
 from kvcore.errors import KVCoreError, OutOfPages
 from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
 
@@ -41,6 +42,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcore.vllm")
 MAX_RETRY_S = 60.0  # the longest quiet period after failures in a row
+
+
+@dataclass(frozen=True, slots=True)
+class _Commit:
+    """Publish ``tokens`` (from token ``start``, a page boundary) of sequence ``seq``."""
+
+    seq: int
+    tokens: list[int]
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Free:
+    seq: int
+
+
+def _queue(ops: Batch, queued: list[_Commit | _Free]) -> None:
+    """Queue the pending commits and frees on a batch, in order."""
+    for op in queued:
+        if isinstance(op, _Commit):
+            ops.commit(op.seq, op.tokens, start=op.start)
+        else:
+            ops.free(op.seq)
 
 
 @dataclass(slots=True)
@@ -79,9 +103,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[tuple[int, int]] = []  # (pool page, vLLM block) for the next plan
         self._load_requests: set[str] = set()
-        self._queued: list[
-            tuple[str, int, Any]
-        ] = []  # ("commit", seq, tokens) / ("free", seq, None)
+        self._queued: list[_Commit | _Free] = []  # sent with the next round trip
         self._step = 0
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self._quiet_until = 0.0  # monotonic time before which the daemon is not asked
@@ -154,7 +176,7 @@ class SchedulerSide:
                 continue
             start = tracked.confirmed * self.page_size
             tokens = list(tracked.request.prompt_token_ids or ())[start : upto * self.page_size]
-            self._queued.append(("commit", tracked.seq, (tokens, start)))
+            self._queued.append(_Commit(tracked.seq, tokens, start))
             tracked.confirmed = upto
         for req_id in report.requests:
             tracked = self._tracked.get(req_id)
@@ -192,11 +214,7 @@ class SchedulerSide:
             return
         try:
             with self.client.batch() as ops:
-                for kind, seq, arg in queued:
-                    if kind == "commit":
-                        ops.commit(seq, arg[0], start=arg[1])
-                    else:
-                        ops.free(seq)
+                _queue(ops, queued)
         except KVCoreError as exc:
             self._failed("commit/free", exc)
 
@@ -216,11 +234,7 @@ class SchedulerSide:
         queued, self._queued = self._queued, []
         try:
             with self.client.batch() as ops:  # what is queued rides along: one round trip
-                for kind, qseq, arg in queued:
-                    if kind == "commit":
-                        ops.commit(qseq, arg[0], start=arg[1])
-                    else:
-                        ops.free(qseq)
+                _queue(ops, queued)
                 ops.allocate(seq, prompt)
             alloc = ops.results[-1]
         except KVCoreError as exc:
@@ -234,7 +248,7 @@ class SchedulerSide:
 
     def _release(self, req_id: str) -> None:
         tracked = self._tracked.pop(req_id)
-        self._queued.append(("free", tracked.seq, None))
+        self._queued.append(_Free(tracked.seq))
 
     def _ask(self) -> bool:
         """Whether to call the daemon now; after a failure, first attach again."""
