@@ -60,3 +60,22 @@ def test_a_layout_mismatch_names_the_fields_and_the_pool_flag() -> None:
         "kvcore serve --pool name=kv,num_layers=2,num_kv_heads=2,head_dim=64,page_size=32" in text
     )
     check_layout(KVLayout(2, 2, 64, 32, "float32", 8), model, "kv")  # fits: no error
+
+
+def test_no_daemon_at_start_up_is_a_timeout_naming_the_endpoint(tmp_path: object) -> None:
+    from kvcore.errors import Timeout
+    from kvcore.integrations.vllm.metadata import ConnectorConfig
+    from kvcore.integrations.vllm.worker import attach
+
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    config = ConnectorConfig.from_extra({"endpoint": endpoint, "timeout_s": 0.3})
+    with pytest.raises(Timeout, match="no kvcore daemon answers at " + endpoint):
+        attach(config, map_memory=False)
+
+
+def test_unknown_extra_config_keys_are_refused() -> None:
+    from kvcore.errors import BadRequest
+    from kvcore.integrations.vllm.metadata import ConnectorConfig
+
+    with pytest.raises(BadRequest, match="endpiont"):
+        ConnectorConfig.from_extra({"endpiont": "ipc:///x"})
