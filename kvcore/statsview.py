@@ -94,6 +94,9 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
             str(p["num_sequences"]), str(p["num_sessions"]), f"{hit_rate:.1%}", str(p["evictions"]),
         )  # fmt: skip
     console.print(pools)
+    tiers = tier_table(stats["pools"])
+    if tiers is not None:
+        console.print(tiers)
     sessions = Table(title="sessions")
     for column in ("pool", "namespace", "pid", "name", "sequences", "idle ms"):
         sessions.add_column(column)
@@ -101,3 +104,25 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
         sessions.add_row(s["pool"], s["namespace"], str(s["pid"]), s["name"],
                          str(s["num_sequences"]), str(s["idle_ms"]))  # fmt: skip
     console.print(sessions)
+
+
+def tier_table(pools: list[dict[str, Any]]) -> Any:
+    """The pools' lower tiers (pages, hits, bytes moved), or None if no pool has any."""
+    from rich.table import Table
+
+    rows = [(p["name"], t) for p in pools for t in p.get("tiers", [])]
+    if not rows:
+        return None
+    table = Table(title="tiers (pages are pool pages; MiB moved since the daemon started)")
+    for column in ("pool", "medium", "pages", "MiB used", "hits", "misses", "corrupt",
+                   "stored", "evicted", "MiB in", "MiB out", "dropped", "timeouts"):  # fmt: skip
+        table.add_column(column, justify="left" if column in ("pool", "medium") else "right")
+    mib = 1 << 20
+    for name, t in rows:
+        table.add_row(
+            name, t["medium"], str(t.get("pages", 0)), f"{t.get('bytes_used', 0) / mib:.1f}",
+            *(str(t.get(k, 0)) for k in ("hits", "misses", "corrupt", "stored", "evicted")),
+            f"{t.get('bytes_in', 0) / mib:.1f}", f"{t.get('bytes_out', 0) / mib:.1f}",
+            str(t.get("dropped", 0)), str(t.get("timeouts", 0)),
+        )  # fmt: skip
+    return table
