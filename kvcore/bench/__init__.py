@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "transformers generate() with the kvcore cache vs DynamicCache",
     "load": "N client processes of random operations with page markers (clobbers, p99, RSS)",
     "vllm": "two vLLM instances sharing a prefix through the kvcore connector",
+    "tiers": "hit rates with host/disk tiers below the pool; promotion bandwidth; remote fetch",
 }
 
 
