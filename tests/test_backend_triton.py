@@ -156,6 +156,22 @@ def test_decode_plan_fills_the_gpu_and_splits_page_aligned() -> None:
     assert lone.num_splits * lone.tokens_per_split >= 4096
     short = triton_decode.plan_decode(batch=1, max_tokens=10, interpreted=False, **common)
     assert short.num_splits == 1  # never more splits than token blocks
+    assert wide.num_stages == 3  # page ids one block ahead: two K/V buffers (compile test)
+
+
+def test_prefill_plan_keeps_16_bit_operands_on_a_gpu() -> None:
+    """fp16/bf16 operands go to tensor cores as they are; fp32, and bf16 under the
+    interpreter (whose bf16 arithmetic is wrong), are widened to fp32."""
+    from kvcore_triton.prefill import plan_prefill
+
+    def f32_dot(dtype: torch.dtype, interpreted: bool) -> bool:
+        plan = plan_prefill(group=4, head_dim=128, page_size=16, dtype=dtype,
+                            interpreted=interpreted)  # fmt: skip
+        return plan.f32_dot
+
+    assert not f32_dot(torch.bfloat16, False) and not f32_dot(torch.float16, False)
+    assert f32_dot(torch.float32, False) and f32_dot(torch.bfloat16, True)
+    assert not f32_dot(torch.float16, True)  # the interpreter's fp16 is exact
 
 
 # -- prefill ---------------------------------------------------------------------------

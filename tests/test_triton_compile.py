@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,6 +84,7 @@ def _aligned(fn: Any) -> dict[tuple[int], list[list[Any]]]:
 
 def _jobs() -> Iterator[tuple[str, Any, str, dict[str, int], int, int, str]]:
     """(label, kernel, dtype, constexprs, num_warps, num_stages, int type) per compilation."""
+    import torch
     from kvcore_triton import cache_ops, decode, prefill
 
     for i, (head_dim, group, dtype, page) in enumerate(ATTENTION_GRID):
@@ -119,7 +121,8 @@ def _jobs() -> Iterator[tuple[str, Any, str, dict[str, int], int, int, str]]:
                     1,
                     "i32",
                 )
-        pplan = prefill.plan_prefill(group=group, head_dim=head_dim, page_size=page)
+        pplan = prefill.plan_prefill(group=group, head_dim=head_dim, page_size=page,
+                                     dtype=getattr(torch, dtype), interpreted=False)  # fmt: skip
         yield (
             label,
             prefill._prefill_kernel,
@@ -166,7 +169,8 @@ def _worker(shard: int, num_shards: int) -> None:
             continue
         label, fn, dtype, constexprs, num_warps, num_stages, int_type = job
         name = f"{fn.fn.__module__}.{fn.__name__}"
-        record: dict[str, Any] = {"kernel": name, "config": label, "constexprs": constexprs}
+        record: dict[str, Any] = {"kernel": name, "config": label, "constexprs": constexprs,
+                                  "dtype": dtype, "num_warps": num_warps}  # fmt: skip
         try:
             src = ASTSource(
                 fn=fn,
@@ -181,9 +185,50 @@ def _worker(shard: int, num_shards: int) -> None:
             record["vector_loads"] = compiled.asm["ptx"].count("ld.global.v4")
             record["cubin_bytes"] = len(compiled.asm["cubin"])
             record["shared_bytes"] = compiled.metadata.shared
+            record.update(_resources(compiled.asm["cubin"]))
+            record["kv_buffers"] = _pipeline_buffers(compiled.asm["ttgir"])
+            record["mma_operands"] = sorted(set(WGMMA.findall(compiled.asm["ptx"])))
         except Exception as exc:
             record["error"] = f"{type(exc).__name__}: {exc}"[-2000:]
         print(json.dumps(record), flush=True)
+
+
+# wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16: the A operand's type (tf32 for fp32)
+WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.\w+\.(\w+)\.")
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and stack / local bytes (spills) of the cubin's kernel, as
+    ``cuobjdump -res-usage`` (shipped with Triton's ptxas) reports them."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.knobs.nvidia.ptxas.path), "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                                text=True, check=True).stdout  # fmt: skip
+    fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", report))
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
+            "local_bytes": int(fields["LOCAL"])}  # fmt: skip
+
+
+def _pipeline_buffers(ttgir: str) -> int:
+    """How many copies of a K/V tile the software pipeliner keeps in shared memory: the
+    leading dim of the 3-D ``ttg.local_alloc`` buffers (``memdesc<2x32x128xbf16>``); 0
+    when nothing is staged through shared memory that way."""
+    shapes = re.findall(r"ttg\.local_alloc[^\n]*?memdesc<((?:\d+x){3})", ttgir)
+    return max((int(shape.split("x")[0]) for shape in shapes), default=0)
+
+
+def resident_ctas(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """CTAs of one kernel an sm_90 SM holds: 64K registers allocated 8 per thread at a
+    time, 228 KB of shared memory with 1 KB reserved per CTA, at most 32 CTAs."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * num_warps)
+    by_shared = 228 * 1024 // (shared_bytes + 1024)
+    return min(32, by_registers, by_shared)
 
 
 def _ptxas_missing() -> str | None:
@@ -250,6 +295,43 @@ def test_attention_kernels_read_kv_in_16_byte_vectors(compiled: dict[str, Any]) 
     for r in compiled["records"]:
         if r["kernel"].endswith(("_decode_split_kernel", "_prefill_kernel")):
             assert r.get("vector_loads", 0) > 0, r
+
+
+def _records(compiled: dict[str, Any], kernel: str) -> list[dict[str, Any]]:
+    found = [r for r in compiled["records"] if r["kernel"].endswith(kernel)]
+    assert found, kernel
+    return found
+
+
+def test_decode_double_buffers_kv_within_its_register_budget(compiled: dict[str, Any]) -> None:
+    """Page ids loaded one block ahead let the pipeliner keep two K/V buffers in flight
+    (with the id load beside its K/V loads it keeps one at any num_stages). No spills;
+    16-bit caches keep the CTAS_PER_SM residency the split count is sized for; the
+    benchmark shape (bf16, D=128, group 4) was 78 registers and 43 KB when written."""
+    from kvcore_triton.decode import CTAS_PER_SM, CTAS_PER_SM_D256
+
+    for r in _records(compiled, "_decode_split_kernel"):
+        assert r["kv_buffers"] == 2, r
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, r  # no spills
+        if r["dtype"] != "float32":
+            want = CTAS_PER_SM_D256 if r["constexprs"]["BLOCK_D"] >= 256 else CTAS_PER_SM
+            ctas = resident_ctas(r["registers"], r["shared_bytes"], r["num_warps"])
+            assert ctas >= want, (ctas, r)
+        if r["config"] == "D=128 G=4 bfloat16 page=16":
+            assert r["registers"] <= 88 and r["shared_bytes"] <= 44 * 1024, r
+
+
+def test_prefill_runs_16_bit_operands_on_tensor_cores_with_pipelined_loads(
+    compiled: dict[str, Any],
+) -> None:
+    """fp16/bf16 caches: wgmma on 16-bit operands (not TF32 on widened ones), K/V staged
+    through at least two shared buffers, no spills (the benchmark shape: 118 registers,
+    64 KB, 3 buffers when written; before: TF32, 1 stage, 159 registers)."""
+    for r in _records(compiled, "_prefill_kernel"):
+        assert r["stack_bytes"] == 0 and r["local_bytes"] == 0, r
+        assert r["kv_buffers"] >= 2, r
+        want = {"float16": ["f16"], "bfloat16": ["bf16"], "float32": ["tf32"]}[r["dtype"]]
+        assert r["mma_operands"] == want, r
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ class TritonBackend(Backend):
     """Split-KV decode (GQA-packed ``tl.dot``), paged prefill, write_kv, copy_pages.
 
     Supports fp32/fp16/bf16 caches, head dims 1..256 (masked to a power-of-two
-    tile), every page size 1..128, GQA/MQA. On a GPU, fp32 ``tl.dot`` runs in
-    TF32 (exact for fp16/bf16 K/V, ~1e-3 relative on fp32 data).
+    tile), every page size 1..128, GQA/MQA. On a GPU, decode's fp32 ``tl.dot``
+    runs in TF32 (exact for fp16/bf16 K/V, ~1e-3 relative on fp32 data); prefill
+    multiplies fp16/bf16 operands on tensor cores with fp32 accumulation.
     """
 
     name = "triton"
@@ -83,7 +84,8 @@ class TritonBackend(Backend):
     ) -> torch.Tensor:
         assert isinstance(plan.prepared, int), "a triton prefill plan carries max_q_len"
         return prefill.prefill(query, kv_cache, plan.block_table, plan.cu_seqlens_q,
-                               plan.seq_lens, scale, max_q_len=plan.prepared)  # fmt: skip
+                               plan.seq_lens, scale, max_q_len=plan.prepared,
+                               interpreted=self.interpreted)  # fmt: skip
 
     def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
         cache_ops.copy_pages(kv_cache, plan.src, plan.dst)

@@ -41,23 +41,30 @@ reading K and V once, so every choice serves memory bandwidth):
   check in tests/test_triton_compile.py holds it to that).
 * ``BLOCK_N x BLOCK_D = 4096`` elements per K/V tile (BLOCK_N 64 at D <= 64,
   32 at D 80..128, 16 at D 256): a multiple or a divisor of every power-of-two
-  page size, so a block reads whole pages. Measured with ptxas (sm_90, bf16,
-  D=128, 4 warps; tests/test_triton_compile.py builds these): 64 tokens need
-  255 registers and spill (K and V are held as fp32), 32 tokens need 196 and
-  do not, 16 tokens 143. At 196 registers two CTAs fit on an SM, i.e. 32 KB
-  of K/V loads in flight per SM, about what 4.8 TB/s x ~600 ns of latency
-  needs spread over 132 SMs.
-* ``num_splits``: at least ``CTAS_PER_SM = 4`` programs per SM
-  (``ceil(4 * SMs / (B * Hkv))``), never more splits than token blocks nor
-  than ``MAX_SPLITS``. At B=64, Hkv=8 that is 2 splits of 2048 tokens (1024
-  CTAs: ~4 even waves of 2 resident CTAs per SM); at B=1 it is up to 64
-  splits, which keeps a single long sequence from running on 8 SMs. The split size comes from
+  page size, so a block reads whole pages.
+* Page ids are loaded one block ahead of the K/V they address, so the K/V
+  loads of block i+1 depend only on values of iteration i and Triton's
+  software pipeliner double-buffers them in shared memory (cp.async) while
+  block i computes. ``num_stages = 3`` (id load, K/V load, compute) gives two
+  K/V buffers; with the id load in the same iteration as its K/V loads the
+  buffer count stays 1 at any num_stages. Compiled for sm_90 (bf16, D=128,
+  group 4, 4 warps; tests/test_triton_compile.py asserts these): 78
+  registers, no spills, 43 KB of shared memory, 2 buffers (before the
+  look-ahead: 72 registers, 27 KB, 1 buffer).
+* ``num_splits``: the grid aims at ``CTAS_PER_SM = 5`` resident programs per
+  SM (at 78 registers x 128 threads, 6 fit by registers; at 43 KB + 1 KB
+  reserved, 5 by the 228 KB of shared memory; the compile test holds the
+  16-bit configurations to it; 4 at D=256, 96 registers and 50 KB; fp32
+  caches fit 3 and simply run more waves). The smallest split count that
+  fills one wave, ``ceil(5 * SMs / (B * Hkv))``, is raised (up to twice) when that
+  makes the last wave fuller; never more splits than token blocks nor than
+  ``MAX_SPLITS``. At B=64, Hkv=8 on 132 SMs that is 2 splits of 2048 tokens
+  (1024 CTAs over 660 slots); at B=1 it is up to 64 splits, which keeps a
+  single long sequence from running on 8 SMs. The split size comes from
   ``block_table.shape[1] * page_size`` (an upper bound of seq_len), so
   planning needs no device-to-host sync and the launch is graph-capturable.
 * ``num_warps = 4`` (8 warps would halve the CTAs per SM for the same bytes in
-  flight); ``num_stages = 2``: Triton software-pipelines the fp32-cache loads
-  with it; 16-bit loads (converted at once) are not pipelined today, so their
-  latency is hidden by the resident CTAs instead.
+  flight).
 * The merge reads ``num_splits x D`` fp32 per head, a few percent of the KV
   bytes at the split counts above.
 
@@ -76,7 +83,9 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the merge tile (BLOCK_S) and the scratch buffer
-CTAS_PER_SM = 4  # resident CTAs per SM the split count aims for
+CTAS_PER_SM = 5  # resident split CTAs per SM, 16-bit caches (shared-memory bound)
+CTAS_PER_SM_D256 = 4  # the same at BLOCK_D = 256 (50 KB of shared memory)
+NUM_STAGES = 3  # page-id load, K/V load, compute: two K/V buffers in flight
 TILE_ELEMENTS = 4096  # BLOCK_N * BLOCK_D: fp32 K and V tiles without register spills
 INTERPRETER_SMS = 2  # virtual SMs under TRITON_INTERPRET (programs run one by one anyway)
 
@@ -136,11 +145,16 @@ def _decode_split_kernel(
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    # Page ids run one block ahead: block i's K/V addresses come from ids loaded in
+    # iteration i - 1, so the software pipeliner can issue block i+1's K/V loads
+    # while block i computes (with the id load in the same iteration, it cannot).
+    page = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n
         mask_n = tok < end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = page * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        ahead = tok + BLOCK_N
+        page = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < end, other=0)
         kv_offs = row[:, None] + offs_d[None, :]
         mask_nd = mask_n[:, None] & mask_d[None, :]
 
@@ -265,7 +279,8 @@ def plan_decode(
     block_n = 16 if interpreted else max(16, min(64, TILE_ELEMENTS // block_d))
     blocks = max(1, math.ceil(max_tokens / block_n))
     if num_splits is None:
-        num_splits = math.ceil(CTAS_PER_SM * sm_count / max(1, batch * num_kv_heads))
+        ctas_per_sm = CTAS_PER_SM_D256 if block_d >= 256 else CTAS_PER_SM
+        num_splits = _fill_waves(batch * num_kv_heads, ctas_per_sm * sm_count)
     num_splits = max(1, min(num_splits, blocks, MAX_SPLITS))
     tokens_per_split = math.ceil(blocks / num_splits) * block_n
     num_splits = max(1, math.ceil(max_tokens / tokens_per_split))  # drop splits left empty
@@ -279,8 +294,21 @@ def plan_decode(
         num_splits=num_splits,
         tokens_per_split=tokens_per_split,
         num_warps=4,
-        num_stages=2,
+        num_stages=NUM_STAGES,
     )
+
+
+def _fill_waves(pairs: int, slots: int) -> int:
+    """Splits per (sequence, KV head) for ``pairs`` of them on ``slots`` resident CTAs:
+    the fewest that fill one wave, or up to twice that where the last wave is fuller
+    (each split's work shrinks as the count grows, so a fuller last wave is time saved)."""
+    least = math.ceil(slots / max(1, pairs))
+
+    def fill(splits: int) -> float:  # busy fraction of the slots over all waves
+        ctas = pairs * splits
+        return ctas / (math.ceil(ctas / slots) * slots)
+
+    return max(range(least, 2 * least + 1), key=lambda n: (round(fill(n), 3), -n))
 
 
 SM_COUNTS: dict[int, int] = {}

@@ -22,15 +22,23 @@ It runs the online softmax (``m_i``, ``l_i``, ``acc``, exp2 with the scale
 folded into Q) over tokens ``0 .. pos(last query of the tile)`` in blocks of
 ``BLOCK_N``, masking ``token > pos(row)``. Pages are looked up per token
 (any page size); only tokens < seq_len are loaded, so unused slots never
-matter; offsets are int64; loads are converted to fp32 at once.
+matter; offsets are int64.
 
-Launch choices (sm_90, checked with ptxas on the builds of
-tests/test_triton_compile.py): ``BLOCK_M = 64`` rows, 8 warps, and ``BLOCK_N``
-32 tokens (16 at BLOCK_D = 256): with Q, K, V and acc held in fp32, 4 warps or
-64-token blocks run out of registers and spill (255 registers, 350+ bytes of
-spills at D=128), while 8 warps x 32 tokens need ~200 and spill nothing.
-``num_stages = 1``: the fp32 pipelining buffers would double shared memory
-for a kernel that is compute-bound at any useful q_len.
+Numerics: on a GPU, fp16/bf16 caches feed ``tl.dot`` their own 16-bit K and V
+and a 16-bit Q (scaled in fp32, then rounded once), with fp32 accumulation,
+and P (in [0, 1]) is rounded to the cache dtype for P V: wgmma on 16-bit
+operands, as dense FlashAttention does. fp32 caches (and bf16 under the
+interpreter, whose bf16 arithmetic is wrong) widen everything to fp32 at once
+(``F32_DOT``; TF32 on a GPU).
+
+Launch choices (sm_90, figures from the builds of tests/test_triton_compile.py,
+which asserts them): ``BLOCK_M = 64`` rows, 8 warps, ``BLOCK_N`` 32 tokens (16
+at BLOCK_D = 256), ``num_stages = 3`` with page ids loaded one block ahead (as
+in decode.py), so K/V blocks are staged through shared memory while the
+previous block computes. At bf16, D=128, group 4: 118 registers, no spills,
+64 KB of shared memory, 3 buffers (before: TF32 wgmma on fp32-widened
+operands, num_stages 1, 159 registers). 64-token blocks take 148 registers
+and 112 KB (one CTA per SM).
 The grid needs the longest q_len, one device-to-host read of cu_seqlens_q;
 prefill is not a graph-captured step, so the sync is accepted here.
 """
@@ -44,6 +52,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+NUM_STAGES = 3  # page-id load, K/V load, compute: two K/V buffers in flight
 
 
 @triton.jit
@@ -72,6 +81,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # queries per tile
     BLOCK_M: tl.constexpr,  # rows per tile = BLOCK_Q * BLOCK_G (>= 16)
     BLOCK_N: tl.constexpr,  # tokens per iteration
+    F32_DOT: tl.constexpr,  # dot operands in fp32 (fp32 caches; bf16 under the interpreter)
 ):
     tl.static_assert(BLOCK_M == BLOCK_Q * BLOCK_G)
     tl.static_assert(BLOCK_G >= QUERY_GROUP)
@@ -102,7 +112,9 @@ def _prefill_kernel(
     q_ptrs = q_ptr + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
     mask_md = mask_m[:, None] & mask_d[None, :]
     q = tl.load(q_ptrs, mask=mask_md, other=0.0).to(tl.float32)
-    q = q * qk_scale
+    q = q * qk_scale  # scaled in fp32, then rounded once to the operand type
+    if not F32_DOT:
+        q = q.to(kv_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite floor: no inf - inf
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -112,16 +124,22 @@ def _prefill_kernel(
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    # Page ids one block ahead of their K/V (see decode.py): the pipeliner can then
+    # prefetch block i+1's K/V into shared memory while block i computes.
+    page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < kv_end, other=0)
     for t0 in range(0, kv_end, BLOCK_N):
         tok = t0 + offs_n
         mask_n = tok < kv_end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = page * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+        ahead = tok + BLOCK_N
+        page = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < kv_end, other=0)
         kv_offs = row[:, None] + offs_d[None, :]
         mask_nd = mask_n[:, None] & mask_d[None, :]
 
-        k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], log2 units
+        k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0)
+        if F32_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32 accumulate, log2 units
         causal = mask_n[None, :] & (tok[None, :] <= pos[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -129,8 +147,11 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v = tl.load(v_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        v = tl.load(v_base + kv_offs, mask=mask_nd, other=0.0)
+        if F32_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:  # p in [0, 1] rounded to the cache's 16 bits; acc stays fp32
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -149,8 +170,9 @@ class PrefillPlan:
     block_g: int  # next power of two >= group
     block_q: int  # queries per tile; block_q * block_g rows (64, or block_g if wider)
     block_n: int  # tokens per loop iteration
+    f32_dot: bool  # dot operands in fp32 (else the cache's 16-bit dtype, fp32 accumulate)
     num_warps: int = 8
-    num_stages: int = 1
+    num_stages: int = NUM_STAGES
 
     def constexprs(self) -> dict[str, int]:
         return {
@@ -162,11 +184,16 @@ class PrefillPlan:
             "BLOCK_Q": self.block_q,
             "BLOCK_M": self.block_q * self.block_g,
             "BLOCK_N": self.block_n,
+            "F32_DOT": self.f32_dot,
         }
 
 
-def plan_prefill(*, group: int, head_dim: int, page_size: int) -> PrefillPlan:
-    """Tiles for a GQA group of ``group`` query heads (the module docstring gives the reasons)."""
+def plan_prefill(
+    *, group: int, head_dim: int, page_size: int, dtype: torch.dtype, interpreted: bool
+) -> PrefillPlan:
+    """Tiles for a GQA group of ``group`` query heads over a ``dtype`` cache (the module
+    docstring gives the reasons). ``interpreted``: bf16 operands are widened to fp32 at
+    once, since the interpreter's bf16 arithmetic is wrong."""
     block_g = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_dim))
     return PrefillPlan(
@@ -177,6 +204,7 @@ def plan_prefill(*, group: int, head_dim: int, page_size: int) -> PrefillPlan:
         block_g=block_g,
         block_q=max(1, 64 // block_g),
         block_n=16 if block_d >= 256 else 32,
+        f32_dot=dtype == torch.float32 or (interpreted and dtype == torch.bfloat16),
     )
 
 
@@ -189,6 +217,7 @@ def prefill(
     scale: float,
     *,
     max_q_len: int,
+    interpreted: bool,
 ) -> torch.Tensor:
     """out [total_q, Hq, D] (query's dtype): causal attention of each sequence's last
     q_len tokens over its ``seq_lens[b]`` cached tokens. ``max_q_len`` (tokens) is the
@@ -207,7 +236,8 @@ def prefill(
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out
 
-    plan = plan_prefill(group=num_q_heads // num_kv_heads, head_dim=head_dim, page_size=page_size)
+    plan = plan_prefill(group=num_q_heads // num_kv_heads, head_dim=head_dim,
+                        page_size=page_size, dtype=kv_cache.dtype, interpreted=interpreted)  # fmt: skip
     grid = (triton.cdiv(max_q_len, plan.block_q), batch, num_kv_heads)
     _prefill_kernel[grid](
         query,
