@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if exc.name == f"kvcore.bench.{name}":
                 continue  # not in this build yet
             raise
-        bench = sub.add_parser(name, help=help_text, description=help_text)
+        bench = sub.add_parser(name, help=help_text, description=help_text,
+                               formatter_class=parser.formatter_class)  # fmt: skip
         bench.add_argument("--json", action="store_true", help="print one JSON object")
         module.add_arguments(bench)
         bench.set_defaults(_run=module.run)

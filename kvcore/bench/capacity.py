@@ -38,21 +38,21 @@ GIB = 1 << 30
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed of the trace")
     g.add_argument("--requests", type=int, default=500, help="requests per trace")
     g.add_argument("--arrival-rate", type=float, default=1.0, help="mean arrivals per step")
     g.add_argument("--shared-fraction", type=float, default=0.6,
                    help="share of requests with a shared prefix in the shared-prefix variant")
-    g.add_argument("--num-prefixes", type=int, default=4)
+    g.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
     g.add_argument("--max-new-tokens", type=int, default=2048, help="serving limit")
     g = parser.add_argument_group("pool")
     g.add_argument("--budget-gib", type=float, default=4.0, help="KV memory budget, GiB")
     g.add_argument("--num-pages", type=int, default=0, help="pages (overrides --budget-gib)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    g.add_argument("--layers", type=int, default=32)
-    g.add_argument("--kv-heads", type=int, default=8)
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--layers", type=int, default=32, help="layers of the modelled KV cache")
+    g.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
+    g.add_argument("--head-dim", type=int, default=128, help="elements per head")
+    g.add_argument("--dtype", default="bfloat16", help="element type of K and V")
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of pages admission keeps free (vLLM's default 1%%)")
 

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="attach to this daemon instead of starting one")
     parser.add_argument("--pool", default="default", help="pool name (default: default)")
     parser.add_argument("--backend", default="torch", help="kernel backend (default: torch)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="model and cache element type")  # fmt: skip
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="rows of the even batch (default 1)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="even batch prompt length")

@@ -75,10 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("page-size", "tokens per page"),
         ("prefill-q", "prefill queries"),
     ):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (overrides)")
-    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
+        parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (default: the shape set's)")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="element type (default: the shape set's)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls (median)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

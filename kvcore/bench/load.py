@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="run time of each worker")
     parser.add_argument("--pages", type=int, default=2048, help="pages of the pool")
     parser.add_argument("--lease", type=float, default=5.0, help="the daemon's lease (seconds)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the workers")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

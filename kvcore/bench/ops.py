@@ -373,7 +373,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_arguments(parser)
     parser.add_argument("--fork-every", type=int, default=8,
                         help="fork every N-th request into a second sample (0: never)")
-    parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix")
+    parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix",
+                        help="the trace replayed")  # fmt: skip
     parser.add_argument("--repeat", type=int, default=3,
                         help="replays; the ratio is their median, the Manager's figures its best")
 

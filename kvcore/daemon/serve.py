@@ -237,22 +237,25 @@ def vllm_publisher(config: ServiceConfig, endpoint: str) -> VllmEventPublisher:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML file (see kvcore.config); flags override it")
-    parser.add_argument("--endpoint", help="ipc:// or tcp:// endpoint (default: runtime dir)")
+    parser.add_argument("--config", help="TOML file (see docs/quickstart.md); KVCORE_* "
+                        "variables override it, flags override both (default: none)")  # fmt: skip
+    parser.add_argument("--endpoint", help="ipc:// or tcp:// endpoint (default: "
+                        "ipc://$XDG_RUNTIME_DIR/kvcore/kvcore.sock)")  # fmt: skip
     parser.add_argument("--pool", action="append", metavar="K=V,...",
                         help="a pool, e.g. name=default,device=cpu,num_layers=16,size=256MiB "
                         "(repeatable; replaces the configured pools)")  # fmt: skip
     parser.add_argument("--events", help="PUB endpoint for page events ('auto': beside "
-                        "the request socket, one per daemon)")  # fmt: skip
+                        "the request socket, one per daemon; default: off)")  # fmt: skip
     parser.add_argument("--events-format", choices=["kvcore", "vllm"], help="the event "
                         "stream's format: kvcore's (spec/protocol.md) or vLLM's KV events, as "
                         "KV-aware routers read them (spec/vllm-events.md); default kvcore")  # fmt: skip
     parser.add_argument("--events-replay", help="vllm format: ROUTER endpoint that replays "
-                        "buffered event batches (vLLM's replay_endpoint)")  # fmt: skip
+                        "buffered event batches (vLLM's replay_endpoint; default: off)")  # fmt: skip
     parser.add_argument("--lease-timeout", type=float, help="seconds without a request "
                         "before a session's sequences are freed (default 10)")  # fmt: skip
-    parser.add_argument("--max-frame-bytes", type=int)
-    parser.add_argument("--max-batch", type=int)
+    parser.add_argument("--max-frame-bytes", type=int, help="largest request or reply "
+                        "(default 8388608)")  # fmt: skip
+    parser.add_argument("--max-batch", type=int, help="operations per batch (default 4096)")
     parser.add_argument("--max-request-tokens", type=int, help="tokens of work one request "
                         "may carry, summed over a batch (default 1048576)")  # fmt: skip
     parser.add_argument("--max-sessions", type=int, help="sessions at once (default 1024)")
@@ -261,9 +264,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fence-timeout", type=float, help="seconds an expired session "
                         "whose process cannot be watched (tcp://) stays fenced (default 300)")  # fmt: skip
     parser.add_argument("--curve-secret-key-file", help="CURVE secret key (tcp://): z85, or "
-                        "a `kvcore keys` .key_secret file; must be mode 0600")  # fmt: skip
+                        "a `kvcore keys` .key_secret file; must be mode 0600 (default: none)")  # fmt: skip
     parser.add_argument("--authorized-keys", dest="authorized_keys_dir", help="directory of "
-                        "client public keys (*.key, `kvcore keys`): only they may connect")  # fmt: skip
+                        "client public keys (*.key, `kvcore keys`): only they may connect (default: none)")  # fmt: skip
     parser.add_argument("--insecure", action="store_true", help="allow tcp:// without CURVE "
                         "(anyone who reaches the port can read and write every pool)")  # fmt: skip
     parser.add_argument("--allow-ephemeral", action="store_true",
@@ -272,7 +275,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "/health over HTTP on this port (0: any free port; default: off)")  # fmt: skip
     parser.add_argument("--metrics-addr", help="address the metrics port binds "
                         "(default 127.0.0.1: loopback only)")  # fmt: skip
-    parser.add_argument("--log-level", choices=LOG_LEVELS, help="default INFO")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, help="the least severe "
+                        "records logged (default INFO)")  # fmt: skip
     parser.add_argument("--log-format", choices=["text", "json"], help="text lines, or one "
                         "JSON object per line for log shippers (default text)")  # fmt: skip
 

@@ -1,0 +1,57 @@
+"""The ``kvcore`` command reads well: a version, help when bare, every flag explained
+with its default, no reST markup in any --help."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from kvcore.cli import build_parser, main
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ("kvcore",)
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*path, name))
+
+
+def test_bare_kvcore_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvcore") and "serve" in out and "bench" in out
+
+
+def test_version() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvcore.cli", "--version"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0
+    assert done.stdout.startswith("kvcore 0.") or done.stdout.startswith("kvcore 1.")
+
+
+def test_every_flag_has_help_and_shows_its_default() -> None:
+    missing = []
+    for path, parser in _parsers(build_parser()):
+        text = parser.format_help()
+        assert "``" not in text, f"{' '.join(path)} --help shows reST markup"
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
+                                   argparse._SubParsersAction)):  # fmt: skip
+                continue
+            flag = f"{' '.join(path)} {(action.option_strings or [action.dest])[0]}"
+            if not action.help:
+                missing.append(f"{flag}: no help")
+                continue
+            switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+            help_text = parser._get_formatter()._expand_help(action)
+            off = action.default is None  # nothing to show: the help says what happens
+            if action.option_strings and not switch and not off and "default" not in help_text:
+                missing.append(f"{flag}: no default shown")
+    assert not missing, "\n".join(missing)
