@@ -55,3 +55,22 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
             if action.option_strings and not switch and not off and "default" not in help_text:
                 missing.append(f"{flag}: no default shown")
     assert not missing, "\n".join(missing)
+
+
+def test_bench_prints_headline_figures_with_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "capacity", "--requests", "60", "--budget-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "utilization of the paged pool" in out and ">= 0.96" in out
+    assert "met" in out and "e+" not in out and "plain.paged" not in out  # not the flat record
+    assert len(out.splitlines()) < 40
+
+
+def test_report_formats_numbers_for_people() -> None:
+    from kvcore.bench.report import Figure, Target, fmt, rows
+
+    assert [fmt(v) for v in (217_100.4, 0.98312, 12.345, 7, None)] == [
+        "217,100", "0.983", "12.3", "7", "-"]  # fmt: skip
+    record = {"a": {"b": 3.0}, "best": 3.0, "worse": 2.0}
+    assert rows(record, [Figure("a.b", "ab", Target("==", "best"))]) == [
+        ("a.b", "ab", "3", "== best (3)", "met")]  # fmt: skip
+    assert rows(record, [Figure("worse", target=Target(">=", 2.5))])[0][4] == "NOT MET"

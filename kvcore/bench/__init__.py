@@ -1,7 +1,10 @@
 """``kvcore bench NAME``: one module per benchmark, each with ``add_arguments``
 and ``run(args) -> dict`` (a flat-ish JSON object of figures).
 
-``--json`` prints that object; otherwise it is shown as a table. Ratios are
+``--json`` prints that object; otherwise the module's ``HEADLINE`` figures (a
+tuple of :class:`~kvcore.bench.report.Figure`, or a function of the record
+returning one) are shown with their targets, met or not (kvcore/bench/report.py).
+Ratios are
 measured against a baseline run in the same process, never against a number
 recorded elsewhere.
 """
@@ -12,6 +15,8 @@ import argparse
 import importlib
 import json
 from typing import Any
+
+from kvcore.bench.report import print_report
 
 BENCHMARKS: dict[str, str] = {
     "capacity": "pool capacity: contiguous vs paged vs paged + shared prefix cache",
@@ -45,8 +50,15 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = args._run(args)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=False))
+        return 0
+    title = f"kvcore bench {args.benchmark}"
+    headline = getattr(importlib.import_module(f"kvcore.bench.{args.benchmark}"), "HEADLINE", None)
+    if callable(headline):
+        headline = headline(result)
+    if headline is None:  # a benchmark that names no headline yet: every figure
+        print_table(title, result)
     else:
-        print_table(f"kvcore bench {args.benchmark}", result)
+        print_report(title, result, headline)
     return 0
 
 

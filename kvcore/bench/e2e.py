@@ -55,6 +55,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from kvcore.bench import report
+from kvcore.bench.report import Figure
+
 if TYPE_CHECKING:
     import torch
     from transformers import LlamaForCausalLM
@@ -89,6 +92,15 @@ TARGETS = (
     Target("kvcore_over_hf_paged", True, 1.0),  # kvcore ahead of transformers' paged cache
     Target("ragged_kvcore_over_hf_paged", True, 1.0),
 )
+HEADLINE = (  # what `kvcore bench e2e` prints without --json (docs/benchmarks.md)
+    *(Figure(t.key, target=report.Target(">=" if t.at_least else "<=", t.bound)) for t in TARGETS),
+    Figure("hf_paged_decode_tps_ratio"),
+    Figure("ragged_hf_paged_decode_tps_ratio"),
+    Figure("decode_layer_us", "one decode layer, µs"),
+    Figure("sdpa_layer_us", "SDPA on the same K/V, µs"),
+    Figure("decode.kvcore_tokens_per_s", "even batch: kvcore tokens / s"),
+    Figure("decode.dynamic_cache_tokens_per_s", "even batch: DynamicCache tokens / s"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The full record with ``--json``, else :func:`headline` of it."""
     record = measure(args)
-    return record if getattr(args, "json", True) else headline(record)
+    return record  # `kvcore bench e2e` without --json prints HEADLINE of it (bench/report.py)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -35,10 +35,42 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvcore.bench.report import Figure, Target
+
 if TYPE_CHECKING:
     import torch
 
     from kvcore.backend import Backend
+
+# GPU targets (an H100/H200-class device; docs/benchmarks.md): decode bandwidth fraction
+# per backend, and paged over dense time for every backend.
+GPU_BW_TARGETS = {"triton": 0.80, "cupy": 0.70}
+GPU_PAGED_OVER_DENSE = 1.10
+
+
+def headline(record: dict[str, Any]) -> list[Figure]:
+    """Per backend that ran and op: time, bandwidth fraction, paged over dense; the GPU
+    targets only on a CUDA device (the CPU shape is scaled down and has none)."""
+    gpu = str(record.get("device", "")).startswith("cuda")
+    figures = [Figure("copy_GBps", "device copy bandwidth, GB/s")]
+    for name, ops in record.get("backends", {}).items():
+        if "error" in ops:
+            figures.append(Figure(f"backends.{name}.error", f"{name}: not run"))
+            continue
+        for op in ops:
+            key = f"backends.{name}.{op}"
+            bw = GPU_BW_TARGETS.get(name) if gpu and op == "decode" else None
+            figures += [
+                Figure(f"{key}.time_ms", f"{name} {op}: ms"),
+                Figure(f"{key}.bw_fraction", f"{name} {op}: bandwidth / copy bandwidth",
+                       None if bw is None else Target(">=", bw)),
+                Figure(f"{key}.paged_over_dense", f"{name} {op}: paged / dense time",
+                       Target("<=", GPU_PAGED_OVER_DENSE) if gpu else None),
+            ]  # fmt: skip
+    return figures
+
+
+HEADLINE = headline  # what `kvcore bench kernels` prints without --json
 
 
 @dataclass(frozen=True, slots=True)

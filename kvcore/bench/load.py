@@ -28,7 +28,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvcore.bench.report import Figure, Target
+
 PAGE_SIZE = 16
+HEADLINE = (  # what `kvcore bench load` prints without --json (docs/benchmarks.md)
+    Figure("ops_per_s", "operations / s, all clients"),
+    Figure("p99_ms", "p99 latency, ms"),
+    Figure("clobbered_pages", "pages another process wrote", Target("==", 0)),
+    Figure("checked_pages", "pages checked"),
+    Figure("held_after", "pages held after every client detached", Target("==", 0)),
+    Figure("rss_growth_mib", "daemon RSS growth, MiB", Target("<=", 20)),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

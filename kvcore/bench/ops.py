@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvcore.bench import capacity
+from kvcore.bench.report import Figure
 from kvcore.bench.simulate import PageCache, PagedPool, RunStats, simulate
 from kvcore.bench.trace import Trace
 from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists
@@ -48,6 +49,13 @@ from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 
 OPS = ("allocate", "extend", "commit", "free", "fork", "lookup")
+HEADLINE = (  # what `kvcore bench ops` prints without --json (docs/benchmarks.md)
+    Figure("page_ops_per_s", "page operations / s (time inside Manager calls)"),
+    Figure("calls_per_s", "Manager calls / s"),
+    Figure("manager_over_minimal", "Manager time / a minimal page cache's (median)"),
+    *(Figure(f"ops.{op}.mean_us", f"{op}: mean µs per call") for op in OPS),
+    Figure("replay.hit_rate", "prefix-cache hit rate of the replay"),
+)
 _R = TypeVar("_R")
 
 

@@ -26,8 +26,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from kvcore.bench.report import Figure, Target
+
 SINGLE_TARGET = 1.5
 BATCHED_TARGET = 0.1
+HEADLINE = (  # what `kvcore bench rpc` prints without --json (docs/benchmarks.md)
+    Figure("echo_p50_us", "raw ZeroMQ echo, p50 µs"),
+    Figure("single_p50_us", "one extend through the daemon, p50 µs"),
+    Figure("single_p99_us", "one extend through the daemon, p99 µs"),
+    Figure("single_p50_ratio", "single p50 / echo p50", Target("<=", SINGLE_TARGET)),
+    Figure("batched_per_op_us", "per op in a batch of 256, µs"),
+    Figure("batched_per_op_ratio", "batched per op / single p50", Target("<=", BATCHED_TARGET)),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -41,12 +41,12 @@ SIM_LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--requests", type=int, default=300, help="requests in the trace")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the trace")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
     parser.add_argument("--working-set", type=float, default=4.0, help="distinct pages / pool pages")
     parser.add_argument("--host-factor", type=float, default=1.0, help="host tier pages / pool pages")
-    parser.add_argument("--promote-pages", type=int, default=64)
+    parser.add_argument("--promote-pages", type=int, default=64, help="pages per promotion timed")
     parser.add_argument("--remote-master", default=None, help="host:port of a running mooncake_master")
     parser.add_argument("--remote-metadata", default=None, help="http://host:port/metadata")
 

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvcore.bench.report import Figure, Target
 from kvcore.demo_model import TinyLlama
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
@@ -40,6 +41,7 @@ MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=512)  # fmt: skip
 PAGE_SIZE = 32
 TARGETS = {"ttft_hit_ratio": ("<=", 0.5), "throughput_no_hit_ratio": (">=", 0.95)}
+HEADLINE = tuple(Figure(key, target=Target(op, bound)) for key, (op, bound) in TARGETS.items())
 
 
 def vllm_available() -> bool:
