@@ -68,7 +68,7 @@ def lookup(record: dict[str, Any], key: str) -> Any:
 
 def rows(record: dict[str, Any], figures: Sequence[Figure]) -> list[tuple[str, ...]]:
     """(figure key, what it is, value, target, met) for each figure the record has."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for figure in figures:
         value = lookup(record, figure.key)
         if value is None and figure.target is None:
