@@ -51,7 +51,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvcore.errors import BadRequest, UntrustedEndpoint
+from kvcore.errors import BadRequest, Timeout, UntrustedEndpoint
 from kvcore.layout import KVLayout
 from kvcore.tiers.config import TierConfig, split_flags
 
@@ -287,7 +287,14 @@ def check_socket_path(path: str, trusted_uids: set[int], *, creating: bool) -> N
     trusted uid. A client (not ``creating``) also needs the socket to exist already in a
     directory others can write. The daemon trusts its own uid; a client also root."""
     parent = os.path.dirname(os.path.abspath(path))
-    pst = os.stat(parent)
+    try:
+        pst = os.stat(parent)
+    except FileNotFoundError:
+        if not creating:  # a client: no daemon ever bound there
+            raise Timeout(f"no daemon answers on ipc://{path} (its directory {parent} does "
+                          f"not exist) — start one with `kvcore serve`") from None  # fmt: skip
+        raise BadRequest(f"socket directory {parent} does not exist: create it (yours, mode "
+                         f"0700) or choose another endpoint") from None  # fmt: skip
     shared = bool(pst.st_mode & 0o022)
     why = _untrusted(pst, trusted_uids | {0})
     if why is None and shared and not pst.st_mode & stat.S_ISVTX:

@@ -159,3 +159,13 @@ def test_a_gone_daemon_fails_fast_and_says_how_to_start_one(tmp_path: Path) -> N
     finally:
         daemon.stop(signal.SIGKILL)
         (Path("/dev/shm") / f"kvcore-{_shm_name(daemon.output)}").unlink(missing_ok=True)
+
+
+def test_a_missing_socket_directory_is_named(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/absent/kvcore.sock"
+    refused = subprocess.run([sys.executable, "-m", "kvcore.daemon", "--endpoint", endpoint],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert refused.returncode == 2
+    assert f"socket directory {tmp_path}/absent does not exist" in refused.stderr
+    with pytest.raises(Timeout, match=r"does not exist.*start one with `kvcore serve`"):
+        Client.connect(endpoint, map_memory=False)

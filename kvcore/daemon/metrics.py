@@ -32,7 +32,12 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from kvcore_ipc import messages as msg
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -252,6 +257,7 @@ def start(take: Callable[[], Snapshot], *, port: int, addr: str = "127.0.0.1",
           stale_after_s: float = 5.0) -> tuple[Exchange, RequestTimer, MetricsServer]:  # fmt: skip
     """A registry of its own with the snapshot collector and the latency histogram,
     served on ``addr:port``."""
+    disable_created_metrics()  # no *_created series: the daemon's start is kvcore_uptime_seconds
     registry = CollectorRegistry(auto_describe=False)
     exchange = Exchange(take)
     registry.register(SnapshotCollector(exchange))
