@@ -121,6 +121,7 @@ def test_disk_tier_survives_a_restart_and_a_corrupt_entry_is_a_miss(tmp_path: Pa
     with disk_daemon(tmp_path, disk) as daemon, Client.connect(daemon.endpoint) as client:
         assert serve_prompt(client, 1, 0) == PROMPT_PAGES  # from disk, verified, exact bytes
         assert serve_prompt(client, 2, 1) == PROMPT_PAGES
+        assert serve_prompt(client, 3, prompts - 1) == PROMPT_PAGES  # was in the pool: written back
         probe = client.lookup(prompt(2))  # promotes prompt 2's pages, reading its files
         assert probe.num_cached_tokens == PROMPT_PAGES * PAGE
     keys = _chain_files(disk, prompt(3))

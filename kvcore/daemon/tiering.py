@@ -15,6 +15,8 @@ in the handler is unchanged::
     extend                 the Manager's extend, then spill what it evicted
     commit                 the Manager's commit, then a copy of the newly indexed pages
                            queued for the remote store (published by its thread)
+    close                  the host tier's entries and the pool's cached pages written
+                           down to the disk tier (a new daemon on it serves them)
 
 So an engine only ever sees ordinary pool pages, written and committed, and a
 page evicted by a reply is in a lower tier before the engine can overwrite it.
@@ -134,7 +136,12 @@ class TieredManager(Manager):
         return self.tiers.stats()
 
     def close(self) -> None:
-        self.tiers.close()
+        """Write what the pool and the host tier cache down to the disk tier (so a new
+        daemon on the same directory serves it), then close the tiers."""
+        try:
+            self._write_back()
+        finally:
+            self.tiers.close()
 
     def check_integrity(self) -> None:
         super().check_integrity()
@@ -194,6 +201,22 @@ class TieredManager(Manager):
             else:
                 scatter_pages(self._views, pages, data[: len(pages)])
         self._put_down(evicted, spilled)
+
+    def _write_back(self, chunk: int = 256) -> None:
+        """Host entries, then the pool's cached pages (most recent last), to the disk
+        tier, ``chunk`` pages per copy; bounded by the disk tier's own size."""
+        disk, host = self.tiers.disk, self.tiers.host
+        if disk is None:
+            return
+        if host is not None:
+            keys = host.keys()
+            for at in range(0, len(keys), chunk):
+                disk.put_many(keys[at : at + chunk], host.get_many(keys[at : at + chunk]))
+        entries = self.prefix_snapshot()
+        for at in range(0, len(entries), chunk):
+            part = entries[at : at + chunk]
+            pages = gather_pages(self._views, [e.page for e in part], device="cpu")
+            disk.put_many(tier_keys(self._fingerprint, [e.key for e in part]), pages)
 
     def _spill(self) -> None:
         """Copy what the last Manager operation evicted into the tiers (before the reply)."""

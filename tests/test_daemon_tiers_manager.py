@@ -1,0 +1,106 @@
+"""TieredManager in-process: random engine traffic (allocate, write, extend, commit, fork,
+lookup, free) over a tiny pool with host and disk tiers below it. Every page a hit hands
+out holds exactly the bytes its first writer wrote, the Manager's and every tier's
+invariants hold after each step, and events name the medium."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.daemon.tiering import TieredManager
+from kvcore.errors import OutOfPages
+from kvcore.layout import KVLayout
+from kvcore.prefix import PageRemoved, PageStored
+from kvcore.tiers import DiskTier, HostTier, TierStack
+
+PAGE = 2
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6)
+
+
+def pattern(tokens: list[int], page: int, layer: int) -> float:
+    """What the first writer of a page (content = the tokens up to its end) writes."""
+    return float(hash((tuple(tokens[: (page + 1) * PAGE]), layer)) % 1_000_003)
+
+
+@pytest.mark.parametrize("host_pages", [0, 3])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_hits_below_the_pool_return_the_written_bytes(
+    host_pages: int, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    directory = tmp_path_factory.mktemp("disk") / "tier"
+    memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
+    views = LAYOUT.layer_views(memory)
+    host = HostTier(LAYOUT, host_pages) if host_pages else None
+    stack = TierStack(host, DiskTier(LAYOUT, directory, 8 * (LAYOUT.page_bytes + 80)))
+    manager = TieredManager(LAYOUT, views, stack)
+    prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
+    live: dict[int, list[int]] = {}
+    try:
+        for step in range(data.draw(st.integers(5, 25))):
+            action = data.draw(st.sampled_from(["run", "run", "lookup", "extend"]))
+            tokens = data.draw(prompts)
+            if action == "lookup":
+                manager.lookup(tokens)
+            elif action == "extend" and live:
+                seq = data.draw(st.sampled_from(sorted(live)))
+                try:
+                    manager.extend(seq, 1)
+                    live[seq].append(0)
+                except OutOfPages:
+                    pass
+            else:
+                try:
+                    got = manager.allocate(step, tokens)
+                except OutOfPages:
+                    continue
+                cached = got.num_cached_tokens // PAGE
+                for n, page in enumerate(got.pages):
+                    for layer, view in enumerate(views):
+                        if n < cached:
+                            assert float(view[page].flatten()[0]) == pattern(tokens, n, layer)
+                        else:
+                            view[page].fill_(pattern(tokens, n, layer))
+                manager.commit(step, tokens)
+                if data.draw(st.booleans()):
+                    manager.free(step)
+                else:
+                    live[step] = list(tokens)
+            manager.check_integrity()
+            for event in manager.take_events():
+                if isinstance(event, PageStored):
+                    assert event.medium in ("", "host", "disk")
+                elif isinstance(event, PageRemoved):
+                    assert event.medium == ("host" if host_pages else "disk")
+    finally:
+        stack.close()
+
+
+def test_a_spilled_page_comes_back_from_the_host_tier(tmp_path: Path) -> None:
+    memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
+    views = LAYOUT.layer_views(memory)
+    manager = TieredManager(LAYOUT, views, TierStack(HostTier(LAYOUT, 16)))
+    first = [1, 2, 3, 4, 5]
+    got = manager.allocate(0, first)
+    for layer, view in enumerate(views):
+        view[got.pages[0]].fill_(10.0 + layer)
+        view[got.pages[1]].fill_(20.0 + layer)
+    manager.commit(0, first)
+    manager.free(0)
+    for i in range(3):  # push the first prompt's pages out of the pool
+        manager.allocate(10 + i, [100 + i] * 5)
+        manager.commit(10 + i, [100 + i] * 5)
+        manager.free(10 + i)
+    assert manager.lookup(first).num_cached_tokens == 4
+    again = manager.allocate(1, first)
+    assert again.num_cached_tokens == 4
+    for layer, view in enumerate(views):
+        assert bool((view[again.pages[0]] == 10.0 + layer).all())
+        assert bool((view[again.pages[1]] == 20.0 + layer).all())
+    assert manager.tier_stats()["host"].hits == 2
+    manager.check_integrity()
