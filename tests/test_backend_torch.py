@@ -179,3 +179,39 @@ def test_pytest_plugin_runs_suite_for_a_third_party(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"{len(PROPERTIES)} passed" in run.stdout
+
+
+def test_bench_kernels_times_the_run_alone() -> None:
+    """`kvcore bench kernels` plans (validation, the device sync) once, outside the timed
+    calls: no plan is made while a decode or prefill is being timed."""
+    from kvcore.bench import kernels as bench
+
+    timing = [False]
+    planned_while_timing: list[str] = []
+
+    class Spy(TorchBackend):
+        def plan_decode(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if timing[0]:
+                planned_while_timing.append("decode")
+            return super().plan_decode(*args, **kwargs)
+
+        def plan_prefill(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if timing[0]:
+                planned_while_timing.append("prefill")
+            return super().plan_prefill(*args, **kwargs)
+
+    timed: list[bool] = []
+
+    def timer(fn):  # type: ignore[no-untyped-def]
+        timing[0] = True
+        before = len(planned_while_timing)
+        fn()
+        timing[0] = False
+        timed.append(len(planned_while_timing) > before)  # True: fn was a plan
+        return 1e-3
+
+    shape = bench.Shape(2, 64, 4, 2, 16, 16, "float32", 8)
+    data = bench._Data.make(shape, torch.device("cpu"))
+    bench._time_backend(Spy(), data, timer)  # type: ignore[arg-type]
+    # per op: the run is timed first (no plan inside), then the plan on its own
+    assert timed == [False, True, False, True], timed

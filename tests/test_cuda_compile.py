@@ -103,7 +103,7 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str
         unit.write_text(translation_unit(file, names))
         cubin = out_dir / f"{file}.cubin"
         cmd = [
-            NVCC, f"-arch={ARCH}", "-cubin", "-Werror", "all-warnings",
+            NVCC, f"-arch={ARCH}", "-cubin", "-Werror", "all-warnings", "-Xptxas", "-v",
             *kernels.options(), "-o", str(cubin), str(unit),
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -127,6 +127,68 @@ def test_nvcc_compiles_for_sm90(file: str, cubins: dict[str, tuple[int, str, byt
         if mangled_fragment(name).encode() not in data
     ]
     assert not missing, f"{file}: no device code for {missing[:8]} ({len(missing)} in all)"
+
+
+def ptxas_figures(output: str) -> dict[str, tuple[int, int]]:
+    """``-Xptxas -v`` output -> {mangled kernel symbol: (registers, spill store bytes)}."""
+    figures: dict[str, tuple[int, int]] = {}
+    name, spills = "", 0
+    for line in output.splitlines():
+        if m := re.search(r"Compiling entry function '(\w+)'", line):
+            name, spills = m.group(1), 0
+        elif m := re.search(r"(\d+) bytes spill stores", line):
+            spills = int(m.group(1))
+        elif (m := re.search(r"Used (\d+) registers", line)) and name:
+            figures[name] = (int(m.group(1)), spills)
+    return figures
+
+
+def _figures_of(file: str, cubins: dict[str, tuple[int, str, bytes]]) -> dict[str, tuple[int, int]]:
+    rc, output, _ = cubins[file]
+    assert rc == 0, output[-4000:]
+    figures = ptxas_figures(output)
+    out = {}
+    for name in kernels.all_name_expressions()[file]:
+        (symbol,) = [s for s in figures if mangled_fragment(name) in s]
+        out[name] = figures[symbol]
+    return out
+
+
+@needs_nvcc
+def test_decode_fits_its_register_budget_without_spills(
+    cubins: dict[str, tuple[int, str, bytes]],
+) -> None:
+    """decode_partial's __launch_bounds__ holds ptxas to KV_DECODE_MIN_CTAS CTAs of 128
+    threads per SM (<= 128 registers; the split count is sized for it), and no
+    instantiation spills. Unbounded, with a
+    group tile of 8, it took 128 registers at the benchmark shape, up to 255 at NG=8
+    (2 CTAs/SM) and spilled up to 16 bytes in some variants."""
+    text = (kernels.KERNEL_DIR / "decode.cu").read_text()
+    m = re.search(r"#define KV_DECODE_MIN_CTAS (\d+)", text)
+    assert m is not None and "__launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS)" in text
+    from kvcore_cupy.plan import CTAS_PER_SM
+
+    min_ctas = int(m.group(1))
+    assert min_ctas >= CTAS_PER_SM, "the split count assumes CTAS_PER_SM resident CTAs"
+    budget = 65536 // (min_ctas * 128)
+    for name, (registers, spills) in _figures_of("decode.cu", cubins).items():
+        assert spills == 0, (name, spills)
+        if name.startswith("decode_partial"):
+            assert registers <= budget, (name, registers)
+
+
+@needs_nvcc
+def test_prefill_fits_its_register_budget_without_spills(
+    cubins: dict[str, tuple[int, str, bytes]],
+) -> None:
+    """prefill's bound (KV_PREFILL_MIN_CTAS CTAs per SM): unbounded, ptxas capped some
+    variants at 64 registers and spilled up to 12 bytes."""
+    text = (kernels.KERNEL_DIR / "prefill.cu").read_text()
+    m = re.search(r"#define KV_PREFILL_MIN_CTAS (\d+)", text)
+    assert m is not None and "__launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS)" in text
+    budget = 65536 // (int(m.group(1)) * 128)
+    for name, (registers, spills) in _figures_of("prefill.cu", cubins).items():
+        assert spills == 0 and registers <= budget, (name, registers, spills)
 
 
 @needs_nvcc

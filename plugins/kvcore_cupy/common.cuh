@@ -270,10 +270,12 @@ template <class T> struct PagedSeq {
     return PagedSeq{cache + (i64)kv_head * stride_head, block_table + (i64)b * table_stride,
                     stride_page, stride_kv, stride_tok, FastDiv{page_size, ps_mul, ps_shift}};
   }
-  __device__ __forceinline__ i64 row_offset(int t) const {
-    const u32 p = ps.div((u32)t);
-    const u32 off = (u32)t - p * ps.d;
-    return (i64)pages[p] * stride_page + (i64)off * stride_tok;
+  // The page id of token t (a block-table read: issue it early, see attend_tokens).
+  __device__ __forceinline__ i32 page_of(int t) const { return pages[ps.div((u32)t)]; }
+  // Element offset of token t's row, given its page id.
+  __device__ __forceinline__ i64 row_offset(int t, i32 page) const {
+    const u32 off = (u32)t - ps.div((u32)t) * ps.d;
+    return (i64)page * stride_page + (i64)off * stride_tok;
   }
 };
 
@@ -288,9 +290,10 @@ template <class T> struct PagedSeq {
 // bound is warp-uniform, so every shuffle runs with the full warp; tokens >= t_end
 // are neither loaded nor counted (their slots may hold NaN).
 //
-// Per block: issue all K and V loads (2 * kUnroll * kCpl chunks per lane), then
-// scores s = q.k reduced over the row's kLanes lanes with xor shuffles, then one
-// max/rescale per head for the whole block and the p * V accumulation.
+// Per block: issue all K and V loads (2 * kUnroll * kCpl chunks per lane), then the
+// next block's page ids (so that its K/V loads never wait on a block-table read),
+// then scores s = q.k reduced over the row's kLanes lanes with xor shuffles, then
+// one max/rescale per head for the whole block and the p * V accumulation.
 template <class T, int D, int NG, bool WIDE>
 __device__ __forceinline__ void attend_tokens(
     const PagedSeq<T>& seq, int t0, int t_end, int first, int step,
@@ -299,20 +302,27 @@ __device__ __forceinline__ void attend_tokens(
   constexpr int U = G_::kUnroll, C = G_::kCpl, E = G_::kE, V = G_::kVec;
   const int lane = threadIdx.x & 31;
   const int row = lane / G_::kLanes, c = lane % G_::kLanes;
+  static_assert(G_::kBlock <= 32, "one lane per token of a block holds its page id");
+  // Page ids run one block ahead, one register per lane: lane j < kBlock holds the id
+  // of token j of the block to come (0 past t_end); a row gets its id by shuffle.
+  int ahead_t = t0 + first + lane;
+  i32 ahead = lane < G_::kBlock && ahead_t < t_end ? seq.page_of(ahead_t) : 0;
   for (int blk = t0 + first; blk < t_end; blk += step) {
+    const i32 pages_held = ahead;
     typename G_::Ch kr[U][C], vr[U][C];
     bool valid[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = blk + u * G_::kRows + row;
       valid[u] = t < t_end;
+      const i32 page = __shfl_sync(0xffffffffu, pages_held, u * G_::kRows + row);
 #pragma unroll
       for (int k = 0; k < C; ++k) {
         kr[u][k].zero();
         vr[u][k].zero();
       }
       if (valid[u]) {
-        const T* base = seq.kv + seq.row_offset(t);
+        const T* base = seq.kv + seq.row_offset(t, page);
 #pragma unroll
         for (int k = 0; k < C; ++k) {
           const int ch = c + k * G_::kLanes;
@@ -323,6 +333,8 @@ __device__ __forceinline__ void attend_tokens(
         }
       }
     }
+    ahead_t = blk + step + lane;  // the next block's ids, in flight with this block's K/V
+    ahead = lane < G_::kBlock && ahead_t < t_end ? seq.page_of(ahead_t) : 0;
     // scores, in log2 units
     float s[U][NG];
 #pragma unroll

@@ -10,14 +10,15 @@
 //
 // GQA: the NG query heads of one kv head sit in the same CTA, so each K/V row is
 // loaded once (16-byte vector loads along D when WIDE, see common.cuh) and used NG
-// times from registers. The
-// host picks NG in {1, 2, 4, 8} >= the group when it can, else 8 and several chunks
-// (MQA with 32 query heads reads K/V 4 times).
+// times from registers. The host picks NG in {1, 2, 4} >= the group when it can,
+// else 4 and several chunks (a group of 8 reads K/V twice, MQA with 32 query heads
+// 8 times; the chunks of one kv head are neighbours in the grid, so the repeats
+// mostly hit L2). Page ids are read one block ahead (common.cuh attend_tokens).
 //
 // Splits: the host chooses num_splits so that B * Hkv * n_chunks * num_splits fills
-// the SMs about four times over; a CTA's tokens are dealt to its 4 warps in blocks
-// of Geo::kBlock consecutive tokens. Each warp keeps an online softmax (m, l, acc)
-// per head; the warps are merged through shared memory. With one split the CTA
+// the SMs with KV_DECODE_MIN_CTAS resident CTAs each; a CTA's tokens are dealt to its
+// 4 warps in blocks of Geo::kBlock consecutive tokens. Each warp keeps an online
+// softmax (m, l, acc) per head; the warps are merged through shared memory. With one split the CTA
 // writes the normalised output in the cache dtype; otherwise it writes
 //
 //   part_out[b, h, split, :] = acc / l           (fp32)
@@ -28,8 +29,16 @@
 
 #define KV_DECODE_WARPS 4
 
+// Registers: a lane holds q and acc for its NG heads (2 * NG * kE fp32) besides
+// 2 * kUnroll K/V chunks in flight, so the group tile is capped at 4 (kernels.py
+// GROUP_TILES; a group of 8 runs as two chunks) and the bound below makes ptxas fit
+// KV_DECODE_MIN_CTAS CTAs per SM (<= 128 registers). Before, NG=8 took up to 255
+// registers (2 CTAs per SM). tests/test_cuda_compile.py holds every instantiation to
+// the bound with no spills.
+#define KV_DECODE_MIN_CTAS 4
+
 template <class T, int D, int NG, bool WIDE>
-__global__ void __launch_bounds__(KV_DECODE_WARPS * 32) decode_partial(
+__global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) decode_partial(
     const T* __restrict__ query,        // [B, Hq, D], contiguous
     const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
     i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements

@@ -30,7 +30,8 @@ C_TYPES: dict[str, str] = {"float32": "float", "float16": "kv_f16", "bfloat16": 
 #: 16-byte chunks for every dtype
 HEAD_DIMS: tuple[int, ...] = (64, 80, 96, 128, 256)
 #: query heads per CTA/warp; a larger GQA group is cut into chunks of the largest
-GROUP_TILES: tuple[int, ...] = (1, 2, 4, 8)
+#: (a tile of 8 held 2 x 8 x kE fp32 per lane: up to 255 registers, 2 CTAs per SM)
+GROUP_TILES: tuple[int, ...] = (1, 2, 4)
 
 ATTENTION_FILES: tuple[str, ...] = ("decode.cu", "prefill.cu")
 CACHE_OPS_FILE = "cache_ops.cu"

@@ -19,9 +19,14 @@
 #include "common.cuh"
 
 #define KV_PREFILL_WARPS 4
+// Registers: at least 3 CTAs of 128 threads per SM (<= 168 registers; the widest
+// variants take 161). Left to itself ptxas capped some variants at 64 registers and
+// spilled up to 12 bytes; at 4 CTAs (128) the NG=4 variants spill. The nvcc test
+// holds every instantiation to the bound with no spills.
+#define KV_PREFILL_MIN_CTAS 3
 
 template <class T, int D, int NG, bool WIDE>
-__global__ void __launch_bounds__(KV_PREFILL_WARPS * 32) prefill(
+__global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) prefill(
     const T* __restrict__ query,        // [total_q, Hq, D], contiguous
     const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
     i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements

@@ -5,7 +5,7 @@
 // its threads as a cooperative fiber (ucontext) on one OS thread. Threads switch
 // only at synchronisation points:
 //
-//   __shfl_xor_sync   write my value, yield once (every fiber runs one segment per
+//   __shfl_[xor_]sync write my value, yield once (every fiber runs one segment per
 //                     round, so all lanes of my warp have written), read my partner's.
 //                     Two buffers alternate, so a fast lane's next write never
 //                     clobbers a value still to be read.
@@ -187,6 +187,22 @@ inline void __syncthreads() {
     return;
   }
   while (c.sync_generation == gen) emu::yield();
+}
+
+// Lane `me` reads lane `source`'s value (the same two-buffer round as the xor form).
+template <class T>
+inline T __shfl_sync(unsigned, T value, int source) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+  emu::Cta& c = *emu::g_cta;
+  const unsigned me = (unsigned)c.current;
+  emu::Fiber& f = c.fibers[me];
+  std::vector<unsigned>& buf = c.buf[f.shuffles++ & 1u];
+  std::memcpy(&buf[me], &value, 4);
+  emu::yield();
+  const unsigned partner = (me & ~31u) | ((unsigned)source & 31u);
+  T out;
+  std::memcpy(&out, &buf[partner], 4);
+  return out;
 }
 
 template <class T>
