@@ -42,6 +42,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from .tiering import tier_metric_families
+
 # Request latencies: the daemon answers in tens of microseconds; a big batch takes ms.
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 0.25, 1.0)
 SCRAPE_WAIT_S = 2.0  # a scrape waits this long for the loop, then renders the last snapshot
@@ -150,6 +152,7 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
     yield CounterMetricFamily("kvcore_lease_expiries", "Sessions whose lease ran out",
                               value=c.expired_sessions)  # fmt: skip
     yield from _pool_families(snap.stats.pools)
+    yield from tier_metric_families(snap.stats.pools)  # the pools' lower tiers
     sessions = GaugeMetricFamily("kvcore_sessions", "Live sessions, by pool and namespace",
                                  labels=["pool", "namespace"])  # fmt: skip
     counts: dict[tuple[str, str], int] = {}

@@ -30,8 +30,10 @@ the removed event of a spilled page carries the medium now holding it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
+
+from kvcore_ipc import messages as msg
 
 from kvcore.allocator import PageId
 from kvcore.errors import OutOfPages
@@ -45,6 +47,7 @@ from kvcore.tiers.transfer import gather_pages, scatter_pages
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client.core import Metric
 
 
 def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
@@ -236,3 +239,38 @@ class TieredManager(Manager):
         self.tiers.spill(tier_keys(self._fingerprint, keys), pages)
         for key in keys:
             self._moved[key] = self._spill_medium
+
+
+def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
+    """Prometheus families of the pools' lower tiers (kvcore.daemon.metrics), labelled
+    by pool and medium: pages held (gauge), pages hit, missed, corrupt, stored and
+    evicted, bytes in and out (counters)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["pool", "medium"]
+    held = GaugeMetricFamily("kvcore_tier_pages", "Pages held in a lower tier of a pool "
+                             "(remote: pages this daemon published)", labels=labels)  # fmt: skip
+    counters = {
+        name: CounterMetricFamily(f"kvcore_tier_{name}", text, labels=labels)
+        for name, text in (
+            ("hits_pages", "Pages read back from a lower tier into the pool"),
+            ("misses_pages", "Pages asked of a lower tier and not returned (corrupt included)"),
+            ("corrupt_pages", "Entries of a lower tier that failed verification"),
+            ("stored_pages", "Pages written into a lower tier"),
+            ("evicted_pages", "Entries a lower tier pushed out to make room"),
+            ("in_bytes", "Payload bytes written into a lower tier"),
+            ("out_bytes", "Payload bytes read back out of a lower tier"),
+            ("timeouts", "Store calls abandoned at their bound (remote)"),
+        )
+    }  # fmt: skip
+    for pool in pools:
+        for t in pool.tiers:
+            key = [pool.name, t.medium]
+            held.add_metric(key, t.pages)
+            for name, value in (("hits_pages", t.hits), ("misses_pages", t.misses),
+                                ("corrupt_pages", t.corrupt), ("stored_pages", t.stored),
+                                ("evicted_pages", t.evicted), ("in_bytes", t.bytes_in),
+                                ("out_bytes", t.bytes_out), ("timeouts", t.timeouts)):  # fmt: skip
+                counters[name].add_metric(key, value)
+    yield held
+    yield from counters.values()
