@@ -2,10 +2,11 @@
 
 Stacked by layer: ``base`` (keys, counters, the contract), ``codec`` (the
 framing of a checksummed entry), ``transfer`` (pool <-> page batches in bulk),
-then one module per medium (``worker``: bounded calls into the store), and
-``stack`` (the tiers of one pool, top down, as the daemon drives them:
-kvcore.daemon.tiering), and ``config`` (what a pool declares: TierConfig). Importing this package imports neither torch nor
-mooncake; each tier imports what it needs when it is built.
+then one module per medium (``worker``: bounded calls into the store),
+``stack`` (the tiers of one pool, top down, as kvcore.daemon.tiering drives
+them) and ``config`` (what a pool declares: TierConfig). Importing this
+package imports neither torch nor mooncake; each tier imports what it needs
+when it is built.
 """
 
 from kvcore.tiers.base import (
