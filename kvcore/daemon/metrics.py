@@ -17,9 +17,9 @@ in the name (``_pages``, ``_tokens``, ``_seconds``); counters end in
 ``_total``. The registry is this module's own, never prometheus_client's
 global one. The server thread binds loopback unless told otherwise.
 
-Not yet exported (see docs/deploy.md): per-tier figures of pools with lower
-tiers, and event subscribers and dropped events (a PUB socket does not count
-them).
+The pools' lower tiers add their families (kvcore.daemon.tiering). Not yet
+exported (docs/deploy.md): event subscribers and dropped events (a PUB socket
+counts neither).
 """
 
 from __future__ import annotations
