@@ -215,3 +215,20 @@ def test_bench_kernels_times_the_run_alone() -> None:
     bench._time_backend(Spy(), data, timer)  # type: ignore[arg-type]
     # per op: the run is timed first (no plan inside), then the plan on its own
     assert timed == [False, True, False, True], timed
+
+
+def test_bench_kernels_holds_only_dense_class_kernels_to_paged_over_dense() -> None:
+    """docs/benchmarks.md: the paged/dense target covers Triton decode and prefill and
+    CuPy decode; CuPy's CUDA-core prefill and the torch oracle are reported only."""
+    from kvcore.bench import kernels as bench
+
+    ops: dict[str, dict[str, float]] = {"decode": {}, "prefill": {}}
+    record = {"device": "cuda:0", "backends": {n: ops for n in ("torch", "triton", "cupy")}}
+    held = {
+        tuple(f.key.split(".")[1:3])
+        for f in bench.headline(record)
+        if f.key.endswith("paged_over_dense") and f.target is not None
+    }
+    assert held == {("triton", "decode"), ("triton", "prefill"), ("cupy", "decode")}
+    record["device"] = "cpu"
+    assert not [f for f in bench.headline(record) if f.target is not None]

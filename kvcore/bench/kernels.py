@@ -23,7 +23,9 @@ are scattered over the pool in random order, as after real allocation churn.
 Defaults: on CUDA the issue's shape (B=64, context 4096, Hq=32, Hkv=8, D=128,
 bf16, page 16) and every installed backend that declares cuda; on a CPU a
 scaled-down shape and the torch backend. Targets on H100/H200-class GPUs:
-triton decode bw_fraction >= 0.80, cupy >= 0.70, paged_over_dense <= 1.10.
+triton decode bw_fraction >= 0.80, cupy >= 0.70; paged_over_dense <= 1.10 for
+triton decode and prefill and cupy decode (cupy prefill runs on CUDA cores and
+torch is the oracle: reported, no target).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ if TYPE_CHECKING:
     from kvcore.backend import Backend
 
 # GPU targets (an H100/H200-class device; docs/benchmarks.md): decode bandwidth fraction
-# per backend, and paged over dense time for every backend.
+# per backend, and paged over dense time for the (backend, op) pairs built to match dense
+# kernels (not the torch oracle, not CuPy's CUDA-core prefill).
 GPU_BW_TARGETS = {"triton": 0.80, "cupy": 0.70}
 GPU_PAGED_OVER_DENSE = 1.10
+PAGED_OVER_DENSE_OPS = frozenset({("triton", "decode"), ("triton", "prefill"), ("cupy", "decode")})
 
 
 def headline(record: dict[str, Any]) -> list[Figure]:
@@ -65,7 +69,8 @@ def headline(record: dict[str, Any]) -> list[Figure]:
                 Figure(f"{key}.bw_fraction", f"{name} {op}: bandwidth / copy bandwidth",
                        None if bw is None else Target(">=", bw)),
                 Figure(f"{key}.paged_over_dense", f"{name} {op}: paged / dense time",
-                       Target("<=", GPU_PAGED_OVER_DENSE) if gpu else None),
+                       Target("<=", GPU_PAGED_OVER_DENSE)
+                       if gpu and (name, op) in PAGED_OVER_DENSE_OPS else None),
             ]  # fmt: skip
     return figures
 
