@@ -146,3 +146,18 @@ def _chain_files(disk: Path, tokens: list[int]) -> list[Path]:
     keys = chain_keys(root_key("default"), encode_tokens(tokens[: PROMPT_PAGES * PAGE]), PAGE)
     return [disk / f"{fp}-{key.hex()}.kv" for key in keys]
 
+
+
+def test_kvcore_stats_shows_the_tiers(host_daemon: DaemonProcess) -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvcore.statsview import fetch, tier_table
+
+    stats = fetch(host_daemon.endpoint, 3.0)
+    (tiers_of_pool,) = [p["tiers"] for p in stats["pools"]]
+    assert [t["medium"] for t in tiers_of_pool] == ["host"]
+    out = io.StringIO()
+    Console(file=out, width=160).print(tier_table(stats["pools"]))
+    assert "host" in out.getvalue() and "corrupt" in out.getvalue()
