@@ -204,7 +204,7 @@ class TorchBackend(Backend):
         view = None if g.rows is None else g.rows.view(kv_cache)
         if view is not None and g.rows is not None:  # K, V: [B, Hkv, L, D] contiguous
             kv = view.index_select(0, g.rows.flat).view(2, batch, num_kv_heads, g.max_len, head_dim)
-            k, v = kv[0], kv[1]
+            k, v = kv.unbind(0)
         else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
             kv = kv_cache[g.pages, :, g.offsets]
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
@@ -214,7 +214,8 @@ class TorchBackend(Backend):
         if query.dtype != torch.float32:  # fp32 arithmetic, one rounding at the end
             q, k, v = q.float(), k.float(), v.float()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
-        return out.view(batch, num_heads, head_dim).to(query.dtype)
+        out = out.view(batch, num_heads, head_dim)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _prefill(
         self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
