@@ -173,7 +173,7 @@ def test_events_format_vllm_through_a_daemon(tmp_path: Path) -> None:
             client.allocate(2, list(range(100, 116)))  # every page: evicts both
         got = []
         while sub.poll(500):
-            topic, seq, payload = sub.recv_multipart()
+            _topic, seq, payload = sub.recv_multipart()
             got.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
         sub.close(linger=0)
         asker = zmq.Context.instance().socket(zmq.DEALER)  # the replay, from batch 0 on

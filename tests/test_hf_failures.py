@@ -10,8 +10,8 @@ import torch
 from hf_helpers import SMALL, daemon, held, module_endpoint, padded, private_client, reference
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
 from kvcore.demo_model import greedy
+from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
 from kvcore.integrations.transformers import KVCoreCache
 
 

@@ -10,8 +10,8 @@ import torch
 from hf_helpers import held, module_endpoint, padded, private_client
 
 from kvcore.backend import Backend, get
-from kvcore.errors import Unsupported
 from kvcore.demo_model import TinyLlama, greedy
+from kvcore.errors import Unsupported
 from kvcore.integrations.transformers import KVCoreCache
 
 # 1 layer, head dim 32, GQA 2:1; page size 4 so short prompts still span pages
