@@ -18,16 +18,16 @@ packs queries ``j*BLOCK_Q .. j*BLOCK_Q + BLOCK_Q - 1`` of sequence b times the
     BLOCK_M = BLOCK_Q * BLOCK_G rows   (rows with head >= QUERY_GROUP are padding)
 
 so each K/V block is read once per KV head rather than once per query head.
-It runs the online softmax (``m_i``, ``l_i``, ``acc``, exp2 with the scale
-folded into Q) over tokens ``0 .. pos(last query of the tile)`` in blocks of
+It runs the online softmax (``m_i``, ``l_i``, ``acc``, exp2 on scores scaled
+to log2 units) over tokens ``0 .. pos(last query of the tile)`` in blocks of
 ``BLOCK_N``, masking ``token > pos(row)``. Pages are looked up per token
 (any page size); only tokens < seq_len are loaded, so unused slots never
 matter; offsets are int64.
 
 Numerics: on a GPU, fp16/bf16 caches feed ``tl.dot`` their own 16-bit K and V
-and a 16-bit Q (scaled in fp32, then rounded once), with fp32 accumulation,
-and P (in [0, 1]) is rounded to the cache dtype for P V: wgmma on 16-bit
-operands, as dense FlashAttention does. fp32 caches (and bf16 under the
+and Q as given (in the cache dtype; the scale multiplies S in fp32, so Q is not
+rounded twice), with fp32 accumulation, and P (in [0, 1]) is rounded to the
+cache dtype for P V: wgmma on 16-bit operands, as dense FlashAttention does. fp32 caches (and bf16 under the
 interpreter, whose bf16 arithmetic is wrong) widen everything to fp32 at once
 (``F32_DOT``; TF32 on a GPU).
 
@@ -35,7 +35,7 @@ Launch choices (sm_90, figures from the builds of tests/test_triton_compile.py,
 which asserts them): ``BLOCK_M = 64`` rows, 8 warps, ``BLOCK_N`` 32 tokens (16
 at BLOCK_D = 256), ``num_stages = 3`` with page ids loaded one block ahead (as
 in decode.py), so K/V blocks are staged through shared memory while the
-previous block computes. At bf16, D=128, group 4: 118 registers, no spills,
+previous block computes. At bf16, D=128, group 4: 96 registers, no spills,
 64 KB of shared memory, 3 buffers (before: TF32 wgmma on fp32-widened
 operands, num_stages 1, 159 registers). 64-token blocks take 148 registers
 and 112 KB (one CTA per SM).
@@ -111,10 +111,10 @@ def _prefill_kernel(
 
     q_ptrs = q_ptr + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :]
     mask_md = mask_m[:, None] & mask_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_md, other=0.0).to(tl.float32)
-    q = q * qk_scale  # scaled in fp32, then rounded once to the operand type
-    if not F32_DOT:
-        q = q.to(kv_ptr.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=mask_md, other=0.0)  # the cache's dtype (validated)
+    if F32_DOT:
+        q = q.to(tl.float32) * qk_scale  # the scale folded into Q
+    # else: Q exactly as given; the scale multiplies S below
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite floor: no inf - inf
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -139,7 +139,9 @@ def _prefill_kernel(
         k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0)
         if F32_DOT:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] fp32 accumulate, log2 units
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], fp32 accumulate
+        if not F32_DOT:
+            s = s * qk_scale  # log2 units, scaled in fp32 (no second rounding of Q)
         causal = mask_n[None, :] & (tok[None, :] <= pos[:, None])
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
