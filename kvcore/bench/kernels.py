@@ -112,7 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("page-size", "tokens per page"),
         ("prefill-q", "prefill queries"),
     ):
-        parser.add_argument(f"--{name}", type=int, default=None, help=f"{help_text} (default: the shape set's)")
+        parser.add_argument(
+            f"--{name}", type=int, default=None, help=f"{help_text} (default: the shape set's)"
+        )
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                         help="element type (default: the shape set's)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
