@@ -334,7 +334,9 @@ def _plain_cuda_malloc() -> Any:
         return
     import torch
 
-    set_settings = torch._C._accelerator_setAllocatorSettings
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if set_settings is None:  # torch before 2.9
+        set_settings = torch.cuda.memory._set_allocator_settings
     set_settings("expandable_segments:False")
     try:
         yield
