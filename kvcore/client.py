@@ -142,7 +142,9 @@ class Client:
         expected = None
         if self._expected is not None:  # the page count is the daemon's choice, unless ephemeral
             fields = self._expected.to_dict()
-            expected = msg.PoolLayout(**{**fields, "num_pages": fields["num_pages"] * self._ephemeral})
+            expected = msg.PoolLayout(
+                **{**fields, "num_pages": fields["num_pages"] * self._ephemeral}
+            )
         body = msg.Attach(
             version=msg.PROTOCOL_VERSION, pool=self.pool, namespace=self.namespace,
             layout=expected, ephemeral=self._ephemeral, pid=os.getpid(), name=self._name,
@@ -390,7 +392,8 @@ class Batch:
         if len(kinds) == 1:  # one scheduler step is usually all extends: decode in one pass
             op = kinds.pop()
             typed: msg.TypedBatchOk[Any] = self._client._call(
-                requests, msg.TypedBatchOk[op.result]  # type: ignore[name-defined]
+                requests,
+                msg.TypedBatchOk[op.result],  # type: ignore[name-defined]
             )
             self.results = [op.decode(r) for r in typed.results]
             error = typed.error

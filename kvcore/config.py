@@ -149,7 +149,9 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"log_format is 'text' or 'json' and log_level one of {LOG_LEVELS}; "
                              f"got {self.log_format!r}, {self.log_level!r}")  # fmt: skip
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise BadRequest(f"metrics_port is a TCP port (0: any free one), not {self.metrics_port}")
+            raise BadRequest(
+                f"metrics_port is a TCP port (0: any free one), not {self.metrics_port}"
+            )
         if self.events_replay and self.events_format != "vllm":
             raise BadRequest("events_replay serves the vllm events format only")
         names = [pool.name for pool in self.pools]
@@ -168,7 +170,9 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
         limits = (self.max_request_tokens, self.max_sessions, self.max_queued_bytes,
                   self.events_buffer_bytes)  # fmt: skip
-        if min(limits) < 1 or not (math.isfinite(self.fence_timeout_s) and self.fence_timeout_s > 0):
+        if min(limits) < 1 or not (
+            math.isfinite(self.fence_timeout_s) and self.fence_timeout_s > 0
+        ):
             raise BadRequest("max_request_tokens, max_sessions, max_queued_bytes, "
                              "events_buffer_bytes and fence_timeout_s must be positive")  # fmt: skip
         if not (

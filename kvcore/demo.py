@@ -71,9 +71,7 @@ def main(args: argparse.Namespace) -> int:
         return 130
 
 
-def _run(
-    console: Any, endpoint: str, pool: str, new_tokens: int, flag: str, *, owned: bool
-) -> int:
+def _run(console: Any, endpoint: str, pool: str, new_tokens: int, flag: str, *, owned: bool) -> int:
     """Run both engines on ``pool`` of the daemon at ``endpoint``; ``flag`` is the
     ``--pool`` value of a pool that fits the demo model (printed if this one does not)."""
     from kvcore.client import Client

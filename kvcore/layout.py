@@ -47,7 +47,9 @@ class KVLayout:
         if self.num_pages > MAX_PAGES:
             raise BadRequest(f"KVLayout.num_pages must be <= {MAX_PAGES}, got {self.num_pages}")
         if self.dtype not in DTYPE_SIZES:
-            raise BadRequest(f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+            raise BadRequest(
+                f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
 
     @property
     def dtype_size(self) -> int:

@@ -251,8 +251,7 @@ def _hit(h: PrefixHit) -> tuple[int, int]:
 
 
 OPERATIONS: dict[type[msg.BatchOp], Operation[Any, Any]] = {
-    op.request: op
-    for op in (allocate, extend, commit, fork, free, lookup, block_table, num_tokens)
+    op.request: op for op in (allocate, extend, commit, fork, free, lookup, block_table, num_tokens)
 }
 """Every Manager operation by request type; exactly the batchable ops of the protocol."""
 

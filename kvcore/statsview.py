@@ -82,7 +82,9 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
     pools = Table(title="pools (pages; layout = layers x kv heads x head dim, page size in tokens)")
     for column in ("pool", "device", "layout", "total", "free", "evictable", "held", "cached",
                    "seqs", "sessions", "hit rate", "evictions"):  # fmt: skip
-        pools.add_column(column, justify="left" if column in ("pool", "device", "layout") else "right")
+        pools.add_column(
+            column, justify="left" if column in ("pool", "device", "layout") else "right"
+        )
     for p in stats["pools"]:
         lay = p["layout"]
         shape = (f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "

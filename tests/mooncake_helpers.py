@@ -92,14 +92,19 @@ def start_master(log_dir: Path, *, ready_s: float = 30.0) -> Master:
     log = log_dir / f"mooncake_master_{rpc}.log"
     command = [
         binary,
-        "-rpc_address=127.0.0.1", f"-rpc_port={rpc}",
+        "-rpc_address=127.0.0.1",
+        f"-rpc_port={rpc}",
         "-enable_http_metadata_server=true",
-        "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={http}",
-        "-metrics_host=127.0.0.1", f"-metrics_port={metrics}",
+        "-http_metadata_server_host=127.0.0.1",
+        f"-http_metadata_server_port={http}",
+        "-metrics_host=127.0.0.1",
+        f"-metrics_port={metrics}",
         "-rpc_thread_num=2",
     ]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ)
+        )
     master = Master(process, rpc, http, log)
     deadline = time.monotonic() + ready_s
     while not (_listening(rpc) and _listening(http)):

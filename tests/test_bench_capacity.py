@@ -18,10 +18,14 @@ from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 
-REQUIRED = ("concurrency_ratio", "utilization_paged", "pages_saved_fraction",
-            "hit_rate", "hit_rate_optimal")
-SMALL = ["--requests", "60", "--num-pages", "256", "--max-new-tokens", "512",
-         "--arrival-rate", "2"]
+REQUIRED = (
+    "concurrency_ratio",
+    "utilization_paged",
+    "pages_saved_fraction",
+    "hit_rate",
+    "hit_rate_optimal",
+)
+SMALL = ["--requests", "60", "--num-pages", "256", "--max-new-tokens", "512", "--arrival-rate", "2"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -34,9 +38,18 @@ def _layout(num_pages: int, page_size: int = 16) -> KVLayout:
     return KVLayout(2, 2, 64, page_size, "float16", num_pages)
 
 
-BASE = TraceConfig(num_requests=40, seed=3, arrival_rate=4.0, output_median=40,
-                   max_new_tokens=256, prompt_median=60, prompt_max=512,
-                   shared_fraction=0.6, prefix_min=64, prefix_max=200)
+BASE = TraceConfig(
+    num_requests=40,
+    seed=3,
+    arrival_rate=4.0,
+    output_median=40,
+    max_new_tokens=256,
+    prompt_median=60,
+    prompt_max=512,
+    shared_fraction=0.6,
+    prefix_min=64,
+    prefix_max=200,
+)
 
 
 def _small_trace(**overrides: Any) -> Trace:
@@ -94,7 +107,9 @@ def test_preemption_happens_and_every_request_finishes() -> None:
 def test_paged_without_prefix_cache_never_caches() -> None:
     trace = _small_trace()
     manager = Manager(_layout(60))
-    stats = simulate(trace, PagedPool(manager, False, 0), on_step=lambda _: manager.check_integrity())
+    stats = simulate(
+        trace, PagedPool(manager, False, 0), on_step=lambda _: manager.check_integrity()
+    )
     assert stats.preemptions > 0 and stats.finished == len(trace.requests)
     assert manager.stats().cached_pages == 0 and manager.stats().hit_tokens == 0
     assert manager.stats().free_pages == 60
@@ -126,8 +141,9 @@ def test_a_request_that_cannot_fit_is_a_typed_error() -> None:
 def test_no_eviction_hits_equal_the_optimum_per_request(
     seed: int, page_size: int, fraction: float, rate: float
 ) -> None:
-    trace = _small_trace(seed=seed, shared_fraction=fraction, arrival_rate=rate,
-                         output_median=12, num_requests=25)
+    trace = _small_trace(
+        seed=seed, shared_fraction=fraction, arrival_rate=rate, output_median=12, num_requests=25
+    )
     layout = capacity.no_eviction_layout(trace, _layout(1, page_size))
     pool = PagedPool(Manager(layout), True, 0)
     stats = simulate(trace, pool)
@@ -145,14 +161,21 @@ def test_a_request_larger_than_the_pool_does_not_hang() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), num_pages=st.integers(40, 120), fork_every=st.sampled_from([0, 3]))
+@given(
+    seed=st.integers(0, 2**16), num_pages=st.integers(40, 120), fork_every=st.sampled_from([0, 3])
+)
 def test_small_pools_keep_every_invariant(seed: int, num_pages: int, fork_every: int) -> None:
     # a sequence of up to 200 + 200 + 2 * 100 tokens always fits 40 pages of 16
-    trace = _small_trace(seed=seed, num_requests=20, output_median=40, prompt_max=200,
-                         max_new_tokens=100)
+    trace = _small_trace(
+        seed=seed, num_requests=20, output_median=40, prompt_max=200, max_new_tokens=100
+    )
     manager = Manager(_layout(num_pages))
-    stats = simulate(trace, PagedPool(manager, True, 2), fork_every=fork_every,
-                     on_step=lambda _: manager.check_integrity())
+    stats = simulate(
+        trace,
+        PagedPool(manager, True, 2),
+        fork_every=fork_every,
+        on_step=lambda _: manager.check_integrity(),
+    )
     forks = sum(1 for r in trace.requests if fork_every and r.rid % fork_every == 0)
     assert stats.finished == len(trace.requests) + forks
     assert stats.failed_allocations == 0  # lookup's PrefixHit made every admission exact

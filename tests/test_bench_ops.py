@@ -14,8 +14,18 @@ from kvcore.bench.trace import TraceConfig, make_trace
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 
-SMALL = ["--requests", "40", "--num-pages", "256", "--max-new-tokens", "256", "--arrival-rate", "4",
-         "--repeat", "1"]
+SMALL = [
+    "--requests",
+    "40",
+    "--num-pages",
+    "256",
+    "--max-new-tokens",
+    "256",
+    "--arrival-rate",
+    "4",
+    "--repeat",
+    "1",
+]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -54,9 +64,17 @@ def _copies(report: dict[str, Any]) -> int:
     return copies
 
 
-TRACE = TraceConfig(num_requests=30, seed=5, arrival_rate=4.0, output_median=30,
-                    max_new_tokens=128, prompt_max=300, shared_fraction=0.6,
-                    prefix_min=32, prefix_max=96)
+TRACE = TraceConfig(
+    num_requests=30,
+    seed=5,
+    arrival_rate=4.0,
+    output_median=30,
+    max_new_tokens=128,
+    prompt_max=300,
+    shared_fraction=0.6,
+    prefix_min=32,
+    prefix_max=96,
+)
 
 
 def test_timed_manager_behaves_like_the_manager() -> None:
@@ -81,7 +99,10 @@ def test_minimal_baseline_replays_like_the_manager() -> None:
     assert a == b and a.preemptions > 0
     s, t = manager.stats(), minimal.stats()
     assert (s.free_pages, s.evictable_pages, s.cached_pages) == (
-        t.free_pages, t.evictable_pages, t.cached_pages)
+        t.free_pages,
+        t.evictable_pages,
+        t.cached_pages,
+    )
 
 
 def test_cli_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,9 @@ def _req(rid: int, step: int, prompt: list[int]) -> Request:
 def test_same_config_same_trace() -> None:
     config = TraceConfig(num_requests=50, seed=7, shared_fraction=0.6)
     assert make_trace(config) == make_trace(config)
-    assert make_trace(config) != make_trace(TraceConfig(num_requests=50, seed=8, shared_fraction=0.6))
+    assert make_trace(config) != make_trace(
+        TraceConfig(num_requests=50, seed=8, shared_fraction=0.6)
+    )
 
 
 def test_pinned_stream() -> None:
@@ -26,8 +28,13 @@ def test_pinned_stream() -> None:
     trace = make_trace(TraceConfig(num_requests=5, seed=0, shared_fraction=0.6))
     assert [len(p) for p in trace.prefixes] == [1809, 882, 1617, 817]
     got = [(r.arrival_step, len(r.prompt), len(r.output), r.prefix_id) for r in trace.requests]
-    assert got == [(0, 1029, 660, 3), (2, 1710, 206, 2), (2, 1827, 277, 0),
-                   (3, 1636, 300, 2), (6, 985, 299, 1)]
+    assert got == [
+        (0, 1029, 660, 3),
+        (2, 1710, 206, 2),
+        (2, 1827, 277, 0),
+        (3, 1636, 300, 2),
+        (6, 985, 299, 1),
+    ]
     assert trace.requests[0].prompt[:3] == (77450, 100901, 53346)
     assert trace.requests[4].output[:2] == (112685, 55260)
 
@@ -35,8 +42,9 @@ def test_pinned_stream() -> None:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32), fraction=st.sampled_from([0.0, 0.6, 1.0]))
 def test_trace_shape(seed: int, fraction: float) -> None:
-    config = TraceConfig(num_requests=120, seed=seed, shared_fraction=fraction,
-                         max_new_tokens=512, prompt_max=1024)
+    config = TraceConfig(
+        num_requests=120, seed=seed, shared_fraction=fraction, max_new_tokens=512, prompt_max=1024
+    )
     trace = make_trace(config)
     assert [r.rid for r in trace.requests] == list(range(120))
     steps = [r.arrival_step for r in trace.requests]

@@ -15,7 +15,9 @@ from kvcore.errors import NotAttached, OutOfPages, Timeout, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, page_size=2, dtype="bfloat16", num_pages=8)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=2, head_dim=4, page_size=2, dtype="bfloat16", num_pages=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,10 @@ def test_results_have_the_manager_types(client: Client) -> None:
 
 def test_kv_caches_are_per_layer_views_of_the_pool(client: Client) -> None:
     assert len(client.kv_caches) == 2
-    assert client.kv_caches[0].shape == LAYOUT.layer_shape and str(client.kv_caches[0].dtype) == "torch.bfloat16"
+    assert (
+        client.kv_caches[0].shape == LAYOUT.layer_shape
+        and str(client.kv_caches[0].dtype) == "torch.bfloat16"
+    )
     client.kv_caches[1][7, 1, 1, 1, 3] = 2.5
     flat = client.kv_caches[0].reshape(-1)  # layer 0 ends where layer 1 begins
     assert client.kv_caches[1].data_ptr() == flat.data_ptr() + LAYOUT.layer_bytes
@@ -66,7 +71,14 @@ def test_batch_results_and_partial_failure(client: Client) -> None:
         batch.num_tokens(2)
         batch.free(2)
     assert batch.results == [
-        Allocation([0, 1], 0), Extension([], []), 2, [0, 1], PrefixHit(4, 0), [0, 1], 4, None
+        Allocation([0, 1], 0),
+        Extension([], []),
+        2,
+        [0, 1],
+        PrefixHit(4, 0),
+        [0, 1],
+        4,
+        None,
     ]
     failing = client.batch()
     failing.extend(1, 2)

@@ -91,7 +91,9 @@ def test_reader_process_sees_the_writer_process_bytes_through_a_prefix_hit(
         # a third mapping, in this process: same bytes again
         page = written["pages"][0]  # type: ignore[index]
         assert observer.kv_caches[2][page, 0, 1, 1, 3].item() == pytest.approx(2000 + 10 + 1 + 0.03)
-        assert observer.kv_caches[2][page, 1, 1, 1, 3].item() == pytest.approx(-(2000 + 10 + 1 + 0.03))
+        assert observer.kv_caches[2][page, 1, 1, 1, 3].item() == pytest.approx(
+            -(2000 + 10 + 1 + 0.03)
+        )
         stats = observer.stats()
         assert stats.hit_tokens == 16 and stats.held_pages == 0 and stats.evictable_pages == 4
         observer.check_integrity()

@@ -13,7 +13,7 @@ import pytest
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 
-SPEC_CLIENT = r'''
+SPEC_CLIENT = r"""
 import itertools, json, mmap, os, struct, sys
 import msgpack, zmq
 
@@ -119,7 +119,7 @@ assert call("extend", seq=1, num_tokens=1)["error"]["code"] == "not_attached"
 leaked = sorted(m for m in sys.modules if m == "kvcore" or m.startswith(("kvcore.", "kvcore_ipc")))
 assert not leaked, leaked
 print(json.dumps({"ok": True}), flush=True)
-'''
+"""
 
 POOL = "name=default,num_layers=2,num_kv_heads=2,head_dim=4,page_size=2,dtype=float32,num_pages=16"
 

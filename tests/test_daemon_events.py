@@ -17,7 +17,9 @@ from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.layout import KVLayout
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16)
+LAYOUT = KVLayout(
+    num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16
+)
 _names = itertools.count()
 
 

@@ -19,7 +19,9 @@ from kvcore.daemon_process import DaemonProcess
 PAGE = 4
 POOL_PAGES = 16
 PROMPT_PAGES = 3  # full pages a prompt's hit may cover (the prompt has one token more)
-POOL = f"num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE},dtype=float32,num_pages={POOL_PAGES}"
+POOL = (
+    f"num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE},dtype=float32,num_pages={POOL_PAGES}"
+)
 PAGE_BYTES = 2 * 2 * PAGE * 1 * 8 * 4  # layers x K/V x tokens x heads x dim x float32
 
 
@@ -145,7 +147,6 @@ def _chain_files(disk: Path, tokens: list[int]) -> list[Path]:
     fp = layout_fingerprint(layout).hex()
     keys = chain_keys(root_key("default"), encode_tokens(tokens[: PROMPT_PAGES * PAGE]), PAGE)
     return [disk / f"{fp}-{key.hex()}.kv" for key in keys]
-
 
 
 def test_kvcore_stats_shows_the_tiers(host_daemon: DaemonProcess) -> None:

@@ -19,7 +19,9 @@ from kvcore.prefix import PageRemoved, PageStored
 from kvcore.tiers import DiskTier, HostTier, TierStack
 
 PAGE = 2
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6
+)
 
 
 def pattern(tokens: list[int], page: int, layer: int) -> float:

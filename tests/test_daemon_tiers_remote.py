@@ -50,12 +50,18 @@ def pool_flag(master: Master) -> str:
 
 
 @pytest.fixture(scope="module")
-def daemons(master: Master, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[DaemonProcess]]:
+def daemons(
+    master: Master, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[DaemonProcess]]:
     tmp = tmp_path_factory.mktemp("daemons")
     flag = pool_flag(master)
     with (
-        DaemonProcess("--endpoint", f"ipc://{tmp / 'one.sock'}", "--pool", flag, timeout_s=60) as one,
-        DaemonProcess("--endpoint", f"ipc://{tmp / 'two.sock'}", "--pool", flag, timeout_s=60) as two,
+        DaemonProcess(
+            "--endpoint", f"ipc://{tmp / 'one.sock'}", "--pool", flag, timeout_s=60
+        ) as one,
+        DaemonProcess(
+            "--endpoint", f"ipc://{tmp / 'two.sock'}", "--pool", flag, timeout_s=60
+        ) as two,
     ):
         yield [one, two]
 
@@ -72,7 +78,9 @@ def wait_for(check: object, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_a_prompt_committed_on_one_daemon_is_a_hit_on_the_other(daemons: list[DaemonProcess]) -> None:
+def test_a_prompt_committed_on_one_daemon_is_a_hit_on_the_other(
+    daemons: list[DaemonProcess],
+) -> None:
     one, two = daemons
     tokens = list(range(7, 7 + 4 * PAGE_SIZE + 1))  # 4 full pages, then one token
     with Client.connect(one.endpoint, namespace="bytes") as a, \
@@ -133,4 +141,3 @@ def test_master_killed_mid_run_both_daemons_keep_serving(
     finally:
         for client in clients:
             client.close()
-

@@ -27,7 +27,9 @@ def vectors() -> dict[str, Any]:
     return data
 
 
-def independent_chain(namespace: str, tokens: list[int], page_size: int, extra: bytes = b"") -> list[str]:
+def independent_chain(
+    namespace: str, tokens: list[int], page_size: int, extra: bytes = b""
+) -> list[str]:
     """The rules of spec/hashing.md written straight from the text."""
 
     def tlv(tag: int, value: bytes) -> bytes:

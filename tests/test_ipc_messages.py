@@ -90,9 +90,13 @@ def test_codec_refusals_carry_codes_and_salvaged_ids() -> None:
     assert _error(full[:-3]).code == "bad_request"  # truncated
     unknown = _error(msgpack.packb({"id": 7, "body": {"op": "teleport", "seq": 1}}))
     assert (unknown.code, unknown.request_id) == ("unknown_op", 7)
-    wrong = _error(msgpack.packb({"id": 8, "body": {"op": "extend", "seq": "one", "num_tokens": 2}}))
+    wrong = _error(
+        msgpack.packb({"id": 8, "body": {"op": "extend", "seq": "one", "num_tokens": 2}})
+    )
     assert (wrong.code, wrong.request_id) == ("bad_request", 8)
-    negative = _error(msgpack.packb({"id": 3, "body": {"op": "extend", "seq": 1, "num_tokens": -1}}))
+    negative = _error(
+        msgpack.packb({"id": 3, "body": {"op": "extend", "seq": 1, "num_tokens": -1}})
+    )
     assert (negative.code, negative.request_id) == ("bad_request", 3)
     assert _error(msgpack.packb([1, 2, 3])).code == "bad_request"
     oversized = ServerCodec(max_frame_bytes=1024)

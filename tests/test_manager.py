@@ -85,7 +85,7 @@ def test_copy_on_write_of_shared_last_page() -> None:
     m.allocate(1, list(range(6)))  # last page half full
     m.fork(1, 2)
     ext = m.extend(2, 1)
-    (src, dst), = ext.copies
+    ((src, dst),) = ext.copies
     assert src == m.block_table(1)[-1] and dst == m.block_table(2)[-1] and src != dst
     assert ext.new_pages == []
     # The parent's page is now private again: extending it copies nothing.
@@ -109,8 +109,12 @@ def test_eviction_lru_and_tails_first_only_when_free_queue_empty() -> None:
     m = make(num_pages=6)
     a = list(range(8))
     b = list(range(100, 108))
-    m.allocate(1, a); m.commit(1, a); m.free(1)  # noqa: E702
-    m.allocate(2, b); m.commit(2, b); m.free(2)  # noqa: E702
+    m.allocate(1, a)
+    m.commit(1, a)
+    m.free(1)
+    m.allocate(2, b)
+    m.commit(2, b)
+    m.free(2)
     assert m.stats().evictable_pages == 4 and m.stats().free_pages == 2
     m.allocate(3, [7] * 8)  # takes the two free pages: no eviction
     assert m.stats().evictions == 0
@@ -127,8 +131,11 @@ def test_hit_refreshes_lru_position() -> None:
     m = make(num_pages=4)
     a, b = list(range(4)), list(range(50, 54))
     for seq, toks in ((1, a), (2, b)):
-        m.allocate(seq, toks); m.commit(seq, toks); m.free(seq)  # noqa: E702
-    m.allocate(3, [*a, 1]); m.free(3)  # noqa: E702  (a is now the most recently used)
+        m.allocate(seq, toks)
+        m.commit(seq, toks)
+        m.free(seq)
+    m.allocate(3, [*a, 1])
+    m.free(3)
     m.allocate(4, [1] * 12)  # needs 3 pages: 2 free + 1 eviction, which must hit b
     assert cached(m, [*a, 1]) == 4 and cached(m, [*b, 1]) == 0
 
@@ -196,7 +203,8 @@ def test_duplicate_commit_keeps_first_page() -> None:
 def test_stats_count_tokens() -> None:
     m = make()
     p = list(range(9))
-    m.allocate(1, p); m.commit(1, p)  # noqa: E702
+    m.allocate(1, p)
+    m.commit(1, p)
     m.allocate(2, p)
     s = m.stats()
     assert (s.query_tokens, s.hit_tokens) == (18, 8)
@@ -214,7 +222,9 @@ def test_layout_sizes_and_budget() -> None:
     )  # fmt: skip
     assert fit.num_pages == 10
     with pytest.raises(BadRequest):
-        KVLayout.for_budget(10, num_layers=1, num_kv_heads=1, head_dim=8, page_size=1, dtype="float32")
+        KVLayout.for_budget(
+            10, num_layers=1, num_kv_heads=1, head_dim=8, page_size=1, dtype="float32"
+        )
     with pytest.raises(BadRequest):
         KVLayout(1, 1, 8, 0, "float16", 4)
     with pytest.raises(BadRequest):
@@ -281,7 +291,8 @@ def test_events_are_queued_in_order_and_taken_once() -> None:
     root = root_key("default")
     t0, t1 = encode_tokens(a[:4]), encode_tokens(a[4:])  # the pages' tokens label the events
     assert m.take_events() == [
-        PageStored(k0, root, p0, t0, "default"), PageStored(k1, k0, p1, t1, "default")
+        PageStored(k0, root, p0, t0, "default"),
+        PageStored(k1, k0, p1, t1, "default"),
     ]
     assert m.take_events() == []
     m.free(1)

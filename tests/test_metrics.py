@@ -20,8 +20,10 @@ from kvcore.daemon.serve import Daemon
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import QuotaExceeded, UnknownSequence
 
-POOL = ("name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=4,num_pages=64,"
-        "session_max_sequences=3")
+POOL = (
+    "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=4,num_pages=64,"
+    "session_max_sequences=3"
+)
 
 
 @pytest.fixture(scope="module")

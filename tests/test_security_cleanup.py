@@ -32,7 +32,14 @@ def test_sighup_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_a_killed_process_groups_segment_is_swept_by_the_next_daemon(tmp_path: Path) -> None:
-    args = [sys.executable, "-m", "kvcore.daemon", "--endpoint", f"ipc://{tmp_path / 'd.sock'}", *POOL]
+    args = [
+        sys.executable,
+        "-m",
+        "kvcore.daemon",
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        *POOL,
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     output = ""

@@ -25,7 +25,9 @@ from kvcore.errors import NotAttached, OutOfPages
 from kvcore.layout import KVLayout
 
 LEASE_S = 1.0
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32", num_pages=16)
+LAYOUT = KVLayout(
+    num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float32", num_pages=16
+)
 MINE, THEIRS = 11.0, 77.0  # markers: the new owner's, the stopped client's
 
 STOPPED = """

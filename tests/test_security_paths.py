@@ -60,7 +60,9 @@ def test_daemon_and_client_refuse_a_runtime_dir_they_do_not_own(
     done = _serve(_env(tmp_path))
     assert done.returncode == 2, done
     assert f"runtime directory {run}" in done.stderr and "Remove it" in done.stderr
-    assert not (run / "kvcore.sock").exists() and not (tmp_path / "elsewhere" / "kvcore.sock").exists()
+    assert (
+        not (run / "kvcore.sock").exists() and not (tmp_path / "elsewhere" / "kvcore.sock").exists()
+    )
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("KVCORE_ENDPOINT", raising=False)
     with pytest.raises(UntrustedEndpoint, match="another user may have made it"):

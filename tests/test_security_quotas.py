@@ -48,7 +48,9 @@ num_pages = 512
 def _daemon(tmp_path: Path, *args: str) -> DaemonProcess:
     config = tmp_path / "kvcore.toml"
     config.write_text(CONFIG)
-    return DaemonProcess("--config", str(config), "--endpoint", f"ipc://{tmp_path / 'd.sock'}", *args)
+    return DaemonProcess(
+        "--config", str(config), "--endpoint", f"ipc://{tmp_path / 'd.sock'}", *args
+    )
 
 
 def _peak_mib(daemon: DaemonProcess) -> float:

@@ -109,7 +109,6 @@ def test_only_a_grant_of_every_namespace_gets_the_events(curve: dict[str, object
             sub.close()
 
 
-
 def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
     """Run the checks in a forked child that switched to ``uid``; its findings."""
     read, write = os.pipe()

@@ -18,7 +18,9 @@ from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.layout import KVLayout
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=32)
+LAYOUT = KVLayout(
+    num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,9 @@ def code_of(reply: dict[str, Any]) -> str | None:
     return reply["error"]["code"] if "error" in reply else None
 
 
-def pack(body: dict[str, Any], client: Client | None = None, request_id: int = 7, **env: Any) -> bytes:
+def pack(
+    body: dict[str, Any], client: Client | None = None, request_id: int = 7, **env: Any
+) -> bytes:
     envelope: dict[str, Any] = {"id": request_id, "body": body}
     if client is not None:
         envelope |= {"session": client.session, "epoch": client.epoch}
@@ -138,7 +142,9 @@ def _live(client: Client, seqs: list[int]) -> list[int]:
     return live
 
 
-def test_unaddressable_frames_are_dropped_and_counted(client: Client, raw: zmq.Socket[bytes]) -> None:
+def test_unaddressable_frames_are_dropped_and_counted(
+    client: Client, raw: zmq.Socket[bytes]
+) -> None:
     before = client.daemon_stats().counters.dropped_frames
     raw.send_multipart([b"one", b"two"])  # the ROUTER sees [identity, one, two]
     raw.send_multipart([b"a", b"b", b"c"])

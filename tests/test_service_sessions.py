@@ -29,7 +29,9 @@ from kvcore.errors import (
 from kvcore.layout import KVLayout
 
 LEASE_S = 1.0
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=16
+)
 _names = itertools.count()
 
 
@@ -116,7 +118,9 @@ def test_namespaces_share_prefix_hits_across_sessions_only_within(daemon: Daemon
         hit = same.allocate(2, prompt)
         assert hit.num_cached_tokens == 12 and hit.pages[:3] == a.block_table(1)[:3]
         assert other.allocate(3, prompt).num_cached_tokens == 0
-        assert other.lookup(prompt, namespace="tenant-a").num_cached_tokens == 12  # a per-call namespace overrides
+        assert (
+            other.lookup(prompt, namespace="tenant-a").num_cached_tokens == 12
+        )  # a per-call namespace overrides
         a.check_integrity()
 
 

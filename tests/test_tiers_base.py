@@ -17,15 +17,21 @@ from kvcore.tiers.base import check_keys
 from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header, header_names
 from kvcore.tiers.transfer import byte_view
 
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16)
+LAYOUT = KVLayout(
+    num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16
+)
 
 
 def test_fingerprint_ignores_pool_size_only() -> None:
     base = layout_fingerprint(LAYOUT)
     assert layout_fingerprint(dataclasses.replace(LAYOUT, num_pages=999)) == base
     for change in (
-        {"num_layers": 4}, {"num_kv_heads": 1}, {"head_dim": 16}, {"page_size": 8},
-        {"dtype": "bfloat16"}, {"dtype": "float32"},
+        {"num_layers": 4},
+        {"num_kv_heads": 1},
+        {"head_dim": 16},
+        {"page_size": 8},
+        {"dtype": "bfloat16"},
+        {"dtype": "float32"},
     ):
         assert layout_fingerprint(dataclasses.replace(LAYOUT, **change)) != base, change
 

@@ -14,7 +14,9 @@ from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.tiers.config import TierConfig
 
-LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=8)
+LAYOUT = KVLayout(
+    num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=8
+)
 
 
 def test_tiers_are_off_by_default() -> None:

@@ -21,7 +21,9 @@ from kvcore.prefix import PrefixKey
 from kvcore.tiers import DiskTier, TierKey, layout_fingerprint, tier_key
 from kvcore.tiers.codec import HEADER_BYTES
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
+)
 PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
 FP = layout_fingerprint(LAYOUT)
 KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(10)]
@@ -62,7 +64,11 @@ class DiskModel(RuleBasedStateMachine):
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=6))
     def put(self, picks: list[TierKey]) -> None:
         self.version += 1
-        pages = torch.stack([page_of(k, self.version) for k in picks]) if picks else torch.empty(0, *PAGE)
+        pages = (
+            torch.stack([page_of(k, self.version) for k in picks])
+            if picks
+            else torch.empty(0, *PAGE)
+        )
         evicted = self.tier.put_many(picks, pages)
         expected: list[TierKey] = []
         for key, page in zip(picks, pages, strict=True):
@@ -81,7 +87,9 @@ class DiskModel(RuleBasedStateMachine):
         before = self.tier.stats()
         got = self.tier.get_many(picks)
         count = 0
-        while count < len(picks) and picks[count] in self.model and picks[count] not in self.corrupt:
+        while (
+            count < len(picks) and picks[count] in self.model and picks[count] not in self.corrupt
+        ):
             count += 1
         assert got.shape == (count, *PAGE)
         for row, key in enumerate(picks[:count]):
@@ -159,7 +167,10 @@ def test_damaged_entries_are_misses(tier_dir: Path, damage: str) -> None:
 def test_other_layouts_share_a_directory_apart(tier_dir: Path) -> None:
     wide = KVLayout(2, 1, 8, 2, "float32", 8)
     wide_keys = [tier_key(layout_fingerprint(wide), PrefixKey(bytes([i]) * 32)) for i in range(2)]
-    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as narrow, DiskTier(wide, tier_dir, 1 << 20) as other:
+    with (
+        DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as narrow,
+        DiskTier(wide, tier_dir, 1 << 20) as other,
+    ):
         narrow.put_many(KEYS[:2], torch.randn(2, *PAGE))
         other.put_many(wide_keys, torch.randn(2, wide.num_layers, *wide.page_shape))
         assert other.match([tier_key(other.fingerprint, PrefixKey(bytes([0]) * 32))]) == 1

@@ -15,7 +15,9 @@ from kvcore.layout import KVLayout
 from kvcore.prefix import PrefixKey
 from kvcore.tiers import HostTier, TierKey, layout_fingerprint, tier_key
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
+)
 PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
 FP = layout_fingerprint(LAYOUT)
 KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(12)]
@@ -37,7 +39,11 @@ class HostModel(RuleBasedStateMachine):
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=7))
     def put(self, picks: list[TierKey]) -> None:
         self.version += 1
-        pages = torch.stack([page_of(k, self.version) for k in picks]) if picks else torch.empty(0, *PAGE)
+        pages = (
+            torch.stack([page_of(k, self.version) for k in picks])
+            if picks
+            else torch.empty(0, *PAGE)
+        )
         spilled = self.tier.put_spill(picks, pages)
         # the model: touch held keys, then store the new ones (first occurrence)
         new: OrderedDict[TierKey, torch.Tensor] = OrderedDict()

@@ -27,12 +27,16 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16
+)
 PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
 READY_S = 30.0
 
 
-def chain(namespace: str, layout: KVLayout = LAYOUT, pages: int = 6, salt: int = 0) -> list[TierKey]:
+def chain(
+    namespace: str, layout: KVLayout = LAYOUT, pages: int = 6, salt: int = 0
+) -> list[TierKey]:
     tokens = encode_tokens([salt * 1000 + i for i in range(pages * layout.page_size)])
     keys = list(chain_keys(root_key(namespace), tokens, layout.page_size))
     return tier_keys(layout_fingerprint(layout), keys)
@@ -98,7 +102,9 @@ def test_a_corrupt_object_is_a_counted_miss(master: Master) -> None:
         assert tier.flush(READY_S)
         blob = bytearray(tier._store.get(object_key(keys[0])))
         blob[-1] ^= 0xFF
-        assert tier._store.put(object_key(keys[1]), bytes(blob)) == 0  # a valid frame of another key
+        assert (
+            tier._store.put(object_key(keys[1]), bytes(blob)) == 0
+        )  # a valid frame of another key
         assert tier._store.put(object_key(keys[2]), b"torn") == 0
         assert tier.match(keys[:3]) == 3
         assert tier.get_many(keys[:3]).shape[0] == 1

@@ -12,7 +12,9 @@ from kvcore.tiers import DiskTier, HostTier, gather_pages, layout_fingerprint, t
 from kvcore.tiers.codec import HEADER_BYTES
 from kvcore.tiers.stack import TierStack
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8)
+LAYOUT = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
+)
 PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
 KEYS = tier_keys(
     layout_fingerprint(LAYOUT),
@@ -21,7 +23,10 @@ KEYS = tier_keys(
 
 
 def test_spill_locate_fetch(tmp_path: Path) -> None:
-    stack = TierStack(HostTier(LAYOUT, 2), DiskTier(LAYOUT, tmp_path / "d", 8 * (HEADER_BYTES + LAYOUT.page_bytes)))
+    stack = TierStack(
+        HostTier(LAYOUT, 2),
+        DiskTier(LAYOUT, tmp_path / "d", 8 * (HEADER_BYTES + LAYOUT.page_bytes)),
+    )
     try:
         pages = torch.randn(6, *PAGE)
         stack.spill(KEYS[:4], pages[:4])  # host keeps k2 k3; k0 k1 spill to disk

@@ -101,7 +101,9 @@ class CudaMemory(_Message, tag="cuda", tag_field="kind"):
     handle: bytes  # the 64-byte cudaIpcMemHandle_t of the allocation's base
     size: NonNeg  # bytes of the pool
     offset: NonNeg  # bytes from the allocation base to the pool's first byte
-    ref_counter_handle: bytes = b""  # torch's shared refcount file (keeps the exporter's block alive)
+    ref_counter_handle: bytes = (
+        b""  # torch's shared refcount file (keeps the exporter's block alive)
+    )
     ref_counter_offset: NonNeg = 0
     event_handle: bytes = b""  # cudaIpcEventHandle_t; wait on it before the first access
     event_sync_required: bool = False

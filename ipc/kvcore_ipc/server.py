@@ -53,8 +53,11 @@ def peer_of(frame: zmq.Frame, *, ipc: bool) -> Peer:
     uid = pid = None
     with contextlib.suppress(zmq.ZMQError):
         parts = str(frame.get("Peer-Address")).split(":")
-        if ipc and len(parts) == 4 and parts[0] == "localhost" and all(
-            p.isdigit() for p in parts[1:]
+        if (
+            ipc
+            and len(parts) == 4
+            and parts[0] == "localhost"
+            and all(p.isdigit() for p in parts[1:])
         ):
             uid, pid = int(parts[1]), int(parts[3])
     key = None

@@ -55,8 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="random seed of the trace")
     g.add_argument("--requests", type=int, default=500, help="requests per trace")
     g.add_argument("--arrival-rate", type=float, default=1.0, help="mean arrivals per step")
-    g.add_argument("--shared-fraction", type=float, default=0.6,
-                   help="share of requests with a shared prefix in the shared-prefix variant")
+    g.add_argument(
+        "--shared-fraction",
+        type=float,
+        default=0.6,
+        help="share of requests with a shared prefix in the shared-prefix variant",
+    )
     g.add_argument("--num-prefixes", type=int, default=4, help="distinct shared prefixes")
     g.add_argument("--max-new-tokens", type=int, default=2048, help="serving limit")
     g = parser.add_argument_group("pool")
@@ -67,13 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
     g.add_argument("--head-dim", type=int, default=128, help="elements per head")
     g.add_argument("--dtype", default="bfloat16", help="element type of K and V")
-    g.add_argument("--watermark", type=float, default=0.01,
-                   help="fraction of pages admission keeps free (vLLM's default 1%%)")
+    g.add_argument(
+        "--watermark",
+        type=float,
+        default=0.01,
+        help="fraction of pages admission keeps free (vLLM's default 1%%)",
+    )
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
-    dims = {"num_layers": args.layers, "num_kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "page_size": args.page_size, "dtype": args.dtype}
+    dims = {
+        "num_layers": args.layers,
+        "num_kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "page_size": args.page_size,
+        "dtype": args.dtype,
+    }
     if args.num_pages:
         return KVLayout(num_pages=args.num_pages, **dims)
     return KVLayout.for_budget(int(args.budget_gib * GIB), **dims)
@@ -81,10 +94,17 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
 
 def traces_from_args(args: argparse.Namespace) -> tuple[Trace, Trace]:
     """(plain trace, shared-prefix variant), same seed."""
-    common = {"num_requests": args.requests, "seed": args.seed, "arrival_rate": args.arrival_rate,
-              "max_new_tokens": args.max_new_tokens, "num_prefixes": args.num_prefixes}
-    return (make_trace(TraceConfig(**common)),
-            make_trace(TraceConfig(shared_fraction=args.shared_fraction, **common)))
+    common = {
+        "num_requests": args.requests,
+        "seed": args.seed,
+        "arrival_rate": args.arrival_rate,
+        "max_new_tokens": args.max_new_tokens,
+        "num_prefixes": args.num_prefixes,
+    }
+    return (
+        make_trace(TraceConfig(**common)),
+        make_trace(TraceConfig(shared_fraction=args.shared_fraction, **common)),
+    )
 
 
 def make_pool(policy: str, layout: KVLayout, *, max_new_tokens: int, watermark: float) -> Pool:
@@ -110,8 +130,14 @@ def no_eviction_layout(trace: Trace, layout: KVLayout) -> KVLayout:
     """A pool that holds every page the trace ever allocates: nothing is evicted,
     nobody waits or is preempted."""
     pages = sum(layout.pages_for(len(r.prompt) + len(r.output)) for r in trace.requests)
-    return KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                    layout.page_size, layout.dtype, pages)
+    return KVLayout(
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.page_size,
+        layout.dtype,
+        pages,
+    )
 
 
 def replay(
@@ -161,8 +187,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompt_tokens = shared.prompt_tokens
     arrivals = {r.rid: r.arrival_step for r in shared.requests}
     optimal = sum(optimal_hit_tokens(shared.requests, arrivals, layout.page_size).values())
-    optimal_fixed = sum(optimal_hit_tokens(
-        shared.requests, fixed_prefix_stats.first_admitted, layout.page_size).values())
+    optimal_fixed = sum(
+        optimal_hit_tokens(
+            shared.requests, fixed_prefix_stats.first_admitted, layout.page_size
+        ).values()
+    )
     p_plain, c_plain = variants["plain"]["paged"], variants["plain"]["contiguous"]
     report["concurrency_ratio"] = _ratio(p_plain["mean_concurrency"], c_plain["mean_concurrency"])
     report["utilization_paged"] = p_plain["utilization"]
@@ -177,12 +206,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["prompt_tokens"] = prompt_tokens
     report["hit_rate_fixed_budget"] = variants["shared_prefix"]["paged_prefix"]["hit_rate"]
     report["hit_rate_optimal_fixed_schedule"] = optimal_fixed / prompt_tokens
-    s_paged, s_prefix = variants["shared_prefix"]["paged"], variants["shared_prefix"]["paged_prefix"]
+    s_paged, s_prefix = (
+        variants["shared_prefix"]["paged"],
+        variants["shared_prefix"]["paged_prefix"],
+    )
     s_contig = variants["shared_prefix"]["contiguous"]
     report["shared_prefix_concurrency_ratio"] = _ratio(
-        s_paged["mean_concurrency"], s_contig["mean_concurrency"])
+        s_paged["mean_concurrency"], s_contig["mean_concurrency"]
+    )
     report["shared_prefix_prefix_vs_paged_concurrency"] = _ratio(
-        s_prefix["mean_concurrency"], s_paged["mean_concurrency"])
+        s_prefix["mean_concurrency"], s_paged["mean_concurrency"]
+    )
     per_seq = _ratio(s_prefix["pages_per_sequence"], s_paged["pages_per_sequence"])
     report["pages_saved_per_sequence_fixed_budget"] = None if per_seq is None else 1.0 - per_seq
     report["config"] = {
@@ -196,10 +230,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "shared_fraction": args.shared_fraction,
         "watermark": args.watermark,
         "max_new_tokens": args.max_new_tokens,
-        "mean_prompt_tokens": {"plain": plain.prompt_tokens / args.requests,
-                               "shared_prefix": shared.prompt_tokens / args.requests},
-        "mean_output_tokens": {"plain": plain.output_tokens / args.requests,
-                               "shared_prefix": shared.output_tokens / args.requests},
+        "mean_prompt_tokens": {
+            "plain": plain.prompt_tokens / args.requests,
+            "shared_prefix": shared.prompt_tokens / args.requests,
+        },
+        "mean_output_tokens": {
+            "plain": plain.output_tokens / args.requests,
+            "shared_prefix": shared.output_tokens / args.requests,
+        },
         "prefix_lengths": [len(p) for p in shared.prefixes],
     }
     report["plain"] = variants["plain"]

@@ -59,8 +59,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         assert daemon.proc is not None
         worker = [sys.executable, "-m", "kvcore.bench.load", daemon.endpoint]
         workers = [
-            subprocess.Popen([*worker, str(i), str(args.seconds), str(args.seed)],
-                             stdout=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [*worker, str(i), str(args.seconds), str(args.seed)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for i in range(args.clients)
         ]
         time.sleep(args.seconds / 4 + 2)  # start-up and warm-up

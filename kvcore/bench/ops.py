@@ -320,7 +320,9 @@ class MinimalCache:
     def stats(self) -> Stats:
         free, lru = len(self.free_pages), len(self.lru)
         total = self.layout.num_pages
-        return Stats(total, free, lru, total - free - lru, len(self.page_of), len(self.seqs), 0, 0, 0)
+        return Stats(
+            total, free, lru, total - free - lru, len(self.page_of), len(self.seqs), 0, 0, 0
+        )
 
 
 class Lockstep:
@@ -339,7 +341,9 @@ class Lockstep:
         minimal_first = self._minimal_first
         self._minimal_first = not minimal_first
         outcomes: list[_R | KVCoreError] = []
-        for cache in (self.minimal, self.manager) if minimal_first else (self.manager, self.minimal):
+        for cache in (
+            (self.minimal, self.manager) if minimal_first else (self.manager, self.minimal)
+        ):
             try:
                 outcomes.append(call(cache))
             except KVCoreError as exc:  # out of pages: both must say so
@@ -379,12 +383,20 @@ class Lockstep:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     capacity.add_arguments(parser)
-    parser.add_argument("--fork-every", type=int, default=8,
-                        help="fork every N-th request into a second sample (0: never)")
+    parser.add_argument(
+        "--fork-every",
+        type=int,
+        default=8,
+        help="fork every N-th request into a second sample (0: never)",
+    )
     parser.add_argument("--variant", choices=("shared_prefix", "plain"), default="shared_prefix",
                         help="the trace replayed")  # fmt: skip
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="replays; the ratio is their median, the Manager's figures its best")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="replays; the ratio is their median, the Manager's figures its best",
+    )
 
 
 def replay(

@@ -45,7 +45,9 @@ class Target:
 
     def describe(self, record: dict[str, Any]) -> str:
         bound = self.bound_of(record)
-        shown = fmt(bound) if isinstance(self.bound, (int, float)) else f"{self.bound} ({fmt(bound)})"
+        shown = (
+            fmt(bound) if isinstance(self.bound, (int, float)) else f"{self.bound} ({fmt(bound)})"
+        )
         return f"{self.op} {shown}"
 
 

@@ -41,7 +41,9 @@ HEADLINE = (  # what `kvcore bench rpc` prints without --json (docs/benchmarks.m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--iterations", type=int, default=10000, help="single-op (and echo) samples")
+    parser.add_argument(
+        "--iterations", type=int, default=10000, help="single-op (and echo) samples"
+    )
     parser.add_argument("--batch", type=int, default=256, help="extends per batch")
     parser.add_argument("--batches", type=int, default=400, help="batch samples")
     parser.add_argument("--block", type=int, default=100, help="samples per alternating block")

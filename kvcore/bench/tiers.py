@@ -44,10 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=300, help="requests in the trace")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the trace")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
-    parser.add_argument("--working-set", type=float, default=4.0, help="distinct pages / pool pages")
-    parser.add_argument("--host-factor", type=float, default=1.0, help="host tier pages / pool pages")
+    parser.add_argument(
+        "--working-set", type=float, default=4.0, help="distinct pages / pool pages"
+    )
+    parser.add_argument(
+        "--host-factor", type=float, default=1.0, help="host tier pages / pool pages"
+    )
     parser.add_argument("--promote-pages", type=int, default=64, help="pages per promotion timed")
-    parser.add_argument("--remote-master", default=None, help="host:port of a running mooncake_master")
+    parser.add_argument(
+        "--remote-master", default=None, help="host:port of a running mooncake_master"
+    )
     parser.add_argument("--remote-metadata", default=None, help="http://host:port/metadata")
 
 
@@ -65,8 +71,15 @@ def _replay(manager: Manager, requests: list[list[int]]) -> int:
 def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    trace = make_trace(TraceConfig(num_requests=args.requests, seed=args.seed, shared_fraction=0.9,
-                                   num_prefixes=12, output_median=1))
+    trace = make_trace(
+        TraceConfig(
+            num_requests=args.requests,
+            seed=args.seed,
+            shared_fraction=0.9,
+            num_prefixes=12,
+            output_median=1,
+        )
+    )
     page_size = args.page_size
     prompts = [list(request.prompt) for request in trace.requests]
     distinct: set[PrefixKey] = set()
@@ -79,8 +92,11 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
     prompt_tokens = trace.prompt_tokens
     optimal = optimal_hit_tokens(trace.requests, {r.rid: r.rid for r in trace.requests}, page_size)
     result: dict[str, Any] = {
-        "requests": args.requests, "distinct_pages": len(distinct), "pool_pages": pool_pages,
-        "host_pages": host_pages, "working_set": len(distinct) / pool_pages,
+        "requests": args.requests,
+        "distinct_pages": len(distinct),
+        "pool_pages": pool_pages,
+        "host_pages": host_pages,
+        "working_set": len(distinct) / pool_pages,
         "hit_rate_optimal": sum(optimal.values()) / prompt_tokens,
     }
     result["hit_rate_pool_only"] = _replay(Manager(layout), prompts) / prompt_tokens
@@ -104,13 +120,16 @@ def _promote(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     n = args.promote_pages
-    layout = KVLayout(num_layers=16, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16",
-                      num_pages=2 * n)
+    layout = KVLayout(
+        num_layers=16, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16", num_pages=2 * n
+    )
     views = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
     host = HostTier(layout, n)
     from kvcore.tiers import layout_fingerprint
 
-    keys = tier_keys(layout_fingerprint(layout), [PrefixKey(i.to_bytes(32, "little")) for i in range(n)])
+    keys = tier_keys(
+        layout_fingerprint(layout), [PrefixKey(i.to_bytes(32, "little")) for i in range(n)]
+    )
     host.put_many(keys, torch.randn(n, layout.num_layers, *layout.page_shape).to(torch.float16))
     targets = torch.randperm(2 * n)[:n]
     source = torch.randn(n * layout.page_bytes // 2).to(torch.float16)
@@ -132,18 +151,28 @@ def _promote(args: argparse.Namespace) -> dict[str, Any]:
     assert torch.equal(gather_pages(views, targets), host.get_many(keys)), "promotion changed bytes"
     moved = n * layout.page_bytes
     result: dict[str, Any] = {
-        "promote_pages": n, "promote_bytes": moved,
-        "promote_gib_s": moved / t_promote / 2**30, "copy_gib_s": moved / t_copy / 2**30,
+        "promote_pages": n,
+        "promote_bytes": moved,
+        "promote_gib_s": moved / t_promote / 2**30,
+        "copy_gib_s": moved / t_copy / 2**30,
         "promote_bandwidth_ratio": t_copy / t_promote,
         "staged_promote_bandwidth_ratio": t_copy / t_staged,  # get_many(out=) + scatter_pages
-        "host_fetch_us_per_page": t_promote / n * 1e6, "remote_fetch_us_per_page": None,
+        "host_fetch_us_per_page": t_promote / n * 1e6,
+        "remote_fetch_us_per_page": None,
     }
     if args.remote_master and args.remote_metadata:
         from kvcore.tiers import RemoteConfig, RemoteTier
 
-        remote = RemoteTier(layout, RemoteConfig(args.remote_master, args.remote_metadata,
-                                                 buffer_bytes=64 << 20, segment_bytes=256 << 20,
-                                                 timeout_s=10.0))
+        remote = RemoteTier(
+            layout,
+            RemoteConfig(
+                args.remote_master,
+                args.remote_metadata,
+                buffer_bytes=64 << 20,
+                segment_bytes=256 << 20,
+                timeout_s=10.0,
+            ),
+        )
         try:
             if remote.wait_ready(30):
                 remote.put_many(keys, host.get_many(keys))

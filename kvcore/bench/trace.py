@@ -52,8 +52,16 @@ class TraceConfig:
     vocab_size: int = 128256
 
     def __post_init__(self) -> None:
-        positive = ("num_requests", "prompt_median", "prompt_max", "output_median",
-                    "max_new_tokens", "num_prefixes", "prefix_min", "vocab_size")
+        positive = (
+            "num_requests",
+            "prompt_median",
+            "prompt_max",
+            "output_median",
+            "max_new_tokens",
+            "num_prefixes",
+            "prefix_min",
+            "vocab_size",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -114,11 +122,18 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
 def make_trace(config: TraceConfig) -> Trace:
     """The trace of ``config``; equal configs give equal traces."""
     rng = random.Random(config.seed)
-    prefixes = tuple(
-        _tokens(rng, config.prefix_min + int(rng.random() * (config.prefix_max - config.prefix_min + 1)),
-                config.vocab_size)
-        for _ in range(config.num_prefixes)
-    ) if config.shared_fraction > 0 else ()
+    prefixes = (
+        tuple(
+            _tokens(
+                rng,
+                config.prefix_min + int(rng.random() * (config.prefix_max - config.prefix_min + 1)),
+                config.vocab_size,
+            )
+            for _ in range(config.num_prefixes)
+        )
+        if config.shared_fraction > 0
+        else ()
+    )
     requests: list[Request] = []
     clock = 0.0
     for rid in range(config.num_requests):

@@ -76,7 +76,9 @@ class Authority:
         self._by_key: dict[str, Grant] = {}
         for tenant in tenants:
             namespaces = None if "*" in tenant.namespaces else frozenset(tenant.namespaces)
-            grant = Grant(tenant.name, namespaces, frozenset(tenant.pools) if tenant.pools else None)
+            grant = Grant(
+                tenant.name, namespaces, frozenset(tenant.pools) if tenant.pools else None
+            )
             self._by_uid.update(dict.fromkeys(tenant.uids, grant))
             self._by_key.update(dict.fromkeys(tenant.keys, grant))
         self._open = not tenants  # rule 3

@@ -173,10 +173,14 @@ class Handler:
         if request.session == 0:
             raise NotAttached("attach first")
         if request.epoch != self.epoch:
-            raise StaleEpoch(f"epoch {request.epoch:x} is over; this daemon runs epoch {self.epoch:x}")
+            raise StaleEpoch(
+                f"epoch {request.epoch:x} is over; this daemon runs epoch {self.epoch:x}"
+            )
         return self.sessions.renew(request.session, time.monotonic())
 
-    def _run(self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any) -> msgspec.Struct:
+    def _run(
+        self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any
+    ) -> msgspec.Struct:
         """One Manager operation under the ownership rule of its table entry, the session's
         grant (a per-call namespace) and the pool's quotas."""
         for name in op.owns:
@@ -216,7 +220,9 @@ class Handler:
         watch = peer is not None and peer.pid is not None  # the kernel's pid: safe to watch
         session = self.sessions.open(pool.name, body.namespace, grant, pid, watch, body.name,
                                      time.monotonic())  # fmt: skip
-        log.info("session %x attached to pool %r (pid %d, %r)", session.id, pool.name, pid, body.name)
+        log.info(
+            "session %x attached to pool %r (pid %d, %r)", session.id, pool.name, pid, body.name
+        )
         return msg.AttachOk(
             session=session.id, epoch=self.epoch, version=msg.PROTOCOL_VERSION, pool=pool.name,
             device=pool.device, layout=have, memory=pool.region.describe(),
@@ -296,7 +302,9 @@ class Handler:
     def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
         """What the peer's grant may see: its pools, and the sessions of its namespaces."""
         authority = self.authority
-        grant = authority.grant(peer_of(raw, ipc=self.ipc)) if raw is not None else authority.local()
+        grant = (
+            authority.grant(peer_of(raw, ipc=self.ipc)) if raw is not None else authority.local()
+        )
         now = time.monotonic()
         pools = []
         for pool in self.pools.pools.values():
@@ -314,8 +322,12 @@ class Handler:
             ))  # fmt: skip
         sessions = [
             msg.SessionStats(
-                pool=s.pool, namespace=s.namespace, pid=s.pid, name=s.name,
-                num_sequences=len(s.seqs), idle_ms=int((now - s.last_seen) * 1000),
+                pool=s.pool,
+                namespace=s.namespace,
+                pid=s.pid,
+                name=s.name,
+                num_sequences=len(s.seqs),
+                idle_ms=int((now - s.last_seen) * 1000),
             )
             for s in self.sessions
             if s.state is not State.DRAINING and grant.sees(s.pool, s.namespace)

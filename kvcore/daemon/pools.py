@@ -181,7 +181,11 @@ def _wire(event: PageEvent) -> msg.Event:
     if isinstance(event, PageStored):
         tokens = array("I", event.tokens)  # u32 little-endian (the host's order, checked)
         return msg.PageStoredEvent(
-            event.key, event.parent_key, event.page, tokens.tolist(), event.namespace,
+            event.key,
+            event.parent_key,
+            event.page,
+            tokens.tolist(),
+            event.namespace,
             medium=event.medium,
         )
     return msg.PageRemovedEvent(event.key, event.page, medium=event.medium)

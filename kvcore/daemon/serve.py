@@ -95,9 +95,13 @@ class Daemon:
         for path in _ipc_paths(endpoint, config.events):
             check_socket_path(path, {os.getuid()}, creating=True)
         self.authority = Authority(config.tenants, keys_dir=config.authorized_keys_dir)
-        secret = read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
-        if secret is not None and not config.authorized_keys_dir and not any(
-            t.keys for t in config.tenants
+        secret = (
+            read_secret_key(config.curve_secret_key_file) if config.curve_secret_key_file else None
+        )
+        if (
+            secret is not None
+            and not config.authorized_keys_dir
+            and not any(t.keys for t in config.tenants)
         ):
             raise BadRequest("CURVE needs the public keys of the clients it admits: "
                              "--authorized-keys DIR (see `kvcore keys`) or tenants' keys")  # fmt: skip
@@ -147,7 +151,8 @@ class Daemon:
             self.handler.ipc = endpoint.startswith("ipc://")
             if config.metrics_port is not None:
                 self.metrics, self.handler.timer, self.metrics_server = metrics.start(
-                    self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr)
+                    self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr
+                )
         except BaseException:
             self.close()
             raise

@@ -249,11 +249,15 @@ class SessionTable:
                 assert is_live(pool, seq), f"owned sequence {seq} is not live in {pool!r}"
                 session = self._sessions.get(session_id)
                 assert session is not None, f"sequence {seq} owned by a closed session"
-                assert session.pool == pool and seq in session.seqs, f"sequence {seq} not in its session"
+                assert session.pool == pool and seq in session.seqs, (
+                    f"sequence {seq} not in its session"
+                )
         assert len(self._sessions) <= self.max_sessions, "more sessions than allowed"
         for session in self._sessions.values():
-            assert session.state is not State.FENCED or session.pidfd is not None or (
-                session.fenced_until > 0
+            assert (
+                session.state is not State.FENCED
+                or session.pidfd is not None
+                or (session.fenced_until > 0)
             ), f"session {session.id:x} fenced without a way out"
             for seq in session.seqs:
                 assert self._owner[session.pool].get(seq) == session.id, f"{seq} lost its owner"

@@ -232,7 +232,9 @@ class TieredManager(Manager):
             return None
         return gather_pages(self._views, [page for _, page in evicted], device="cpu")
 
-    def _put_down(self, evicted: list[tuple[PrefixKey, PageId]], pages: torch.Tensor | None) -> None:
+    def _put_down(
+        self, evicted: list[tuple[PrefixKey, PageId]], pages: torch.Tensor | None
+    ) -> None:
         if pages is None:
             return
         keys = [key for key, _ in evicted]

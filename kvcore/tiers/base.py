@@ -107,8 +107,17 @@ class TierStats:
 
     def copy(self) -> TierStats:
         return TierStats(
-            self.pages, self.bytes_used, self.hits, self.misses, self.corrupt, self.stored,
-            self.evicted, self.bytes_in, self.bytes_out, self.dropped, self.timeouts,
+            self.pages,
+            self.bytes_used,
+            self.hits,
+            self.misses,
+            self.corrupt,
+            self.stored,
+            self.evicted,
+            self.bytes_in,
+            self.bytes_out,
+            self.dropped,
+            self.timeouts,
         )
 
 

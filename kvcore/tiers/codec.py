@@ -41,9 +41,7 @@ def encode_header(key: TierKey, payload: Bytes) -> bytes:
     return fields + _checksum(fields, payload)
 
 
-def check_entry(
-    key: TierKey, header: Bytes, payload: Bytes, page_bytes: int
-) -> bool:
+def check_entry(key: TierKey, header: Bytes, payload: Bytes, page_bytes: int) -> bool:
     """True iff ``header`` + ``payload`` is a valid entry of ``key`` with a page of
     ``page_bytes`` bytes (the module docstring's rule)."""
     if len(header) != HEADER_BYTES or len(payload) != page_bytes:

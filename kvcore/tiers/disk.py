@@ -78,7 +78,9 @@ class DiskTier:
 
     medium = "disk"
 
-    def __init__(self, layout: KVLayout, directory: str | os.PathLike[str], capacity_bytes: int) -> None:
+    def __init__(
+        self, layout: KVLayout, directory: str | os.PathLike[str], capacity_bytes: int
+    ) -> None:
         self.layout = layout
         self.fingerprint = layout_fingerprint(layout)
         self.directory = os.fspath(directory)
@@ -90,7 +92,9 @@ class DiskTier:
             )
         self.capacity_pages = capacity_bytes // self.entry_bytes
         _check_directory(self.directory)
-        self._dir = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self._dir = os.open(
+            self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        )
         self._fp_hex = self.fingerprint.hex()
         self._lock = self._take_lock()
         self._lru: OrderedDict[TierKey, None] = OrderedDict()
@@ -116,7 +120,9 @@ class DiskTier:
         buffer = bytearray(held * page_bytes)
         view = memoryview(buffer)
         count = 0
-        while count < held and self._read(keys[count], view[count * page_bytes : (count + 1) * page_bytes]):
+        while count < held and self._read(
+            keys[count], view[count * page_bytes : (count + 1) * page_bytes]
+        ):
             self._lru.move_to_end(keys[count])
             self._touch(keys[count])
             count += 1
@@ -125,7 +131,11 @@ class DiskTier:
         stats.misses += len(keys) - count
         stats.bytes_out += count * page_bytes
         self._gauges()
-        flat = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(buffer, dtype=torch.uint8)
+            if buffer
+            else torch.empty(0, dtype=torch.uint8)
+        )
         shape = (count, self.layout.num_layers, *self.layout.page_shape)
         return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
 
@@ -196,8 +206,12 @@ class DiskTier:
         return f"{self._fp_hex}-{key[FINGERPRINT_BYTES:].hex()}.kv"
 
     def _take_lock(self) -> int:
-        lock = os.open(f".lock-{self._fp_hex}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       0o600, dir_fd=self._dir)
+        lock = os.open(
+            f".lock-{self._fp_hex}",
+            os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=self._dir,
+        )
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -221,7 +235,11 @@ class DiskTier:
                 continue
             key = TierKey(self.fingerprint + bytes.fromhex(match.group(2)))
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and info.st_size == self.entry_bytes and self._header_ok(key):
+            if (
+                stat.S_ISREG(info.st_mode)
+                and info.st_size == self.entry_bytes
+                and self._header_ok(key)
+            ):
                 found.append((info.st_mtime_ns, key))
             else:
                 self._unlink(name)
@@ -284,8 +302,12 @@ class DiskTier:
         restart rebuilds the exact LRU order."""
         self._clock = max(time.time_ns(), self._clock + 1)
         with contextlib.suppress(OSError):
-            os.utime(self._name(key), ns=(self._clock, self._clock), dir_fd=self._dir,
-                     follow_symlinks=False)
+            os.utime(
+                self._name(key),
+                ns=(self._clock, self._clock),
+                dir_fd=self._dir,
+                follow_symlinks=False,
+            )
 
     def _unlink(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

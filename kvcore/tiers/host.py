@@ -49,7 +49,11 @@ class HostTier:
     def __init__(self, layout: KVLayout, capacity_pages: int, *, pin_memory: bool = False) -> None:
         import torch
 
-        if not isinstance(capacity_pages, int) or isinstance(capacity_pages, bool) or capacity_pages < 1:
+        if (
+            not isinstance(capacity_pages, int)
+            or isinstance(capacity_pages, bool)
+            or capacity_pages < 1
+        ):
             raise BadRequest(f"capacity_pages must be a positive int, got {capacity_pages!r}")
         self.layout = layout
         self.fingerprint = layout_fingerprint(layout)
@@ -81,7 +85,11 @@ class HostTier:
         index = torch.tensor(slots, dtype=torch.int64)
         if out is None:
             return self._slots.index_select(0, index)
-        if out.shape[1:] != self._slots.shape[1:] or out.dtype != self._slots.dtype or len(out) < len(keys):
+        if (
+            out.shape[1:] != self._slots.shape[1:]
+            or out.dtype != self._slots.dtype
+            or len(out) < len(keys)
+        ):
             raise BadRequest("out must be a batch of at least len(keys) pages of this layout")
         return torch.index_select(self._slots, 0, index, out=out[: len(slots)])
 
@@ -138,14 +146,18 @@ class HostTier:
         evict = max(len(store_keys) - len(self._free), 0)
         evicted_keys = [lru.popitem(last=False) for _ in range(evict)]
         self._free.extend(slot for _, slot in reversed(evicted_keys))
-        spilled = torch.cat(
-            (
-                pages[torch.tensor(passed_rows, dtype=torch.int64)],
-                self._slots.index_select(
-                    0, torch.tensor([slot for _, slot in evicted_keys], dtype=torch.int64)
-                ),
+        spilled = (
+            torch.cat(
+                (
+                    pages[torch.tensor(passed_rows, dtype=torch.int64)],
+                    self._slots.index_select(
+                        0, torch.tensor([slot for _, slot in evicted_keys], dtype=torch.int64)
+                    ),
+                )
             )
-        ) if overflow or evict else pages[:0].clone()
+            if overflow or evict
+            else pages[:0].clone()
+        )
         targets = [self._free.pop() for _ in store_keys]
         if store_keys:
             self._slots.index_copy_(

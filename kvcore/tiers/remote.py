@@ -104,7 +104,9 @@ class RemoteTier:
         self._page_bytes = layout.page_bytes
         self._entry_bytes = HEADER_BYTES + layout.page_bytes
         if self._entry_bytes > config.buffer_bytes // 2:
-            raise BadRequest(f"buffer_bytes {config.buffer_bytes} is too small for pages of {self._page_bytes} bytes")
+            raise BadRequest(
+                f"buffer_bytes {config.buffer_bytes} is too small for pages of {self._page_bytes} bytes"
+            )
         self._chunk = config.buffer_bytes // 2 // self._entry_bytes  # entries per store call
         self._lock = threading.Lock()  # guards _stats and _queued
         self._stats = TierStats()
@@ -116,7 +118,9 @@ class RemoteTier:
         self._inflight: Future[Any] | None = None
         self._ready: Future[bool] = self._reader.submit(self._connect)
         self._queue: queue.Queue[_Batch | _Flush | None] = queue.Queue()
-        self._publisher = threading.Thread(target=self._publish_loop, name="kvcore-remote-put", daemon=True)
+        self._publisher = threading.Thread(
+            target=self._publish_loop, name="kvcore-remote-put", daemon=True
+        )
         self._publisher.start()
 
     # -- the tier ---------------------------------------------------------------
@@ -166,7 +170,11 @@ class RemoteTier:
             stats.misses += len(keys) - count
             stats.corrupt += corrupt
             stats.bytes_out += count * page_bytes
-        flat = torch.frombuffer(buffer, dtype=torch.uint8) if count else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(buffer, dtype=torch.uint8)
+            if count
+            else torch.empty(0, dtype=torch.uint8)
+        )
         shape = (count, self.layout.num_layers, *self.layout.page_shape)
         return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
 
@@ -237,15 +245,17 @@ class RemoteTier:
             return False
         store = importlib.import_module("mooncake.store").MooncakeDistributedStore()
         try:
-            code = store.setup({
-                "local_hostname": config.local_hostname,
-                "metadata_server": config.metadata_server,
-                "global_segment_size": config.segment_bytes,
-                "local_buffer_size": config.buffer_bytes,
-                "protocol": "tcp",
-                "rdma_devices": "",
-                "master_server_addr": config.master,
-            })
+            code = store.setup(
+                {
+                    "local_hostname": config.local_hostname,
+                    "metadata_server": config.metadata_server,
+                    "global_segment_size": config.segment_bytes,
+                    "local_buffer_size": config.buffer_bytes,
+                    "protocol": "tcp",
+                    "rdma_devices": "",
+                    "master_server_addr": config.master,
+                }
+            )
         except Exception:  # a malformed address: the tier stays down, every call misses
             code = -1
         if code != 0:

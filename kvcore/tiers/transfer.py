@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     import torch
 
 
-def _index(page_ids: Sequence[int] | torch.Tensor, num_pages: int, device: torch.device) -> torch.Tensor:
+def _index(
+    page_ids: Sequence[int] | torch.Tensor, num_pages: int, device: torch.device
+) -> torch.Tensor:
     import torch
 
     index = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1).to(device)
