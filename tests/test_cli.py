@@ -74,3 +74,5 @@ def test_report_formats_numbers_for_people() -> None:
     assert rows(record, [Figure("a.b", "ab", Target("==", "best"))]) == [
         ("a.b", "ab", "3", "== best (3)", "met")]  # fmt: skip
     assert rows(record, [Figure("worse", target=Target(">=", 2.5))])[0][4] == "NOT MET"
+    scaled = Target(">=", "best", factor=0.5)
+    assert rows(record, [Figure("worse", target=scaled)])[0][3:] == (">= 0.5 x best (1.5)", "met")

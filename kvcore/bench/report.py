@@ -20,17 +20,19 @@ _MISSING = object()
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """``value <op> bound``; ``bound`` is a number or another figure's key (``==`` on
-    floats allows a relative 1e-9)."""
+    """``value <op> factor * bound``; ``bound`` is a number or another figure's key
+    (``==`` on floats allows a relative 1e-9)."""
 
     op: str  # "<=", ">=" or "=="
     bound: float | str
+    factor: float = 1.0
 
     def __post_init__(self) -> None:
         assert self.op in ("<=", ">=", "=="), f"unknown comparison {self.op!r}"
 
     def bound_of(self, record: dict[str, Any]) -> Any:
-        return lookup(record, self.bound) if isinstance(self.bound, str) else self.bound
+        bound = lookup(record, self.bound) if isinstance(self.bound, str) else self.bound
+        return bound * self.factor if isinstance(bound, (int, float)) else bound
 
     def met(self, value: Any, record: dict[str, Any]) -> bool | None:
         """None when it cannot be judged (a figure missing, or null in the record)."""
@@ -45,10 +47,10 @@ class Target:
 
     def describe(self, record: dict[str, Any]) -> str:
         bound = self.bound_of(record)
-        shown = (
-            fmt(bound) if isinstance(self.bound, (int, float)) else f"{self.bound} ({fmt(bound)})"
-        )
-        return f"{self.op} {shown}"
+        if not isinstance(self.bound, str):
+            return f"{self.op} {fmt(bound)}"
+        scale = "" if self.factor == 1.0 else f"{self.factor:g} x "
+        return f"{self.op} {scale}{self.bound} ({fmt(bound)})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Any
 
+from kvcore.bench.report import Figure, Target
 from kvcore.bench.trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout
@@ -37,6 +38,17 @@ from kvcore.prefix import PrefixKey, chain_keys, encode_tokens, root_key
 from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages, tier_keys
 from kvcore.tiers.codec import HEADER_BYTES
 
+HEADLINE = (  # what `kvcore bench tiers` prints without --json (docs/benchmarks.md)
+    Figure("hit_rate_pool_only", "hit rate, pool alone"),
+    Figure("hit_rate_pool_host", "hit rate, pool + host tier"),
+    Figure("hit_rate_tiered", "hit rate, pool + host + disk",
+           Target(">=", "hit_rate_optimal", factor=0.95)),
+    Figure("promote_bandwidth_ratio", "host -> pool promotion / plain copy, bytes/s",
+           Target(">=", 0.5)),
+    Figure("staged_promote_bandwidth_ratio", "the same through a staging batch"),
+    Figure("host_fetch_us_per_page", "host tier fetch, µs per page"),
+    Figure("remote_fetch_us_per_page", "remote tier fetch, µs per page"),
+)  # fmt: skip
 SIM_LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
 
 
