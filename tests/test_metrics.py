@@ -18,7 +18,7 @@ from kvcore import Client
 from kvcore.config import PoolConfig, ServiceConfig
 from kvcore.daemon.serve import Daemon
 from kvcore.daemon_process import DaemonProcess
-from kvcore.errors import QuotaExceeded, UnknownSequence
+from kvcore.errors import BadRequest, QuotaExceeded, UnknownSequence
 
 POOL = (
     "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=4,num_pages=64,"
@@ -128,3 +128,16 @@ def test_health_fails_when_the_loop_is_stuck(tmp_path: Path) -> None:
             assert reply.status == 200
     finally:
         daemon.close()
+
+
+def test_a_taken_metrics_port_is_refused_by_name(tmp_path: Path) -> None:
+    pools = [PoolConfig(num_layers=1, num_pages=8)]
+    first = Daemon(ServiceConfig(endpoint=f"ipc://{tmp_path}/a.sock", metrics_port=0, pools=pools))
+    try:
+        assert first.metrics_server is not None
+        port = first.metrics_server.port
+        taken = ServiceConfig(endpoint=f"ipc://{tmp_path}/b.sock", metrics_port=port, pools=pools)
+        with pytest.raises(BadRequest, match=f"--metrics-port {port} on 127.0.0.1"):
+            Daemon(taken)
+    finally:
+        first.close()

@@ -42,6 +42,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from kvcore.errors import BadRequest
+
 from .tiering import tier_metric_families
 
 # Request latencies: the daemon answers in tens of microseconds; a big batch takes ms.
@@ -230,7 +232,10 @@ class MetricsServer:
                 return self._health(start_response)
             return metrics_app(environ, start_response)
 
-        self._server = make_server(addr, port, app, ThreadingWSGIServer, _QuietHandler)
+        try:
+            self._server = make_server(addr, port, app, ThreadingWSGIServer, _QuietHandler)
+        except OSError as exc:  # taken, or an address this host does not have
+            raise BadRequest(f"--metrics-port {port} on {addr}: {exc.strerror or exc}") from None
         self.addr = addr
         self.port: int = self._server.server_port
         self._thread = threading.Thread(target=self._server.serve_forever,
