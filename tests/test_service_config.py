@@ -18,6 +18,7 @@ from kvcore.config import (
     parse_size,
 )
 from kvcore.daemon.serve import add_arguments, build_config, check_shm
+from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
 
 
@@ -84,3 +85,12 @@ def test_host_pools_larger_than_shared_memory_are_refused() -> None:
     with pytest.raises(BadRequest, match=r"GiB free .* --shm-size"):
         check_shm(huge)
     check_shm(ServiceConfig(pools=[PoolConfig(num_pages=8)]))
+
+
+def test_debug_logs_the_effective_configuration() -> None:
+    env = {**os.environ, "KVCORE_LEASE_TIMEOUT_S": "5"}
+    with DaemonProcess.private(
+        "--pool", "num_layers=1,num_pages=8", "--log-level", "DEBUG", env=env
+    ) as d:
+        line = next(ln for ln in d.lines if "effective configuration" in ln)
+    assert '"lease_timeout_s": 5.0' in line and '"num_pages": 8' in line
