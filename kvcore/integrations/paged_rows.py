@@ -178,10 +178,16 @@ class PagedRows:
     def step(self, new_tokens: Sequence[Sequence[int]]) -> StepPlan:
         """Plan a forward that feeds ``q`` new real tokens per row.
 
-        A round trip happens only when some row needs room: it is extended up to the
-        end of the page holding its last new token (pages reserved ahead, so a decode
-        step costs one round trip per ``page_size`` steps), and in the same batch
-        every row's full written pages not yet published are committed. The first
+        A round trip happens only when some row needs room. It then reserves ahead for
+        the whole batch: every row that would need room within the next
+        ``page_size - 1`` steps of ``q`` tokens is extended to the end of the page
+        holding its token ``len(tokens) + q + page_size - 2`` (at most one page past
+        the one its last new token needs), so decoding a batch of any shape costs at
+        most one round trip every ``page_size`` steps, not one per page crossing of
+        any row. In the same batch every row's full written pages not yet published
+        are committed. Reserved pages past ``len(tokens)`` hold no K/V: they are
+        never committed (commits stop at ``num_written``) nor read (``seq_lens``
+        stops there), and :meth:`close` frees them with their sequence. The first
         extend after a fork returns the copy-on-write of the shared last page."""
         import torch
 
@@ -191,11 +197,13 @@ class PagedRows:
                 f"{len(new_tokens)} (beam search and batch reshaping are not supported)"
             )
         q = len(new_tokens[0])
-        growing = [row for row in self.rows if len(row.tokens) + q > row.reserved]
         src: list[int] = []
         dst: list[int] = []
-        if growing:
-            self._grow(growing, q, src, dst)
+        growing = any(len(row.tokens) + q > row.reserved for row in self.rows)
+        if growing:  # the round trip also serves every row due within page_size steps
+            horizon = q + self.page_size - 1
+            due = [row for row in self.rows if len(row.tokens) + horizon > row.reserved]
+            self._grow(due, horizon, src, dst)
         slots: list[int] = []
         for row, tokens in zip(self.rows, new_tokens, strict=True):
             start = len(row.tokens)
@@ -219,8 +227,9 @@ class PagedRows:
             )
         return plan
 
-    def _grow(self, growing: list[Row], q: int, src: list[int], dst: list[int]) -> None:
-        """One round trip: commits due on any row, then extends for ``growing``."""
+    def _grow(self, growing: list[Row], ahead: int, src: list[int], dst: list[int]) -> None:
+        """One round trip: commits due on any row, then extends each of ``growing`` to
+        the end of the page holding its token ``len(tokens) + ahead - 1``."""
         ops = self.client.batch()
         committing = [
             row for row in self.rows if row.num_written // self.page_size > row.num_committed
@@ -228,7 +237,7 @@ class PagedRows:
         for row in committing:
             _commit_new(ops, row, self.page_size)
         for row in growing:
-            ops.extend(row.seq, _round_up(len(row.tokens) + q, self.page_size) - row.reserved)
+            ops.extend(row.seq, _round_up(len(row.tokens) + ahead, self.page_size) - row.reserved)
         if committing:
             self._sync()  # the committed pages' writes must have landed before others read them
         results = self._run(ops)
@@ -242,7 +251,7 @@ class PagedRows:
                 src.append(s)
                 dst.append(d)
             row.pages.extend(ext.new_pages)
-            row.reserved = _round_up(len(row.tokens) + q, self.page_size)
+            row.reserved = _round_up(len(row.tokens) + ahead, self.page_size)
 
     def finish_step(self) -> None:
         """The forward completed: every fed token's K/V is in the pages of every layer."""
