@@ -45,7 +45,7 @@ Backends are found through the entry-point group ``kvcore.backends``
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, TypeVar
 
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "kvcore.backends"
 MAX_HEAD_DIM = 256  # elements; the bound of Capabilities.head_dims = None
 MAX_PAGE_SIZE = 128  # tokens; the bound of Capabilities.page_sizes = None
+_INF = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,11 @@ class CacheSpec:
     head_dim: int  # elements
     dtype: torch.dtype
     device: torch.device
+    # (shape, dtype, device) of a cache of this geometry: a run compares one tuple
+    key: tuple[tuple[int, ...], torch.dtype, torch.device] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.shape, self.dtype, self.device))
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> CacheSpec:
@@ -134,6 +140,12 @@ class CacheSpec:
         """BadRequest unless ``kv_cache`` has this geometry (reads no data)."""
         import torch
 
+        if (
+            isinstance(kv_cache, torch.Tensor)
+            and (kv_cache.shape, kv_cache.dtype, kv_cache.device) == self.key
+            and (kv_cache.stride(4) == 1 or self.head_dim == 1)
+        ):
+            return kv_cache  # the common (valid) case: one comparison
         if not isinstance(kv_cache, torch.Tensor):
             raise BadRequest(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
         if (
@@ -154,18 +166,17 @@ class CacheSpec:
         ``rows`` None: any. Reads no data; the common (valid) case is one test."""
         import torch
 
-        if (
-            isinstance(t, torch.Tensor)
-            and t.dim() == 3
-            and (rows is None or t.shape[0] == rows)
-            and t.shape[2] == self.head_dim
-            and (t.shape[1] == heads if heads is not None else t.shape[1] % self.num_kv_heads == 0)
-            and t.shape[1] > 0
-            and t.dtype == self.dtype
-            and t.device == self.device
-            and (self.head_dim == 1 or t.stride(2) == 1)
-        ):
-            return t
+        if isinstance(t, torch.Tensor) and (t.dtype, t.device) == self.key[1:]:
+            shape = t.shape
+            if (
+                len(shape) == 3
+                and (rows is None or shape[0] == rows)
+                and shape[2] == self.head_dim
+                and (shape[1] == heads if heads is not None else shape[1] % self.num_kv_heads == 0)
+                and shape[1] > 0
+                and (self.head_dim == 1 or t.stride(2) == 1)
+            ):
+                return t
         t = check_float(t, name, self.device, self.dtype, (rows, heads, self.head_dim))
         check_heads(t.shape[1], self.num_kv_heads)  # a query's heads (key/value passed above)
         raise AssertionError(f"{name}: the fast check refused what the full checks accept")
@@ -365,11 +376,14 @@ class Backend(abc.ABC):
     ) -> torch.Tensor:
         """query [B, Hq, D] (cache dtype, Hq a multiple of Hkv) -> out [B, Hq, D] (query
         dtype): softmax(scale * q.k) v over each sequence's tokens of ``kv_cache``."""
-        spec = self._own(plan, DecodePlan).cache
+        if type(plan) is not DecodePlan or plan.backend != self.name:
+            plan = self._own(plan, DecodePlan)
+        spec = plan.cache
         kv_cache = spec.check(kv_cache)
-        query = spec.check_rows(query, "query", plan.batch, None)
-        scale = check_scale(scale)
-        if plan.batch == 0:
+        query = spec.check_rows(query, "query", len(plan.host_seq_lens), None)
+        if type(scale) is not float or not -_INF < scale < _INF:
+            scale = check_scale(scale)
+        if not plan.host_seq_lens:
             return query.new_empty(query.shape)
         return self._decode(plan, query, kv_cache, scale)
 
@@ -396,7 +410,9 @@ class Backend(abc.ABC):
         self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Scatter ``key``/``value`` [T, Hkv, D] (cache dtype) into the plan's slots."""
-        spec = self._own(plan, WritePlan).cache
+        if type(plan) is not WritePlan or plan.backend != self.name:
+            plan = self._own(plan, WritePlan)
+        spec = plan.cache
         kv_cache = spec.check(kv_cache)
         key = spec.check_rows(key, "key", plan.num_tokens, spec.num_kv_heads)
         value = spec.check_rows(value, "value", plan.num_tokens, spec.num_kv_heads)
