@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,29 @@ def test_zero_scale_averages_values() -> None:
         torch.randn(1, 2, 4), cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0
     )
     torch.testing.assert_close(out[0], v.mean(0).expand(2, 4))
+
+
+def test_one_plan_serves_layers_in_turn_and_other_threads() -> None:
+    """The plan's gather workspace is scratch: an earlier layer's output stays as it
+    was, and a run from another thread (which gathers into its own tensor) agrees."""
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(6, 2, 4, 2, 8, generator=gen) for _ in range(3)]
+    table = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=I32)
+    lens = torch.tensor([10, 7], dtype=I32)
+    q = torch.randn(2, 4, 8, generator=gen)
+    backend = TorchBackend()
+    plan = backend.plan_decode(layers[0], table, lens)
+    outs = [backend.decode(plan, q, kv, 0.3) for kv in layers]
+    for kv, out in zip(layers, outs, strict=True):  # each equals a fresh plan's run
+        torch.testing.assert_close(out, _decode(q, kv, table, lens, 0.3), rtol=0, atol=0)
+        torch.testing.assert_close(out, backend.decode(plan, q, kv, 0.3), rtol=0, atol=0)
+    elsewhere: list[torch.Tensor] = []
+    thread = threading.Thread(
+        target=lambda: elsewhere.append(backend.decode(plan, q, layers[1], 0.3))
+    )
+    thread.start()
+    thread.join()
+    torch.testing.assert_close(elsewhere[0], outs[1], rtol=0, atol=0)
 
 
 def test_prefill_is_causal_bottom_right() -> None:

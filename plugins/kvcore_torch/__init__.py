@@ -24,6 +24,7 @@ token 0 again (a written token, so finite) and masks them out of the scores.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,13 @@ class DecodeGather:
     head), ``index`` shaped [2, B, Hkv, max_len], so one ``index_select`` yields K
     and V head-major and contiguous, as SDPA reads them fastest; None where the
     planning cache's strides allow no such view (then an advanced-index gather).
+
+    ``workspace`` [2 * B * Hkv * max_len, D] (cache dtype) receives that gather in
+    runs from the planning thread (``owner``), and ``k``/``v`` [B, Hkv, max_len, D]
+    are its two halves, viewed once here: a layer's run is then one ``index_select``
+    into it and one SDPA call. It is scratch, read only inside the run that filled
+    it (the output is SDPA's own tensor), so the layers of a step reuse it; runs
+    from another thread gather into a tensor of their own, so threads never share it.
     """
 
     max_len: int  # tokens
@@ -125,6 +133,10 @@ class DecodeGather:
     offsets: torch.Tensor  # [B, max_len] int64
     mask: torch.Tensor | None
     rows: Rows | None
+    workspace: torch.Tensor | None = None  # None where rows is None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    owner: int = 0  # threading.get_ident() of the planning thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +178,14 @@ class TorchBackend(Backend):
             mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]
         rows = _rows(kv_cache, pages, offsets, per_head=True)
-        return DecodeGather(max_len, pages, offsets, mask, rows)
+        if rows is None:
+            return DecodeGather(max_len, pages, offsets, mask, None)
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        workspace = kv_cache.new_empty((rows.flat.shape[0], head_dim))
+        k, v = workspace.view(2, plan.batch, num_kv_heads, max_len, head_dim).unbind(0)
+        return DecodeGather(
+            max_len, pages, offsets, mask, rows, workspace, k, v, threading.get_ident()
+        )
 
     def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
         slots, keep = plan.slots, None
@@ -203,8 +222,12 @@ class TorchBackend(Backend):
         num_kv_heads = kv_cache.shape[3]
         view = None if g.rows is None else g.rows.view(kv_cache)
         if view is not None and g.rows is not None:  # K, V: [B, Hkv, L, D] contiguous
-            kv = view.index_select(0, g.rows.flat).view(2, batch, num_kv_heads, g.max_len, head_dim)
-            k, v = kv.unbind(0)
+            if g.owner == threading.get_ident() and g.k is not None and g.v is not None:
+                torch.index_select(view, 0, g.rows.flat, out=g.workspace)
+                k, v = g.k, g.v
+            else:
+                kv = view.index_select(0, g.rows.flat)
+                k, v = kv.view(2, batch, num_kv_heads, g.max_len, head_dim).unbind(0)
         else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
             kv = kv_cache[g.pages, :, g.offsets]
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
