@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -169,3 +170,13 @@ def test_a_missing_socket_directory_is_named(tmp_path: Path) -> None:
     assert f"socket directory {tmp_path}/absent does not exist" in refused.stderr
     with pytest.raises(Timeout, match=r"does not exist.*start one with `kvcore serve`"):
         Client.connect(endpoint, map_memory=False)
+
+
+def test_no_daemon_on_a_tcp_port_fails_fast() -> None:
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(Timeout, match=f"no daemon answers on tcp://127.0.0.1:{port}"):
+        Client.connect(f"tcp://127.0.0.1:{port}", map_memory=False)
+    assert time.monotonic() - start < 2.0
