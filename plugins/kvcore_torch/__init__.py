@@ -24,6 +24,7 @@ token 0 again (a written token, so finite) and masks them out of the scores.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -111,14 +112,16 @@ class Rows:
 class DecodeGather:
     """A decode plan's gather, computed once per step.
 
-    Position ``j < max_len`` of row b is token j of sequence b, at page
-    ``pages[b, j]`` and offset ``offsets[b, j]``; past the row's length it repeats
-    the row's token 0 (finite) and ``mask`` (additive fp32 [B, 1, 1, max_len]: 0 or
-    -inf; None when every row has max_len tokens) removes it from the softmax.
-    ``rows`` indexes the same tokens as head rows (one [D] row per token and kv
-    head), ``index`` shaped [2, B, Hkv, max_len], so one ``index_select`` yields K
-    and V head-major and contiguous, as SDPA reads them fastest; None where the
-    planning cache's strides allow no such view (then an advanced-index gather).
+    Position ``j < max_len`` of row b is token j of sequence b; past the row's
+    length it repeats the row's token 0 (finite) and ``mask`` (additive fp32
+    [B, 1, 1, max_len]: 0 or -inf; None when every row has max_len tokens) removes
+    it from the softmax. ``rows`` indexes those tokens as head rows (one [D] row per
+    token and kv head), ``index`` shaped [2, B, Hkv, max_len], so one
+    ``index_select`` yields K and V head-major and contiguous, as SDPA reads them
+    fastest. Where the planning cache's strides allow no such view, ``rows`` is None
+    and ``pages``/``offsets`` hold each position's page and offset for an
+    advanced-index gather (a run on a cache whose strides differ from the planning
+    cache's computes them itself).
 
     ``workspace`` [2 * B * Hkv * max_len, D] (cache dtype) receives that gather in
     runs from the planning thread (``owner``), and ``k``/``v`` [B, Hkv, max_len, D]
@@ -129,8 +132,8 @@ class DecodeGather:
     """
 
     max_len: int  # tokens
-    pages: torch.Tensor  # [B, max_len] int64
-    offsets: torch.Tensor  # [B, max_len] int64
+    pages: torch.Tensor | None  # [B, max_len] int64; only where rows is None
+    offsets: torch.Tensor | None  # [B, max_len] int64; only where rows is None
     mask: torch.Tensor | None
     rows: Rows | None
     workspace: torch.Tensor | None = None  # None where rows is None
@@ -166,26 +169,32 @@ class TorchBackend(Backend):
         if plan.batch == 0:
             return None
         page_size = plan.cache.page_size
-        lens = plan.seq_lens.long()
         max_len = plan.max_seq_len
-        position = torch.arange(max_len, device=lens.device)
-        valid = position < lens[:, None]  # [B, L]
-        token = position * valid  # past a row's length: its token 0
-        pages = plan.block_table.long().gather(1, token // page_size)
-        offsets = token % page_size
+        lens = plan.seq_lens.long()
+        valid = None  # [B, L] bool: position < the row's length; None when all are
         mask = None
         if min(plan.host_seq_lens) < max_len:
+            valid = torch.arange(max_len, device=lens.device) < lens[:, None]
             mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
             mask = mask[:, None, None, :]
-        rows = _rows(kv_cache, pages, offsets, per_head=True)
-        if rows is None:
-            return DecodeGather(max_len, pages, offsets, mask, None)
-        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        workspace = kv_cache.new_empty((rows.flat.shape[0], head_dim))
-        k, v = workspace.view(2, plan.batch, num_kv_heads, max_len, head_dim).unbind(0)
-        return DecodeGather(
-            max_len, pages, offsets, mask, rows, workspace, k, v, threading.get_ident()
-        )
+        layout = _layout(kv_cache, per_head=True)
+        if layout is None:  # other strides: the advanced-index gather reads (pages, offsets)
+            return DecodeGather(max_len, *_token_pages(plan, valid), mask, None)
+        # Head rows at page granularity: row (kv, b, h, j) = table[b, j // page_size] *
+        # a_page + (kv, h, j % page_size)'s offset, one broadcast add over the pages the
+        # longest row uses; past a row's length, its token 0 (a written, finite row).
+        batch, num_kv_heads, head_dim = plan.batch, kv_cache.shape[3], kv_cache.shape[4]
+        n_pages = -(-max_len // page_size)
+        table = plan.block_table[:, :n_pages].long() * layout.a_page
+        index = table.view(1, batch, 1, n_pages, 1) + _page_offsets(layout, lens.device)
+        index = index.view(2, batch, num_kv_heads, n_pages * page_size)[..., :max_len]
+        if valid is not None:
+            index = torch.where(valid.view(1, batch, 1, max_len), index, index[..., :1])
+        flat = index.reshape(-1)
+        rows = Rows(layout.strides, layout.contiguous, layout.n_rows, (head_dim,), index, flat)
+        workspace = kv_cache.new_empty((flat.shape[0], head_dim))
+        k, v = workspace.view(2, batch, num_kv_heads, max_len, head_dim).unbind(0)
+        return DecodeGather(max_len, None, None, mask, rows, workspace, k, v, threading.get_ident())
 
     def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
         slots, keep = plan.slots, None
@@ -194,7 +203,7 @@ class TorchBackend(Backend):
             slots = slots.index_select(0, keep)
         page_size = plan.cache.page_size
         page, offset = slots // page_size, slots % page_size
-        return WriteIndex(keep, page, offset, _rows(kv_cache, page, offset, per_head=False))
+        return WriteIndex(keep, page, offset, _rows(kv_cache, page, offset))
 
     # -- kernels ----------------------------------------------------------------------
 
@@ -229,7 +238,11 @@ class TorchBackend(Backend):
                 kv = view.index_select(0, g.rows.flat)
                 k, v = kv.view(2, batch, num_kv_heads, g.max_len, head_dim).unbind(0)
         else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
-            kv = kv_cache[g.pages, :, g.offsets]
+            pages, offsets = g.pages, g.offsets
+            if pages is None or offsets is None:  # the planning cache took the row view
+                valid = None if g.mask is None else g.mask[:, 0, 0] == 0
+                pages, offsets = _token_pages(plan, valid)
+            kv = kv_cache[pages, :, offsets]
             k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
         # One query token: the query heads that share kv head h act as the query
         # rows of h, so GQA needs no repeat of K/V.
@@ -257,43 +270,70 @@ class TorchBackend(Backend):
         kv_cache[plan.dst] = kv_cache[plan.src]  # the gather copies src out before the scatter
 
 
-def _rows(
-    kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, *, per_head: bool
-) -> Rows | None:
-    """K and V rows of the tokens at (``pages``, ``offsets``) (int64, one shape S) in the
-    cache viewed as rows: with ``per_head``, head rows [D] and an index [2, *S[:-1],
-    Hkv, S[-1]] (head-major, as SDPA reads K/V); else token rows [Hkv, D] and an index
-    [2, *S]. None where the strides allow no such view: a row must be contiguous and
-    every stride of the indexed dims a multiple of the row's width (elements)."""
+def _token_pages(plan: DecodePlan, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page and offset [B, max_len] int64 of each position; past a row's length (``valid``
+    [B, max_len] False) its token 0."""
+    position = torch.arange(plan.max_seq_len, device=plan.seq_lens.device)
+    token = position.expand(plan.batch, -1) if valid is None else position * valid
+    page_size = plan.cache.page_size
+    return plan.block_table.long().gather(1, token // page_size), token % page_size
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """A cache's strides in rows of ``width`` elements (head rows [D] or token rows
+    [Hkv, D]): ``a_*`` rows per page, K/V half, token and head (0 for token rows)."""
+
+    strides: tuple[int, ...]  # the cache's, in elements
+    contiguous: bool
+    n_rows: int  # rows the view spans
+    a_page: int
+    a_kv: int
+    a_tok: int
+    a_head: int
+    num_kv_heads: int
+    page_size: int
+
+
+def _layout(kv_cache: torch.Tensor, *, per_head: bool) -> _Layout | None:
+    """The cache as rows: None where the strides allow no such view (a row must be
+    contiguous and every stride of the indexed dims a multiple of its width)."""
     num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
     s_page, s_kv, s_tok, s_head, s_dim = kv_cache.stride()
     if s_dim != 1 and head_dim > 1:
         return None
-    row_shape: tuple[int, ...]
     if per_head:
-        width, row_shape = head_dim, (head_dim,)
+        width = head_dim
     else:  # token rows: one [Hkv, D] block per token
         if s_head != head_dim and num_kv_heads > 1:
             return None
-        width, row_shape = num_kv_heads * head_dim, (num_kv_heads, head_dim)
-        s_head = 0
+        width, s_head = num_kv_heads * head_dim, 0
     strides = (s_page, s_kv, s_tok, s_head)
     if any(s % width for s in strides):
         return None
     a_page, a_kv, a_tok, a_head = (s // width for s in strides)
-    token_rows = pages * a_page + offsets * a_tok
-    dev = pages.device
-    if per_head:  # [2, Hkv]: the row offset of (K or V, head h)
-        shift = torch.tensor(
-            [[kv * a_kv + h * a_head for h in range(num_kv_heads)] for kv in (0, 1)], device=dev
-        )
-        index = token_rows.unsqueeze(-2).unsqueeze(0) + shift.view(
-            2, *[1] * (pages.dim() - 1), -1, 1
-        )
-    else:
-        index = token_rows.unsqueeze(0) + torch.tensor([0, a_kv], device=dev).view(
-            2, *[1] * pages.dim()
-        )
     last = (num_pages - 1) * a_page + a_kv + (page_size - 1) * a_tok + (num_kv_heads - 1) * a_head
-    contiguous = kv_cache.is_contiguous()
-    return Rows(kv_cache.stride(), contiguous, last + 1, row_shape, index, index.view(-1))
+    return _Layout(kv_cache.stride(), kv_cache.is_contiguous(), last + 1,
+                   a_page, a_kv, a_tok, a_head, num_kv_heads, page_size)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _page_offsets(layout: _Layout, device: torch.device) -> torch.Tensor:
+    """[2, 1, Hkv, 1, page_size] int64: the head row of (K or V, head h, offset o) in
+    page 0 (a constant of the geometry; never written)."""
+    kv = torch.arange(2, device=device).view(2, 1, 1, 1, 1) * layout.a_kv
+    head = torch.arange(layout.num_kv_heads, device=device).view(1, 1, -1, 1, 1) * layout.a_head
+    tok = torch.arange(layout.page_size, device=device).view(1, 1, 1, 1, -1) * layout.a_tok
+    return kv + head + tok
+
+
+def _rows(kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> Rows | None:
+    """Token rows [Hkv, D] of the tokens at (``pages``, ``offsets``) (int64 [T]) with
+    an index [2, T] (K rows, then V rows); None where the strides allow no such view."""
+    layout = _layout(kv_cache, per_head=False)
+    if layout is None:
+        return None
+    token_rows = pages * layout.a_page + offsets * layout.a_tok
+    index = torch.stack((token_rows, token_rows + layout.a_kv))
+    row_shape = (kv_cache.shape[3], kv_cache.shape[4])
+    return Rows(layout.strides, layout.contiguous, layout.n_rows, row_shape, index, index.view(-1))
