@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -216,3 +217,32 @@ def test_one_validation_per_forward(
                      logits_processor=LogitsProcessorList([Count()]))  # fmt: skip
     assert len(forwards) == NEW and len(reads) == NEW, (len(forwards), reads)
     assert torch.equal(out, reference(model, prompts, NEW))
+
+
+def test_a_round_trip_reserves_ahead_for_the_whole_batch(
+    endpoint: str, model: torch.nn.Module
+) -> None:
+    """Rows that cross pages at different steps share round trips: each one extends every
+    row due within the next page_size steps, so 40 decode steps make 3 round trips (one
+    every 16 steps; reserving only each row's own next page made 11). No row holds more
+    than one page past the page its last token needs, the reserved pages are freed at
+    close, and the tokens stay DynamicCache's."""
+    prompts = [SMALL.prompt(n, seed=30 + n) for n in (16, 21, 27, 30)]
+    ids, mask = padded(prompts)
+    trips: list[int] = []
+    with private_client(endpoint, SMALL) as client:
+        with KVCoreCache(client, model) as cache:
+            grow = cache.rows._grow
+
+            def counted(*args: Any) -> None:
+                trips.append(len(cache.rows.rows[0].tokens))
+                grow(*args)
+
+            cache.rows._grow = counted  # type: ignore[method-assign]
+            out = greedy(model, ids, 41, attention_mask=mask, cache=cache)
+            for row in cache.rows.rows:
+                assert len(row.pages) <= -(-len(row.tokens) // 16) + 1, (row.pages, row.tokens)
+        assert held(client) == (0, 0)
+    # the first decode step, then every 16 steps (row 0's length at each round trip)
+    assert trips == [16, 32, 48], trips
+    assert torch.equal(out, reference(model, prompts, 41))
