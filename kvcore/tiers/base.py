@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NewType, Protocol
+from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
@@ -119,6 +120,27 @@ class TierStats:
             self.dropped,
             self.timeouts,
         )
+
+
+class LocalKeys:
+    """The key view the local tiers (host, disk) share: ``_lru`` maps each held key
+    to where it lives, least recently used first; ``_stats`` are the tier's counters."""
+
+    _lru: OrderedDict[TierKey, Any]
+    _stats: TierStats
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[TierKey]:
+        """Held keys, least recently used first."""
+        return list(self._lru)
+
+    def stats(self) -> TierStats:
+        return self._stats.copy()
 
 
 class Tier(Protocol):

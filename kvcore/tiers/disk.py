@@ -39,6 +39,7 @@ from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.tiers.base import (
     FINGERPRINT_BYTES,
+    LocalKeys,
     TierKey,
     TierStats,
     check_keys,
@@ -73,7 +74,7 @@ def _check_directory(directory: str) -> None:
         )
 
 
-class DiskTier:
+class DiskTier(LocalKeys):
     """LRU of pages in files. Not thread-safe (the daemon's thread). :meth:`close` it."""
 
     medium = "disk"
@@ -165,19 +166,6 @@ class DiskTier:
         self._stats.evicted += len(evicted)
         self._gauges()
         return evicted
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def keys(self) -> list[TierKey]:
-        """Held keys, least recently used first."""
-        return list(self._lru)
-
-    def stats(self) -> TierStats:
-        return self._stats.copy()
 
     def close(self) -> None:
         """Release the directory (its lock and fd); the files stay for the next start."""

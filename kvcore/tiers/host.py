@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-from kvcore.tiers.base import TierKey, TierStats, check_keys, check_pages, layout_fingerprint
+from kvcore.tiers.base import (
+    LocalKeys,
+    TierKey,
+    TierStats,
+    check_keys,
+    check_pages,
+    layout_fingerprint,
+)
 from kvcore.tiers.transfer import promote_rows
 
 if TYPE_CHECKING:
@@ -41,7 +48,7 @@ class Spilled:
     pages: torch.Tensor
 
 
-class HostTier:
+class HostTier(LocalKeys):
     """LRU of pages in preallocated host memory. Not thread-safe (the daemon's thread)."""
 
     medium = "host"
@@ -185,19 +192,6 @@ class HostTier:
         self._stats.pages = len(self._lru)
         self._stats.bytes_used = len(self._lru) * self._page_bytes
         return dropped
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._lru
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def keys(self) -> list[TierKey]:
-        """Held keys, least recently used first."""
-        return list(self._lru)
-
-    def stats(self) -> TierStats:
-        return self._stats.copy()
 
     def check_integrity(self) -> None:
         used = list(self._lru.values())
