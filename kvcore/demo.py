@@ -78,8 +78,14 @@ def _run(console: Any, endpoint: str, pool: str, new_tokens: int, flag: str, *, 
     from kvcore.errors import KVCoreError
 
     try:
-        probe = Client.connect(endpoint, pool=pool, namespace=NAMESPACE, map_memory=False,
-                               heartbeat=False, timeout_s=5.0)  # fmt: skip
+        probe = Client.connect(
+            endpoint,
+            pool=pool,
+            namespace=NAMESPACE,
+            map_memory=False,
+            heartbeat=False,
+            timeout_s=5.0,
+        )
     except KVCoreError as exc:
         console.print(f"[red]cannot attach to {endpoint} pool {pool!r}: {exc}[/]")
         return 1
@@ -134,8 +140,11 @@ def start_engine(
     """An engine process (``python -m kvcore.demo``); role "B" waits for a stdin line."""
     return subprocess.Popen(
         [sys.executable, "-m", "kvcore.demo", endpoint, pool, role, str(new_tokens)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish_engine(
@@ -153,16 +162,27 @@ def _report(console: Any, reports: dict[str, dict[str, Any]], stats: Any, owned:
     from rich.table import Table
 
     table = Table(title="two engine processes, one prefix cache", show_header=True)
-    headers = ("engine", "prompt tokens", "from cache", "pages shared", "TTFT",
-               "HF TTFT", "same tokens")  # fmt: skip
+    headers = (
+        "engine",
+        "prompt tokens",
+        "from cache",
+        "pages shared",
+        "TTFT",
+        "HF TTFT",
+        "same tokens",
+    )
     for column in headers:
         table.add_column(column, justify="right")
     for role, r in reports.items():
         table.add_row(
-            role, str(r["prompt_tokens"]), str(r["cached_tokens"]),
-            str(r["pages_shared"]), f"{r['ttft_ms']:.1f} ms", f"{r['dynamic_ttft_ms']:.1f} ms",
+            role,
+            str(r["prompt_tokens"]),
+            str(r["cached_tokens"]),
+            str(r["pages_shared"]),
+            f"{r['ttft_ms']:.1f} ms",
+            f"{r['dynamic_ttft_ms']:.1f} ms",
             "[green]yes[/]" if r["equal"] else "[red]NO[/]",
-        )  # fmt: skip
+        )
     console.print(table)
     console.print(
         f"daemon stats: {stats.total_pages} pages, {stats.held_pages} held, {stats.cached_pages} "

@@ -45,13 +45,20 @@ class TinyLlama:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(  # type: ignore[call-arg]
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads,
-            max_position_embeddings=self.max_positions, initializer_range=self.init_std,
-            bos_token_id=1, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_positions,
+            initializer_range=self.init_std,
+            bos_token_id=1,
+            eos_token_id=None,
+            pad_token_id=0,
+            tie_word_embeddings=False,
             attn_implementation=attn_implementation,
-        )  # fmt: skip
+        )
         with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
             torch.manual_seed(self.seed)
             model = LlamaForCausalLM(config)
@@ -60,8 +67,14 @@ class TinyLlama:
         built: LlamaForCausalLM = model.to(getattr(torch, dtype)).eval()
         return built
 
-    def pool_flag(self, *, dtype: str = "float32", page_size: int = 16, num_pages: int = 1024,
-                  name: str = "default") -> str:  # fmt: skip
+    def pool_flag(
+        self,
+        *,
+        dtype: str = "float32",
+        page_size: int = 16,
+        num_pages: int = 1024,
+        name: str = "default",
+    ) -> str:
         """``kvcore serve --pool`` value for a host pool that fits this model."""
         return (
             f"name={name},device=cpu,num_layers={self.num_layers},num_kv_heads={self.num_kv_heads},"
@@ -96,19 +109,27 @@ def timed_greedy(
             return scores
 
     ids = torch.tensor(rows)
-    new = greedy(model, ids, new_tokens, attention_mask=torch.ones_like(ids), cache=cache,
-                 logits_processor=LogitsProcessorList([Stamp()]))  # fmt: skip
+    new = greedy(
+        model,
+        ids,
+        new_tokens,
+        attention_mask=torch.ones_like(ids),
+        cache=cache,
+        logits_processor=LogitsProcessorList([Stamp()]),
+    )
     return new, stamps
 
 
-def greedy(model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int,
-           **kwargs: object) -> torch.Tensor:  # fmt: skip
+def greedy(
+    model: LlamaForCausalLM, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: object
+) -> torch.Tensor:
     """Greedy generate's new tokens [B, max_new_tokens] (no early stop)."""
     import torch
 
     with torch.no_grad():
         options: dict[str, object] = {"do_sample": False, **kwargs}
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, **options)  # fmt: skip
+        out = model.generate(
+            input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, **options
+        )
     new: torch.Tensor = out[:, input_ids.shape[1] :]
     return new

@@ -66,9 +66,13 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvcore keys: {exc}", file=sys.stderr)
         return 1
-    print(f"public key: {public} (give it out: a daemon's --authorized-keys directory, "
-          f"or its clients' curve_server_key)")  # fmt: skip
-    print(f"secret key: {secret} (mode 0600; keep it: --curve-secret-key-file, or "
-          f"kvcore.keys.load_keypair for a client)")  # fmt: skip
+    print(
+        f"public key: {public} (give it out: a daemon's --authorized-keys directory, "
+        f"or its clients' curve_server_key)"
+    )
+    print(
+        f"secret key: {secret} (mode 0600; keep it: --curve-secret-key-file, or "
+        f"kvcore.keys.load_keypair for a client)"
+    )
     print(f"  {load_public(public).decode()}")
     return 0

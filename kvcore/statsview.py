@@ -80,21 +80,44 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
         f"{c['dropped_frames']} dropped frames, {c['expired_sessions']} expired sessions"
     )
     pools = Table(title="pools (pages; layout = layers x kv heads x head dim, page size in tokens)")
-    for column in ("pool", "device", "layout", "total", "free", "evictable", "held", "cached",
-                   "seqs", "sessions", "hit rate", "evictions"):  # fmt: skip
+    for column in (
+        "pool",
+        "device",
+        "layout",
+        "total",
+        "free",
+        "evictable",
+        "held",
+        "cached",
+        "seqs",
+        "sessions",
+        "hit rate",
+        "evictions",
+    ):
         pools.add_column(
             column, justify="left" if column in ("pool", "device", "layout") else "right"
         )
     for p in stats["pools"]:
         lay = p["layout"]
-        shape = (f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
-                 f"p{lay['page_size']} {lay['dtype']}")  # fmt: skip
+        shape = (
+            f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
+            f"p{lay['page_size']} {lay['dtype']}"
+        )
         hit_rate = p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0
         pools.add_row(
-            p["name"], p["device"], shape, str(p["total_pages"]), str(p["free_pages"]),
-            str(p["evictable_pages"]), str(p["held_pages"]), str(p["cached_pages"]),
-            str(p["num_sequences"]), str(p["num_sessions"]), f"{hit_rate:.1%}", str(p["evictions"]),
-        )  # fmt: skip
+            p["name"],
+            p["device"],
+            shape,
+            str(p["total_pages"]),
+            str(p["free_pages"]),
+            str(p["evictable_pages"]),
+            str(p["held_pages"]),
+            str(p["cached_pages"]),
+            str(p["num_sequences"]),
+            str(p["num_sessions"]),
+            f"{hit_rate:.1%}",
+            str(p["evictions"]),
+        )
     console.print(pools)
     tiers = tier_table(stats["pools"])
     if tiers is not None:
@@ -103,8 +126,14 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
     for column in ("pool", "namespace", "pid", "name", "sequences", "idle ms"):
         sessions.add_column(column)
     for s in stats["sessions"]:
-        sessions.add_row(s["pool"], s["namespace"], str(s["pid"]), s["name"],
-                         str(s["num_sequences"]), str(s["idle_ms"]))  # fmt: skip
+        sessions.add_row(
+            s["pool"],
+            s["namespace"],
+            str(s["pid"]),
+            s["name"],
+            str(s["num_sequences"]),
+            str(s["idle_ms"]),
+        )
     console.print(sessions)
 
 
@@ -116,15 +145,33 @@ def tier_table(pools: list[dict[str, Any]]) -> Any:
     if not rows:
         return None
     table = Table(title="tiers (pages are pool pages; MiB moved since the daemon started)")
-    for column in ("pool", "medium", "pages", "MiB used", "hits", "misses", "corrupt",
-                   "stored", "evicted", "MiB in", "MiB out", "dropped", "timeouts"):  # fmt: skip
+    for column in (
+        "pool",
+        "medium",
+        "pages",
+        "MiB used",
+        "hits",
+        "misses",
+        "corrupt",
+        "stored",
+        "evicted",
+        "MiB in",
+        "MiB out",
+        "dropped",
+        "timeouts",
+    ):
         table.add_column(column, justify="left" if column in ("pool", "medium") else "right")
     mib = 1 << 20
     for name, t in rows:
         table.add_row(
-            name, t["medium"], str(t.get("pages", 0)), f"{t.get('bytes_used', 0) / mib:.1f}",
+            name,
+            t["medium"],
+            str(t.get("pages", 0)),
+            f"{t.get('bytes_used', 0) / mib:.1f}",
             *(str(t.get(k, 0)) for k in ("hits", "misses", "corrupt", "stored", "evicted")),
-            f"{t.get('bytes_in', 0) / mib:.1f}", f"{t.get('bytes_out', 0) / mib:.1f}",
-            str(t.get("dropped", 0)), str(t.get("timeouts", 0)),
-        )  # fmt: skip
+            f"{t.get('bytes_in', 0) / mib:.1f}",
+            f"{t.get('bytes_out', 0) / mib:.1f}",
+            str(t.get("dropped", 0)),
+            str(t.get("timeouts", 0)),
+        )
     return table

@@ -15,15 +15,26 @@ from kvcore.daemon_process import DaemonProcess
 from kvcore.demo_model import TinyLlama, greedy
 
 # Small enough for 2 cores: 2 layers, hidden 128, GQA 4 query / 2 KV heads, head dim 32.
-SMALL = TinyLlama(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
-                  intermediate_size=256, vocab_size=256)  # fmt: skip
+SMALL = TinyLlama(
+    num_layers=2,
+    hidden_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=256,
+    vocab_size=256,
+)
 
 
 @contextmanager
 def daemon(tmp: Path) -> Iterator[DaemonProcess]:
     """A daemon that lets each test attach a private (ephemeral) pool of its own layout."""
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'kv.sock'}", "--allow-ephemeral",
-                       "--pool", SMALL.pool_flag(num_pages=8)) as d:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp / 'kv.sock'}",
+        "--allow-ephemeral",
+        "--pool",
+        SMALL.pool_flag(num_pages=8),
+    ) as d:
         yield d
 
 
@@ -39,8 +50,14 @@ def module_endpoint(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iter
         torch.set_num_threads(threads)
 
 
-def private_client(endpoint: str, spec: TinyLlama, *, dtype: str = "float32",
-                   page_size: int = 16, num_pages: int = 256) -> Client:  # fmt: skip
+def private_client(
+    endpoint: str,
+    spec: TinyLlama,
+    *,
+    dtype: str = "float32",
+    page_size: int = 16,
+    num_pages: int = 256,
+) -> Client:
     """A session on a fresh pool that fits ``spec``; gone when the client closes."""
     layout = KVLayout(
         spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype, num_pages

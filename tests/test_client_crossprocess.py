@@ -66,8 +66,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
 
 
 def start(role: str, endpoint: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", ENGINE, role, endpoint], text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", ENGINE, role, endpoint],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(proc: subprocess.Popen[str], stdin: str = "") -> dict[str, object]:

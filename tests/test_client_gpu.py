@@ -56,12 +56,20 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 def test_gpu_pool_is_shared_across_processes_by_cuda_ipc(daemon: object) -> None:
     endpoint: str = daemon.endpoint  # type: ignore[attr-defined]
-    writer = subprocess.Popen([sys.executable, "-c", ENGINE, "writer", endpoint], text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, "writer", endpoint],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert writer.stdout is not None and writer.stdin is not None
     written = json.loads(writer.stdout.readline())
-    read = subprocess.run([sys.executable, "-c", ENGINE, "reader", endpoint], text=True,
-                          capture_output=True, timeout=120)  # fmt: skip
+    read = subprocess.run(
+        [sys.executable, "-c", ENGINE, "reader", endpoint],
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     writer.communicate("done\n", timeout=60)
     assert read.returncode == 0, read.stderr
     result = json.loads(read.stdout)
@@ -98,13 +106,21 @@ def test_a_spec_only_client_opens_the_raw_64_byte_handle(daemon: object) -> None
     cudaIpcOpenMemHandle: the handle is the raw 64 bytes at the right offset."""
     pytest.importorskip("cupy")
     endpoint: str = daemon.endpoint  # type: ignore[attr-defined]
-    writer = subprocess.Popen([sys.executable, "-c", ENGINE, "writer", endpoint], text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", ENGINE, "writer", endpoint],
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert writer.stdout is not None and writer.stdin is not None
     written = json.loads(writer.stdout.readline())
     page = written["pages"][1]
-    read = subprocess.run([sys.executable, "-c", SPEC_READER, endpoint, str(page), "2.0"],
-                          text=True, capture_output=True, timeout=120)  # fmt: skip
+    read = subprocess.run(
+        [sys.executable, "-c", SPEC_READER, endpoint, str(page), "2.0"],
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     writer.communicate("done\n", timeout=60)
     assert read.returncode == 0, read.stderr
     assert json.loads(read.stdout)["mean"] == 2.0

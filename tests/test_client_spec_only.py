@@ -126,9 +126,13 @@ POOL = "name=default,num_layers=2,num_kv_heads=2,head_dim=4,page_size=2,dtype=fl
 
 def test_spec_only_client_against_a_real_daemon(tmp_path: Path) -> None:
     with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL) as daemon:
-        proc = subprocess.Popen([sys.executable, "-c", SPEC_CLIENT, daemon.endpoint], text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SPEC_CLIENT, daemon.endpoint],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         assert proc.stdout is not None and proc.stdin is not None
         first = proc.stdout.readline()
         assert first, proc.communicate(timeout=30)[1]

@@ -26,14 +26,22 @@ _names = itertools.count()
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp = tmp_path_factory.mktemp("events")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--events", "auto",
-                       "--allow-ephemeral", "--pool", "num_pages=8") as d:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp / 'd.sock'}",
+        "--events",
+        "auto",
+        "--allow-ephemeral",
+        "--pool",
+        "num_pages=8",
+    ) as d:
         yield d
 
 
 def fresh_pool(daemon: DaemonProcess, name: str | None = None) -> Client:
-    return Client.connect(daemon.endpoint, pool=name or f"p{next(_names)}", layout=LAYOUT,
-                          ephemeral=True)  # fmt: skip
+    return Client.connect(
+        daemon.endpoint, pool=name or f"p{next(_names)}", layout=LAYOUT, ephemeral=True
+    )
 
 
 def subscribe(client: Client) -> EventSubscriber:
@@ -145,8 +153,13 @@ def test_events_auto_gives_each_daemon_its_own_locked_socket(tmp_path: Path) -> 
         assert "ipc://" + str(tmp_path / "a.events.sock") in a.output
         assert "ipc://" + str(tmp_path / "b.events.sock") in b.output
         with pytest.raises(RuntimeError, match="already serves"):  # the events path is locked too
-            DaemonProcess("--endpoint", f"ipc://{tmp_path}/c.sock",
-                          "--events", f"ipc://{tmp_path}/a.events.sock", *args[2:]).start()  # fmt: skip
+            DaemonProcess(
+                "--endpoint",
+                f"ipc://{tmp_path}/c.sock",
+                "--events",
+                f"ipc://{tmp_path}/a.events.sock",
+                *args[2:],
+            ).start()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
@@ -158,10 +171,18 @@ def test_events_format_vllm_through_a_daemon(tmp_path: Path) -> None:
     import zmq
 
     events, replay = f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/replay.sock"
-    with DaemonProcess("--endpoint", f"ipc://{tmp_path}/d.sock", "--events", events,
-                       "--events-format", "vllm", "--events-replay", replay, "--pool",
-                       "num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,"
-                       "num_pages=4") as daemon:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp_path}/d.sock",
+        "--events",
+        events,
+        "--events-format",
+        "vllm",
+        "--events-replay",
+        replay,
+        "--pool",
+        "num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=4",
+    ) as daemon:
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(events)

@@ -43,10 +43,12 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
 def pool_flag(master: Master) -> str:
     spec = TinyLlama()
     page_bytes = spec.num_layers * 2 * PAGE_SIZE * spec.num_kv_heads * spec.head_dim * 4  # float32
-    return (spec.pool_flag(page_size=PAGE_SIZE, num_pages=PAGES)
-            + f",host_tier={4 * PAGES * page_bytes}"
-            + f",remote_master={master.address},remote_metadata={master.metadata_server}"
-            + f",remote_timeout_s={TIMEOUT_S}")  # fmt: skip
+    return (
+        spec.pool_flag(page_size=PAGE_SIZE, num_pages=PAGES)
+        + f",host_tier={4 * PAGES * page_bytes}"
+        + f",remote_master={master.address},remote_metadata={master.metadata_server}"
+        + f",remote_timeout_s={TIMEOUT_S}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +85,10 @@ def test_a_prompt_committed_on_one_daemon_is_a_hit_on_the_other(
 ) -> None:
     one, two = daemons
     tokens = list(range(7, 7 + 4 * PAGE_SIZE + 1))  # 4 full pages, then one token
-    with Client.connect(one.endpoint, namespace="bytes") as a, \
-            Client.connect(two.endpoint, namespace="bytes") as b:  # fmt: skip
+    with (
+        Client.connect(one.endpoint, namespace="bytes") as a,
+        Client.connect(two.endpoint, namespace="bytes") as b,
+    ):
         got = a.allocate(1, tokens)
         for n, page in enumerate(got.pages):
             for layer, view in enumerate(a.kv_caches):

@@ -8,22 +8,32 @@ from pathlib import Path
 
 
 def test_kvcore_demo_runs_and_every_check_passes() -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "demo", "--new-tokens", "12"],
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "demo", "--new-tokens", "12"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr
     assert "FAIL" not in out
-    for check in ("engine A's tokens equal DynamicCache's", "engine B's tokens equal DynamicCache's",
-                  "engine B reused the system prompt's 3 full pages",
-                  "no sequence held after the engines finished"):  # fmt: skip
+    for check in (
+        "engine A's tokens equal DynamicCache's",
+        "engine B's tokens equal DynamicCache's",
+        "engine B reused the system prompt's 3 full pages",
+        "no sequence held after the engines finished",
+    ):
         assert f"ok   {check}" in out
     assert "daemon stats:" in out and "daemon stopped" in out
 
 
 def test_kvcore_demo_fails_cleanly_without_a_daemon(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "demo", "--endpoint",
-                           f"ipc://{tmp_path}/nobody.sock"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "demo", "--endpoint", f"ipc://{tmp_path}/nobody.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "cannot attach" in proc.stdout
 
@@ -35,9 +45,12 @@ def test_kvcore_demo_on_a_pool_that_does_not_fit_prints_the_flag_that_would(
 
     pool = "num_layers=2,num_kv_heads=2,head_dim=64,page_size=16,dtype=float32,num_pages=64"
     with DaemonProcess("--endpoint", f"ipc://{tmp_path}/d.sock", "--pool", pool) as daemon:
-        proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "demo", "--endpoint",
-                               daemon.endpoint], capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvcore.cli", "demo", "--endpoint", daemon.endpoint],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "num_layers 2 (needs 4)" in proc.stdout
@@ -48,8 +61,12 @@ def test_kvcore_demo_interrupted_exits_cleanly() -> None:
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "demo"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcore.cli", "demo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(6)  # the daemon is up, the engines are loading
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

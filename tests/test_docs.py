@@ -80,8 +80,13 @@ def blocks(path: Path) -> Iterator[Block]:
         i += 1
         prev = lines[start - 1] if start else ""
         marker = MARKER.search(prev)
-        yield Block(path, start + 1, m["lang"].lower(), "\n".join(body) + "\n",
-                    marker["kind"] if marker else "")  # fmt: skip
+        yield Block(
+            path,
+            start + 1,
+            m["lang"].lower(),
+            "\n".join(body) + "\n",
+            marker["kind"] if marker else "",
+        )
 
 
 ALL = [b for path in DOCS for b in blocks(path)]
@@ -296,6 +301,12 @@ RUN = [b for b in ALL if b.lang in SHELL and b.marker == "run"]
 @pytest.mark.parametrize("block", RUN, ids=_ids(RUN))
 def test_marked_shell_blocks_run(block: Block, daemon: DaemonProcess, tmp_path: Path) -> None:
     for line in commands(block):
-        done = subprocess.run(["bash", "-c", line], text=True, capture_output=True,
-                              cwd=tmp_path, env=_env(daemon), timeout=120)  # fmt: skip
+        done = subprocess.run(
+            ["bash", "-c", line],
+            text=True,
+            capture_output=True,
+            cwd=tmp_path,
+            env=_env(daemon),
+            timeout=120,
+        )
         assert done.returncode == 0, f"{block.where}: `{line}`\n{done.stdout}{done.stderr}"

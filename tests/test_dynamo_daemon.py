@@ -15,10 +15,14 @@ import pytest
 from kvcore_ipc.messages import PageStoredEvent
 
 if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
-    pytest.skip("Dynamo's indexer is not installed (pip install --no-deps ai-dynamo==1.6.1 "
-                "ai-dynamo-runtime==1.6.1)", allow_module_level=True)  # fmt: skip
-_help = subprocess.run([sys.executable, "-m", "kvcore.daemon", "--help"], capture_output=True,
-                       text=True, timeout=60).stdout  # fmt: skip
+    pytest.skip(
+        "Dynamo's indexer is not installed (pip install --no-deps ai-dynamo==1.6.1 "
+        "ai-dynamo-runtime==1.6.1)",
+        allow_module_level=True,
+    )
+_help = subprocess.run(
+    [sys.executable, "-m", "kvcore.daemon", "--help"], capture_output=True, text=True, timeout=60
+).stdout
 if "--events-format" not in _help or "tokens" not in PageStoredEvent.__struct_fields__:
     pytest.skip("this daemon has no --events-format vllm yet", allow_module_level=True)
 

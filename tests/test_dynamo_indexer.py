@@ -17,8 +17,11 @@ from typing import Any
 import pytest
 
 if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
-    pytest.skip("Dynamo's indexer is not installed (pip install --no-deps ai-dynamo==1.6.1 "
-                "ai-dynamo-runtime==1.6.1)", allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "Dynamo's indexer is not installed (pip install --no-deps ai-dynamo==1.6.1 "
+        "ai-dynamo-runtime==1.6.1)",
+        allow_module_level=True,
+    )
 
 from kvcore_ipc.vllm_events import VllmEventPublisher
 from vllm_events_helpers import batch, chain, free_port, removed
@@ -32,10 +35,22 @@ class Indexer:
     def __init__(self, endpoint: str, block_size: int) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1",
-             "--block-size", str(block_size), "--workers", f"1={endpoint}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "dynamo.indexer",
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                "--block-size",
+                str(block_size),
+                "--workers",
+                f"1={endpoint}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 60
         while not isinstance(self.http("/workers"), list) or not self.http("/workers"):
             assert time.monotonic() < deadline, "the indexer did not start"
@@ -43,8 +58,11 @@ class Indexer:
 
     def http(self, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
-                                     headers={"content-type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            data=data,
+            headers={"content-type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=5) as reply:
                 return json.loads(reply.read() or b"null")

@@ -146,9 +146,16 @@ def _with_logits(
     if force is not None:
         processors.append(_Force(force, len(prompt)))
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW,  # type: ignore[operator]
-                             do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             cache=cache, logits_processor=processors)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,  # type: ignore[operator]
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            cache=cache,
+            logits_processor=processors,
+        )
     return out.sequences[0, len(prompt) :], torch.stack(out.logits, dim=1)[0].float()
 
 
@@ -213,8 +220,14 @@ def test_one_validation_per_forward(
             return scores
 
     with private_client(endpoint, SMALL) as client, KVCoreCache(client, model) as cache:
-        out = greedy(model, ids, NEW, attention_mask=mask, cache=cache,
-                     logits_processor=LogitsProcessorList([Count()]))  # fmt: skip
+        out = greedy(
+            model,
+            ids,
+            NEW,
+            attention_mask=mask,
+            cache=cache,
+            logits_processor=LogitsProcessorList([Count()]),
+        )
     assert len(forwards) == NEW and len(reads) == NEW, (len(forwards), reads)
     assert torch.equal(out, reference(model, prompts, NEW))
 

@@ -140,8 +140,13 @@ def test_generate_raising_between_forwards_frees_on_leaving_with(
     prompt = SMALL.prompt(40, seed=1)
     with private_client(endpoint, SMALL) as client:
         with pytest.raises(RuntimeError, match="step 3"), KVCoreCache(client, model) as cache:
-            greedy(model, torch.tensor([prompt]), 10, cache=cache,
-                   logits_processor=LogitsProcessorList([_RaiseAt(3)]))  # fmt: skip
+            greedy(
+                model,
+                torch.tensor([prompt]),
+                10,
+                cache=cache,
+                logits_processor=LogitsProcessorList([_RaiseAt(3)]),
+            )
         assert held(client) == (0, 0)
         # what was fully written before the failure was still published: a later run hits it
         with KVCoreCache(client, model) as cache:

@@ -15,8 +15,9 @@ from kvcore.errors import Unsupported
 from kvcore.integrations.transformers import KVCoreCache
 
 # 1 layer, head dim 32, GQA 2:1; page size 4 so short prompts still span pages
-TINY = TinyLlama(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
-                 intermediate_size=128, vocab_size=128)  # fmt: skip
+TINY = TinyLlama(
+    num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128
+)
 PAGE = 4
 NEW = 5
 

@@ -28,8 +28,7 @@ POOL = (
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with DaemonProcess.private("--pool", POOL, "--metrics-port", "0", "--log-format",
-                               "json") as d:  # fmt: skip
+    with DaemonProcess.private("--pool", POOL, "--metrics-port", "0", "--log-format", "json") as d:
         yield d
 
 
@@ -68,8 +67,11 @@ def test_scrape_matches_stats(daemon: DaemonProcess) -> None:
         m = scrape(base)
     pool = stats.pools[0]
     lab = (("pool", "default"),)
-    for state, want in (("free", pool.free_pages), ("evictable", pool.evictable_pages),
-                        ("held", pool.held_pages)):  # fmt: skip
+    for state, want in (
+        ("free", pool.free_pages),
+        ("evictable", pool.evictable_pages),
+        ("held", pool.held_pages),
+    ):
         assert m["kvcore_pool_pages", (*lab, ("state", state))] == want
     assert m["kvcore_pool_capacity_pages", lab] == pool.total_pages == 64
     assert m["kvcore_pool_cached_pages", lab] == pool.cached_pages
@@ -112,8 +114,11 @@ def test_logs_are_json_lines_with_attach_detach_and_refusals(daemon: DaemonProce
 def test_health_fails_when_the_loop_is_stuck(tmp_path: Path) -> None:
     """An in-process daemon whose loop never turns: /health goes 503 past the bound,
     and 200 again once the loop ticks."""
-    config = ServiceConfig(endpoint=f"ipc://{tmp_path}/k.sock", metrics_port=0,
-                           pools=[PoolConfig(num_layers=1, num_pages=8)])  # fmt: skip
+    config = ServiceConfig(
+        endpoint=f"ipc://{tmp_path}/k.sock",
+        metrics_port=0,
+        pools=[PoolConfig(num_layers=1, num_pages=8)],
+    )
     daemon = Daemon(config)
     try:
         assert daemon.metrics_server is not None

@@ -26,13 +26,21 @@ if not zmq.has("curve"):
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcore.daemon", *POOL, *args],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore.daemon", *POOL, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_kvcore_keys_writes_a_private_secret(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvcore.cli", "keys", str(tmp_path / "k"), "me"],
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "keys", str(tmp_path / "k"), "me"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done
     secret = tmp_path / "k" / "me.key_secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
@@ -45,20 +53,39 @@ def test_only_authorized_client_keys_attach_and_subscribe(tmp_path: Path) -> Non
     _, engine_secret = create(tmp_path / "clients", "engine")
     _, stranger_secret = create(tmp_path / "strangers", "stranger")
     server = load_public(server_secret)
-    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--events", "tcp://127.0.0.1:*",
-                       "--curve-secret-key-file", str(server_secret),
-                       "--authorized-keys", str(tmp_path / "clients"), *POOL) as daemon:  # fmt: skip
-        engine = Client.connect(daemon.endpoint, map_memory=False, curve_server_key=server,
-                                curve_keypair=load_keypair(engine_secret))  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--events",
+        "tcp://127.0.0.1:*",
+        "--curve-secret-key-file",
+        str(server_secret),
+        "--authorized-keys",
+        str(tmp_path / "clients"),
+        *POOL,
+    ) as daemon:
+        engine = Client.connect(
+            daemon.endpoint,
+            map_memory=False,
+            curve_server_key=server,
+            curve_keypair=load_keypair(engine_secret),
+        )
         with pytest.raises(Timeout):  # a valid key pair that is not listed: no handshake
-            Client.connect(daemon.endpoint, map_memory=False, curve_server_key=server,
-                           curve_keypair=load_keypair(stranger_secret), timeout_s=0.5)  # fmt: skip
+            Client.connect(
+                daemon.endpoint,
+                map_memory=False,
+                curve_server_key=server,
+                curve_keypair=load_keypair(stranger_secret),
+                timeout_s=0.5,
+            )
         events = engine.attach_info.events
         assert events.startswith("tcp://")
-        listed = EventSubscriber(events, curve_server_key=server,
-                                 curve_keypair=load_keypair(engine_secret))  # fmt: skip
-        stranger = EventSubscriber(events, curve_server_key=server,
-                                   curve_keypair=load_keypair(stranger_secret))  # fmt: skip
+        listed = EventSubscriber(
+            events, curve_server_key=server, curve_keypair=load_keypair(engine_secret)
+        )
+        stranger = EventSubscriber(
+            events, curve_server_key=server, curve_keypair=load_keypair(stranger_secret)
+        )
         plain = EventSubscriber(events)
         time.sleep(0.3)  # subscriptions travel
         engine.allocate(1, list(range(9)))
@@ -77,8 +104,14 @@ def test_curve_without_client_keys_or_with_an_exposed_secret_is_refused(tmp_path
     assert done.returncode == 2 and "--authorized-keys" in done.stderr, done
     create(tmp_path / "clients", "engine")
     os.chmod(secret, 0o644)
-    done = _serve("--endpoint", "tcp://127.0.0.1:*", "--curve-secret-key-file", str(secret),
-                  "--authorized-keys", str(tmp_path / "clients"))  # fmt: skip
+    done = _serve(
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--curve-secret-key-file",
+        str(secret),
+        "--authorized-keys",
+        str(tmp_path / "clients"),
+    )
     assert done.returncode == 2 and "readable by its owner only" in done.stderr, done
 
 
@@ -90,10 +123,15 @@ def test_insecure_warns(tmp_path: Path) -> None:
 def test_the_ipc_event_socket_is_private_whatever_the_umask(tmp_path: Path) -> None:
     endpoint, events = tmp_path / "d.sock", tmp_path / "ev.sock"
     proc = subprocess.Popen(
-        ["sh", "-c", f'umask 000; exec "{sys.executable}" -m kvcore.daemon --endpoint '
-         f'ipc://{endpoint} --events ipc://{events} --pool num_pages=4,num_layers=1'],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            "sh",
+            "-c",
+            f'umask 000; exec "{sys.executable}" -m kvcore.daemon --endpoint '
+            f"ipc://{endpoint} --events ipc://{events} --pool num_pages=4,num_layers=1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:

@@ -51,15 +51,23 @@ for line in sys.stdin:                                  # each line: write throu
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
     with DaemonProcess(
-        "--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--lease-timeout", str(LEASE_S),
-        "--pool", "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float32,num_pages=16",
-    ) as d:  # fmt: skip
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        "--lease-timeout",
+        str(LEASE_S),
+        "--pool",
+        "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float32,num_pages=16",
+    ) as d:
         yield d
 
 
 def test_a_stopped_client_is_fenced_then_told_and_cannot_clobber(daemon: DaemonProcess) -> None:
-    child = subprocess.Popen([sys.executable, "-c", STOPPED, daemon.endpoint],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOPPED, daemon.endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdin is not None and child.stdout is not None
     try:
         theirs = [int(p) for p in child.stdout.readline().split()]
@@ -97,8 +105,12 @@ def test_a_stopped_client_is_fenced_then_told_and_cannot_clobber(daemon: DaemonP
 
 
 def test_a_fenced_session_is_released_when_its_process_exits(daemon: DaemonProcess) -> None:
-    child = subprocess.Popen([sys.executable, "-c", STOPPED, daemon.endpoint],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOPPED, daemon.endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout is not None
     child.stdout.readline()
     os.kill(child.pid, signal.SIGSTOP)
@@ -116,8 +128,17 @@ def test_a_fenced_session_is_released_when_its_process_exits(daemon: DaemonProce
 
 def test_an_unwatchable_fenced_session_is_released_after_the_fence_timeout(tmp_path: Path) -> None:
     """A tcp:// peer's process cannot be watched: its fence ends after fence_timeout_s."""
-    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--insecure", "--lease-timeout", "0.5",
-                       "--fence-timeout", "1", "--pool", "num_pages=8,num_layers=1") as daemon:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--insecure",
+        "--lease-timeout",
+        "0.5",
+        "--fence-timeout",
+        "1",
+        "--pool",
+        "num_pages=8,num_layers=1",
+    ) as daemon:
         quiet = Client.connect(daemon.endpoint, heartbeat=False, map_memory=False)
         quiet.allocate(1, [1, 2, 3])
         with Client.connect(daemon.endpoint, map_memory=False) as watcher:

@@ -31,8 +31,13 @@ def _env(base: Path) -> dict[str, str]:
 
 
 def _serve(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvcore.daemon", *POOL, *args],
-                          capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "kvcore.daemon", *POOL, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
 
 
 def _hijack(base: Path, how: str) -> Path:
@@ -105,8 +110,9 @@ def test_client_refuses_a_socket_of_another_user(tmp_path: Path) -> None:
         from kvcore.errors import Timeout
 
         with pytest.raises(Timeout):
-            Client.connect(f"ipc://{path}", map_memory=False, timeout_s=0.3,
-                           trusted_uids=(OTHER_UID,))  # fmt: skip
+            Client.connect(
+                f"ipc://{path}", map_memory=False, timeout_s=0.3, trusted_uids=(OTHER_UID,)
+            )
     finally:
         fake.close()
 

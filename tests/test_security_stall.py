@@ -26,8 +26,14 @@ POOL = "name=p,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,
 
 
 def test_a_stopped_daemon_keeps_the_leases_of_live_clients(tmp_path: Path) -> None:
-    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--lease-timeout",
-                       str(LEASE_S), "--pool", POOL) as daemon:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        "--lease-timeout",
+        str(LEASE_S),
+        "--pool",
+        POOL,
+    ) as daemon:
         assert daemon.proc is not None
         with Client.connect(daemon.endpoint, pool="p", map_memory=False) as client:
             client.allocate(1, list(range(10)))
@@ -61,12 +67,24 @@ def test_a_daemon_busy_with_one_long_request_keeps_the_leases_of_live_clients(
     """The operator allowed heavy requests; the time one takes is no one's lease. (The
     heavy client is another process: this one must stay free to heartbeat.)"""
     lease = 0.25
-    daemon = DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--lease-timeout",
-                           str(lease), "--pool", POOL, "--max-request-tokens", "100000000")  # fmt: skip
+    daemon = DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        "--lease-timeout",
+        str(lease),
+        "--pool",
+        POOL,
+        "--max-request-tokens",
+        "100000000",
+    )
     with daemon, Client.connect(daemon.endpoint, pool="p", map_memory=False) as live:
         live.allocate(1, list(range(10)))
-        heavy = subprocess.run([sys.executable, "-c", HEAVY, daemon.endpoint],
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        heavy = subprocess.run(
+            [sys.executable, "-c", HEAVY, daemon.endpoint],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         took = float(heavy.stdout)
         if took < 2 * lease:
             pytest.skip(f"the heavy batch took only {took:.2f} s here")
@@ -75,8 +93,14 @@ def test_a_daemon_busy_with_one_long_request_keeps_the_leases_of_live_clients(
 
 
 def test_one_request_carries_bounded_work(tmp_path: Path) -> None:
-    daemon = DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL,
-                           "--max-request-tokens", "100000")  # fmt: skip
+    daemon = DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        "--pool",
+        POOL,
+        "--max-request-tokens",
+        "100000",
+    )
     with daemon, Client.connect(daemon.endpoint, pool="p", map_memory=False) as client:
         chain = list(range(4000))
         batch = client.batch()

@@ -55,16 +55,31 @@ def curve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
         f'[[tenants]]\nname = "alice"\nkeys = ["{load_public(alice).decode()}"]\n'
         f'namespaces = ["alice"]\npools = ["a"]\n'
         f'[[tenants]]\nname = "ops"\nkeys = ["{load_public(ops).decode()}"]\n'
-    )  # fmt: skip
-    with DaemonProcess("--config", str(config), "--endpoint", "tcp://127.0.0.1:*",
-                       "--curve-secret-key-file", str(server)) as daemon:  # fmt: skip
-        yield {"endpoint": daemon.endpoint, "server": load_public(server),
-               "alice": load_keypair(alice), "ops": load_keypair(ops)}  # fmt: skip
+    )
+    with DaemonProcess(
+        "--config",
+        str(config),
+        "--endpoint",
+        "tcp://127.0.0.1:*",
+        "--curve-secret-key-file",
+        str(server),
+    ) as daemon:
+        yield {
+            "endpoint": daemon.endpoint,
+            "server": load_public(server),
+            "alice": load_keypair(alice),
+            "ops": load_keypair(ops),
+        }
 
 
 def _as(curve: dict[str, object], who: str, **kw: object) -> Client:
-    return Client.connect(curve["endpoint"], map_memory=False, curve_server_key=curve["server"],
-                          curve_keypair=curve[who], **kw)  # type: ignore[arg-type]  # fmt: skip
+    return Client.connect(
+        curve["endpoint"],
+        map_memory=False,
+        curve_server_key=curve["server"],
+        curve_keypair=curve[who],
+        **kw,
+    )  # type: ignore[arg-type]
 
 
 def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -> None:
@@ -97,9 +112,14 @@ def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -
 def test_only_a_grant_of_every_namespace_gets_the_events(curve: dict[str, object]) -> None:
     with _as(curve, "ops", pool="a") as ops:
         events = ops.attach_info.events
-        subs = {who: EventSubscriber(events, curve_server_key=curve["server"],  # type: ignore[arg-type]
-                                     curve_keypair=curve[who])  # type: ignore[arg-type]
-                for who in ("alice", "ops")}  # fmt: skip
+        subs = {
+            who: EventSubscriber(
+                events,
+                curve_server_key=curve["server"],  # type: ignore[arg-type]
+                curve_keypair=curve[who],
+            )  # type: ignore[arg-type]
+            for who in ("alice", "ops")
+        }
         time.sleep(0.3)
         ops.allocate(5, list(range(100, 109)))
         ops.commit(5, list(range(100, 109)))
@@ -158,15 +178,26 @@ def test_on_ipc_the_peers_uid_decides(tmp_path: Path) -> None:
         shared.chmod(0o755)
         config = tmp_path / "kvcore.toml"
         pools = POOLS.replace('name = "a"\n', 'name = "a"\ngroup = "4242"\n')  # a's tenants map it
-        config.write_text(f'socket_mode = 0o666\n{pools}[[tenants]]\nname = "alice"\n'
-                          f'uids = [4242]\nnamespaces = ["alice"]\npools = ["a"]\n')  # fmt: skip
+        config.write_text(
+            f'socket_mode = 0o666\n{pools}[[tenants]]\nname = "alice"\n'
+            f'uids = [4242]\nnamespaces = ["alice"]\npools = ["a"]\n'
+        )
         endpoint = f"ipc://{shared / 'd.sock'}"
         with DaemonProcess("--config", str(config), "--endpoint", endpoint):
             alice = _as_uid(4242, endpoint)
-            assert alice == {"pool_b": "forbidden", "attach": "ok", "mapped": 32, "pools": ["a"],
-                             "other_ns": "forbidden", "segments_readable": 1}, alice  # fmt: skip
+            assert alice == {
+                "pool_b": "forbidden",
+                "attach": "ok",
+                "mapped": 32,
+                "pools": ["a"],
+                "other_ns": "forbidden",
+                "segments_readable": 1,
+            }, alice
             stranger = _as_uid(4243, endpoint)
-            assert stranger == {"pool_b": "forbidden", "attach": "forbidden",
-                                "segments_readable": 0}, stranger  # fmt: skip
+            assert stranger == {
+                "pool_b": "forbidden",
+                "attach": "forbidden",
+                "segments_readable": 0,
+            }, stranger
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -26,15 +26,25 @@ LAYOUT = KVLayout(
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp: Path = tmp_path_factory.mktemp("badinput")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--max-frame-bytes", "4096",
-                       "--max-batch", "16", "--allow-ephemeral", "--pool", "num_pages=8") as d:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp / 'd.sock'}",
+        "--max-frame-bytes",
+        "4096",
+        "--max-batch",
+        "16",
+        "--allow-ephemeral",
+        "--pool",
+        "num_pages=8",
+    ) as d:
         yield d
 
 
 @pytest.fixture(scope="module")
 def client(daemon: DaemonProcess) -> Iterator[Client]:
-    with Client.connect(daemon.endpoint, pool="victim", layout=LAYOUT, ephemeral=True,
-                        map_memory=False) as c:  # fmt: skip
+    with Client.connect(
+        daemon.endpoint, pool="victim", layout=LAYOUT, ephemeral=True, map_memory=False
+    ) as c:
         yield c
 
 
@@ -113,16 +123,30 @@ def test_double_free_and_batches_with_a_bad_op(client: Client, raw: zmq.Socket[b
     client.free(50)
     assert code_of(ask(raw, pack({"op": "free", "seq": 50}, client))) == "unknown_sequence"
     # an op that does not decode: the whole batch is refused, nothing runs
-    undecodable = pack({"op": "batch", "ops": [{"op": "allocate", "seq": 51, "tokens": [1]},
-                                               {"op": "extend", "seq": 51, "num_tokens": "x"}]},
-                       client)  # fmt: skip
+    undecodable = pack(
+        {
+            "op": "batch",
+            "ops": [
+                {"op": "allocate", "seq": 51, "tokens": [1]},
+                {"op": "extend", "seq": 51, "num_tokens": "x"},
+            ],
+        },
+        client,
+    )
     assert code_of(ask(raw, undecodable)) == "bad_request"
     assert 51 not in _live(client, [51])
     # an op that fails when it runs: the ops before it stay done, the rest does not run
-    failing = pack({"op": "batch", "ops": [{"op": "allocate", "seq": 52, "tokens": [1, 2]},
-                                           {"op": "free", "seq": 999},
-                                           {"op": "allocate", "seq": 53, "tokens": [1]}]},
-                   client)  # fmt: skip
+    failing = pack(
+        {
+            "op": "batch",
+            "ops": [
+                {"op": "allocate", "seq": 52, "tokens": [1, 2]},
+                {"op": "free", "seq": 999},
+                {"op": "allocate", "seq": 53, "tokens": [1]},
+            ],
+        },
+        client,
+    )
     reply = ask(raw, failing)
     assert reply["result"]["error"]["code"] == "unknown_sequence"
     assert len(reply["result"]["results"]) == 1 and reply["result"]["results"][0]["pages"]
@@ -153,17 +177,36 @@ def test_unaddressable_frames_are_dropped_and_counted(
 
 
 MSGPACK_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
-    | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
     max_leaves=12,
-)  # fmt: skip
+)
 FIELDS = st.dictionaries(
-    st.sampled_from(["seq", "tokens", "num_tokens", "parent", "child", "namespace", "ops", "version",
-                     "pool", "layout", "ephemeral"]),
+    st.sampled_from(
+        [
+            "seq",
+            "tokens",
+            "num_tokens",
+            "parent",
+            "child",
+            "namespace",
+            "ops",
+            "version",
+            "pool",
+            "layout",
+            "ephemeral",
+        ]
+    ),
     MSGPACK_VALUES | st.lists(st.integers(0, 40), max_size=6) | st.integers(0, 60),
     max_size=4,
-)  # fmt: skip
+)
 OPS = st.sampled_from([*sorted(OP_NAMES - {"detach"}), "bogus"])
 
 
@@ -175,8 +218,12 @@ def frames(draw: st.DrawFn, session: int, epoch: int) -> bytes:
     if kind == "value":
         return msgpack.packb(draw(MSGPACK_VALUES))
     body = {"op": draw(OPS), **draw(FIELDS)}
-    envelope = {"id": draw(st.integers(0, 1 << 20)), "body": body, "session": session,
-                "epoch": epoch}  # fmt: skip
+    envelope = {
+        "id": draw(st.integers(0, 1 << 20)),
+        "body": body,
+        "session": session,
+        "epoch": epoch,
+    }
     if draw(st.booleans()):
         del envelope[draw(st.sampled_from(sorted(envelope)))]
     return msgpack.packb(envelope)

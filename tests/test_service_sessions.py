@@ -39,17 +39,24 @@ _names = itertools.count()
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp = tmp_path_factory.mktemp("sessions")
     with DaemonProcess(
-        "--endpoint", f"ipc://{tmp / 'd.sock'}", "--events", f"ipc://{tmp / 'ev.sock'}",
-        "--allow-ephemeral", "--lease-timeout", str(LEASE_S),
-        "--pool", "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=8",
-    ) as d:  # fmt: skip
+        "--endpoint",
+        f"ipc://{tmp / 'd.sock'}",
+        "--events",
+        f"ipc://{tmp / 'ev.sock'}",
+        "--allow-ephemeral",
+        "--lease-timeout",
+        str(LEASE_S),
+        "--pool",
+        "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=8",
+    ) as d:
         yield d
 
 
 def fresh_pool(daemon: DaemonProcess, namespace: str = "default") -> Client:
     """A Client on a new, empty pool of LAYOUT."""
-    return Client.connect(daemon.endpoint, pool=f"p{next(_names)}", namespace=namespace,
-                          layout=LAYOUT, ephemeral=True)  # fmt: skip
+    return Client.connect(
+        daemon.endpoint, pool=f"p{next(_names)}", namespace=namespace, layout=LAYOUT, ephemeral=True
+    )
 
 
 def join(daemon: DaemonProcess, pool: str, namespace: str = "default", **kw: object) -> Client:
@@ -83,8 +90,14 @@ def test_ephemeral_pools_need_the_daemon_flag(tmp_path: Path) -> None:
 def test_sequences_belong_to_their_session(daemon: DaemonProcess) -> None:
     with fresh_pool(daemon) as a, join(daemon, a.pool) as b:
         a.allocate(1, [1, 2, 3, 4, 5])
-        for call in (lambda: b.extend(1, 1), lambda: b.commit(1, [1]), lambda: b.free(1),
-                     lambda: b.fork(1, 2), lambda: b.block_table(1), lambda: b.num_tokens(1)):  # fmt: skip
+        for call in (
+            lambda: b.extend(1, 1),
+            lambda: b.commit(1, [1]),
+            lambda: b.free(1),
+            lambda: b.fork(1, 2),
+            lambda: b.block_table(1),
+            lambda: b.num_tokens(1),
+        ):
             with pytest.raises(Forbidden):
                 call()
         with pytest.raises(SequenceExists):
@@ -151,8 +164,11 @@ time.sleep(60)
 
 def test_kill_9_of_a_client_returns_its_pages_within_the_lease(daemon: DaemonProcess) -> None:
     with fresh_pool(daemon) as watcher:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, daemon.endpoint, watcher.pool],
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, daemon.endpoint, watcher.pool],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert child.stdout is not None and child.stdout.readline().strip() == "holding"
         time.sleep(2 * LEASE_S)  # its heartbeat thread keeps the lease alive meanwhile
         assert watcher.stats().held_pages == 8

@@ -36,8 +36,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
-    with DaemonProcess.private("--pool", pool_flag(num_pages=512), "--lease-timeout", "5",
-                               "--events", "auto", "--events-format", "vllm") as d:  # fmt: skip
+    with DaemonProcess.private(
+        "--pool",
+        pool_flag(num_pages=512),
+        "--lease-timeout",
+        "5",
+        "--events",
+        "auto",
+        "--events-format",
+        "vllm",
+    ) as d:
         yield d
 
 

@@ -62,8 +62,9 @@ def test_frames_are_vllms_and_vllm_decodes_the_batch() -> None:
         assert gone.block_hashes == [block_hash(stored[2].key)]
         pub.publish(batch(chain(tokens, 4, namespace="tenant-a"), epoch=8))  # a new epoch
         _, _, payload = sub.recv_multipart()
-        assert isinstance(msgspec_decode(kv_events.KVEventBatch, payload).events[0],
-                          kv_events.AllBlocksCleared)  # fmt: skip
+        assert isinstance(
+            msgspec_decode(kv_events.KVEventBatch, payload).events[0], kv_events.AllBlocksCleared
+        )
         _, _, payload = sub.recv_multipart()
         (other,) = msgspec_decode(kv_events.KVEventBatch, payload).events
         assert other.lora_name == "tenant-a" and other.block_hashes[0] != event.block_hashes[0]

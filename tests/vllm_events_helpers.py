@@ -16,8 +16,9 @@ def page_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + bytes([0x02]) + len(raw).to_bytes(4, "little") + raw).digest()
 
 
-def chain(tokens: list[int], page_size: int, namespace: str = "default",
-          first_page: int = 0) -> list[PageStoredEvent]:  # fmt: skip
+def chain(
+    tokens: list[int], page_size: int, namespace: str = "default", first_page: int = 0
+) -> list[PageStoredEvent]:
     """Stored events of every full page of ``tokens`` (page ids from ``first_page``)."""
     parent, events = root_key(namespace), []
     for i in range(len(tokens) // page_size):

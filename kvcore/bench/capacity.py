@@ -37,17 +37,20 @@ POLICIES = ("contiguous", "paged", "paged_prefix")
 GIB = 1 << 30
 
 HEADLINE = (  # what `kvcore bench capacity` prints without --json (docs/benchmarks.md)
-    Figure("concurrency_ratio", "concurrency, paged / contiguous (plain trace)",
-           Target(">=", 2.5)),
+    Figure("concurrency_ratio", "concurrency, paged / contiguous (plain trace)", Target(">=", 2.5)),
     Figure("utilization_paged", "utilization of the paged pool (plain trace)", Target(">=", 0.96)),
-    Figure("pages_saved_fraction", "pages saved by the prefix cache (shared prefixes)",
-           Target(">=", 0.40)),
-    Figure("hit_rate", "prefix-cache hit rate (tokens, no eviction)",
-           Target("==", "hit_rate_optimal")),
+    Figure(
+        "pages_saved_fraction",
+        "pages saved by the prefix cache (shared prefixes)",
+        Target(">=", 0.40),
+    ),
+    Figure(
+        "hit_rate", "prefix-cache hit rate (tokens, no eviction)", Target("==", "hit_rate_optimal")
+    ),
     Figure("hit_rate_fixed_budget", "hit rate at the fixed budget"),
     Figure("shared_prefix_concurrency_ratio", "concurrency, paged / contiguous (shared prefixes)"),
     Figure("shared_prefix_prefix_vs_paged_concurrency", "concurrency, prefix cache / paged"),
-)  # fmt: skip
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.client import Client
     from kvcore.daemon_process import DaemonProcess
 
-    pool = (f"name=load,num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE_SIZE},"
-            f"dtype=float32,num_pages={args.pages}")  # fmt: skip
+    pool = (
+        f"name=load,num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE_SIZE},"
+        f"dtype=float32,num_pages={args.pages}"
+    )
     with DaemonProcess.private("--pool", pool, "--lease-timeout", str(args.lease)) as daemon:
         assert daemon.proc is not None
         worker = [sys.executable, "-m", "kvcore.bench.load", daemon.endpoint]
@@ -187,8 +189,13 @@ class _Worker:
         for seq in list(self.mine):
             self._check(seq)
         self.client.close()
-        return {"ops": self.ops, "clobbered": self.clobbered, "checked": self.checked,
-                "errors": self.errors, "latencies_ms": self.latencies}  # fmt: skip
+        return {
+            "ops": self.ops,
+            "clobbered": self.clobbered,
+            "checked": self.checked,
+            "errors": self.errors,
+            "latencies_ms": self.latencies,
+        }
 
 
 def _worker_main(endpoint: str, wid: int, seconds: float, seed: int) -> None:

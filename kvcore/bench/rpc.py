@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             DaemonProcess("--endpoint", daemon_ep, "--pool", pool, "--lease-timeout", "600"),
             _process("-m", "kvcore.bench.rpc", "--echo-server", echo_ep, ready="echo ready"),
             Client.connect(daemon_ep, pool="bench", map_memory=False, heartbeat=False) as client,
-        ):  # fmt: skip
+        ):
             client.allocate(0, [1])
             request = msgspec.msgpack.encode(
                 msg.Request(1 << 20, msg.Extend(0, 1), client.session, client.epoch)

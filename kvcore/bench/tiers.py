@@ -41,14 +41,18 @@ from kvcore.tiers.codec import HEADER_BYTES
 HEADLINE = (  # what `kvcore bench tiers` prints without --json (docs/benchmarks.md)
     Figure("hit_rate_pool_only", "hit rate, pool alone"),
     Figure("hit_rate_pool_host", "hit rate, pool + host tier"),
-    Figure("hit_rate_tiered", "hit rate, pool + host + disk",
-           Target(">=", "hit_rate_optimal", factor=0.95)),
-    Figure("promote_bandwidth_ratio", "host -> pool promotion / plain copy, bytes/s",
-           Target(">=", 0.5)),
+    Figure(
+        "hit_rate_tiered",
+        "hit rate, pool + host + disk",
+        Target(">=", "hit_rate_optimal", factor=0.95),
+    ),
+    Figure(
+        "promote_bandwidth_ratio", "host -> pool promotion / plain copy, bytes/s", Target(">=", 0.5)
+    ),
     Figure("staged_promote_bandwidth_ratio", "the same through a staging batch"),
     Figure("host_fetch_us_per_page", "host tier fetch, µs per page"),
     Figure("remote_fetch_us_per_page", "remote tier fetch, µs per page"),
-)  # fmt: skip
+)
 SIM_LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")
 
 
@@ -116,9 +120,12 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
         disk_bytes = 4 * len(distinct) * (HEADER_BYTES + layout.page_bytes)
         for name, host, disk in (
             ("pool_host", HostTier(layout, host_pages), None),
-            ("tiered", HostTier(layout, host_pages),
-             DiskTier(layout, f"{scratch}/disk", disk_bytes)),
-        ):  # fmt: skip
+            (
+                "tiered",
+                HostTier(layout, host_pages),
+                DiskTier(layout, f"{scratch}/disk", disk_bytes),
+            ),
+        ):
             memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
             manager = TieredManager(layout, layout.layer_views(memory), TierStack(host, disk))
             result[f"hit_rate_{name}"] = _replay(manager, prompts) / prompt_tokens

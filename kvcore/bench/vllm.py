@@ -37,8 +37,14 @@ from kvcore.bench.report import Figure, Target
 from kvcore.demo_model import TinyLlama
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
-MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                  intermediate_size=512, vocab_size=512)  # fmt: skip
+MODEL = TinyLlama(
+    num_layers=2,
+    hidden_size=256,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=512,
+    vocab_size=512,
+)
 PAGE_SIZE = 32
 TARGETS = {"ttft_hit_ratio": ("<=", 0.5), "throughput_no_hit_ratio": (">=", 0.95)}
 HEADLINE = tuple(Figure(key, target=Target(op, bound)) for key, (op, bound) in TARGETS.items())
@@ -130,17 +136,33 @@ class Engine:
     first token in seconds; ``stats`` the connector's counters since start-up.
     ``connector`` is the connector's extra config (None: no connector)."""
 
-    def __init__(self, model: Path, connector: dict[str, Any] | None, *,
-                 kv_bytes: int = 64 << 20, max_num_seqs: int = 64,
-                 max_model_len: int = 2048, prefix_caching: bool = True) -> None:  # fmt: skip
-        args = {"model": str(model), "connector": connector, "block_size": PAGE_SIZE,
-                "kv_bytes": kv_bytes, "max_num_seqs": max_num_seqs,
-                "max_model_len": max_model_len, "prefix_caching": prefix_caching}  # fmt: skip
+    def __init__(
+        self,
+        model: Path,
+        connector: dict[str, Any] | None,
+        *,
+        kv_bytes: int = 64 << 20,
+        max_num_seqs: int = 64,
+        max_model_len: int = 2048,
+        prefix_caching: bool = True,
+    ) -> None:
+        args = {
+            "model": str(model),
+            "connector": connector,
+            "block_size": PAGE_SIZE,
+            "kv_bytes": kv_bytes,
+            "max_num_seqs": max_num_seqs,
+            "max_model_len": max_model_len,
+            "prefix_caching": prefix_caching,
+        }
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ENGINE, json.dumps(args)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self._log, text=True,
-        )  # fmt: skip
+            [sys.executable, "-c", ENGINE, json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
         self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -158,8 +180,9 @@ class Engine:
         self.proc.stdin.flush()
         return self._read()
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8,
-                 abort: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int = 8, abort: list[int] | None = None
+    ) -> dict[str, Any]:
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, abort=abort or [])
 
     def stats(self) -> dict[str, Any]:
@@ -188,11 +211,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix length")
     parser.add_argument("--suffix-tokens", type=int, default=64, help="private suffix length")
     parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="paired repeats, each on a fresh prefix (median ratio; default 5)")  # fmt: skip
-    parser.add_argument("--no-vllm-prefix-cache", action="store_true",
-                        help="turn vLLM's own prefix cache off in every engine (kvcore is the "
-                             "only prefix cache)")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="paired repeats, each on a fresh prefix (median ratio; default 5)",
+    )
+    parser.add_argument(
+        "--no-vllm-prefix-cache",
+        action="store_true",
+        help="turn vLLM's own prefix cache off in every engine (kvcore is the only prefix cache)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,19 +237,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     prompt_len = prefix_len + suffix_len
     pages = 3 * n * (-(-prompt_len // PAGE_SIZE)) + 64  # A's and B's allocations + the cache
-    sizing = {"kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * _block_bytes(),
-              "max_num_seqs": n, "max_model_len": prompt_len + new + PAGE_SIZE,
-              "prefix_caching": not args.no_vllm_prefix_cache}  # fmt: skip
+    sizing = {
+        "kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * _block_bytes(),
+        "max_num_seqs": n,
+        "max_model_len": prompt_len + new + PAGE_SIZE,
+        "prefix_caching": not args.no_vllm_prefix_cache,
+    }
     ttft: dict[str, list[float]] = {"kvcore": [], "plain": []}
     ratios: dict[str, list[float]] = {"ttft": [], "throughput": []}
     tokens_per_s: dict[str, list[float]] = {"kvcore": [], "plain": []}
     match, external = True, 0
-    with tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp, \
-            DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp,
+        DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon,
+    ):
         model = write_model(Path(tmp))
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
-        with Engine(model, conn, **sizing) as a, Engine(model, conn, **sizing) as b, \
-                Engine(model, None, **sizing) as p:  # fmt: skip
+        with (
+            Engine(model, conn, **sizing) as a,
+            Engine(model, conn, **sizing) as b,
+            Engine(model, None, **sizing) as p,
+        ):
             warm = [MODEL.prompt(prompt_len, 9000 + i) for i in range(n)]
             for engine in (a, b, p):  # first calls pay for vLLM's warm-up: not measured
                 engine.generate(warm, new)

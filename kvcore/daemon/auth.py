@@ -144,8 +144,9 @@ def read_secret_key(path: str) -> bytes:
     (``kvcore keys`` writes them). PermissionError if others may read the file."""
     st = os.stat(path)
     if st.st_mode & 0o077:
-        raise PermissionError(f"{path}: a secret key must be readable by its owner only "
-                              f"(chmod 600 {path})")  # fmt: skip
+        raise PermissionError(
+            f"{path}: a secret key must be readable by its owner only (chmod 600 {path})"
+        )
     raw = Path(path).read_bytes().strip()
     if len(raw) == 40:
         return raw

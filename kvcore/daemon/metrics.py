@@ -104,10 +104,12 @@ class RequestTimer:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._histogram = Histogram(
-            "kvcore_request_duration_seconds", "Time the daemon took to serve a request, "
-            "from decoded to encoded reply, by operation", ["op"], registry=registry,
+            "kvcore_request_duration_seconds",
+            "Time the daemon took to serve a request, from decoded to encoded reply, by operation",
+            ["op"],
+            registry=registry,
             buckets=LATENCY_BUCKETS,
-        )  # fmt: skip
+        )
         self._children: dict[type, Any] = {}
 
     def observe(self, body_type: type, seconds: float) -> None:
@@ -127,8 +129,10 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         snapshot = self._exchange.ask(SCRAPE_WAIT_S)
-        age = GaugeMetricFamily("kvcore_loop_last_turn_age_seconds",
-                                "Seconds since the daemon's loop last turned (health)")  # fmt: skip
+        age = GaugeMetricFamily(
+            "kvcore_loop_last_turn_age_seconds",
+            "Seconds since the daemon's loop last turned (health)",
+        )
         age.add_metric([], time.monotonic() - self._exchange.last_turn)
         yield age
         if snapshot is not None:
@@ -137,37 +141,52 @@ class SnapshotCollector(Collector):
 
 def _families(snap: Snapshot) -> Iterator[Metric]:
     c = snap.stats.counters
-    info = GaugeMetricFamily("kvcore_daemon_info", "The daemon's protocol version and epoch "
-                             "(hex)", labels=["version", "epoch"])  # fmt: skip
+    info = GaugeMetricFamily(
+        "kvcore_daemon_info",
+        "The daemon's protocol version and epoch (hex)",
+        labels=["version", "epoch"],
+    )
     info.add_metric([str(c.version), f"{c.epoch:x}"], 1)
     yield info
-    yield GaugeMetricFamily("kvcore_uptime_seconds", "Seconds since the daemon started",
-                            value=c.uptime_s)  # fmt: skip
+    yield GaugeMetricFamily(
+        "kvcore_uptime_seconds", "Seconds since the daemon started", value=c.uptime_s
+    )
     yield CounterMetricFamily("kvcore_requests", "Requests answered", value=c.requests)
-    errors = CounterMetricFamily("kvcore_errors", "Requests answered with an error, and "
-                                 "failed ops inside batches, by error code", labels=["code"])  # fmt: skip
+    errors = CounterMetricFamily(
+        "kvcore_errors",
+        "Requests answered with an error, and failed ops inside batches, by error code",
+        labels=["code"],
+    )
     for code, count in sorted(snap.errors.items()):
         errors.add_metric([code], count)
     yield errors
-    yield CounterMetricFamily("kvcore_dropped_frames", "Frames of a shape the daemon cannot "
-                              "answer, dropped", value=c.dropped_frames)  # fmt: skip
-    yield CounterMetricFamily("kvcore_lease_expiries", "Sessions whose lease ran out",
-                              value=c.expired_sessions)  # fmt: skip
+    yield CounterMetricFamily(
+        "kvcore_dropped_frames",
+        "Frames of a shape the daemon cannot answer, dropped",
+        value=c.dropped_frames,
+    )
+    yield CounterMetricFamily(
+        "kvcore_lease_expiries", "Sessions whose lease ran out", value=c.expired_sessions
+    )
     yield from _pool_families(snap.stats.pools)
     yield from tier_metric_families(snap.stats.pools)  # the pools' lower tiers
-    sessions = GaugeMetricFamily("kvcore_sessions", "Live sessions, by pool and namespace",
-                                 labels=["pool", "namespace"])  # fmt: skip
+    sessions = GaugeMetricFamily(
+        "kvcore_sessions", "Live sessions, by pool and namespace", labels=["pool", "namespace"]
+    )
     counts: dict[tuple[str, str], int] = {}
     for s in snap.stats.sessions:
         counts[s.pool, s.namespace] = counts.get((s.pool, s.namespace), 0) + 1
     for (pool, namespace), count in sorted(counts.items()):
         sessions.add_metric([pool, namespace], count)
     yield sessions
-    ns_pages = GaugeMetricFamily("kvcore_namespace_pages", "Page references held by a "
-                                 "namespace's sequences (what quotas count)",
-                                 labels=["pool", "namespace"])  # fmt: skip
-    ns_seqs = GaugeMetricFamily("kvcore_namespace_sequences", "Live sequences of a namespace",
-                                labels=["pool", "namespace"])  # fmt: skip
+    ns_pages = GaugeMetricFamily(
+        "kvcore_namespace_pages",
+        "Page references held by a namespace's sequences (what quotas count)",
+        labels=["pool", "namespace"],
+    )
+    ns_seqs = GaugeMetricFamily(
+        "kvcore_namespace_sequences", "Live sequences of a namespace", labels=["pool", "namespace"]
+    )
     for u in snap.namespaces:
         ns_pages.add_metric([u.pool, u.namespace], u.pages)
         ns_seqs.add_metric([u.pool, u.namespace], u.sequences)
@@ -177,27 +196,41 @@ def _families(snap: Snapshot) -> Iterator[Metric]:
 
 def _pool_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
     labels = ["pool"]
-    pages = GaugeMetricFamily("kvcore_pool_pages", "Pages of a pool by state: free, evictable "
-                              "(cached, unreferenced), held (referenced by sequences)",
-                              labels=["pool", "state"])  # fmt: skip
+    pages = GaugeMetricFamily(
+        "kvcore_pool_pages",
+        "Pages of a pool by state: free, evictable "
+        "(cached, unreferenced), held (referenced by sequences)",
+        labels=["pool", "state"],
+    )
     capacity = GaugeMetricFamily("kvcore_pool_capacity_pages", "Pages in the pool", labels=labels)
-    cached = GaugeMetricFamily("kvcore_pool_cached_pages", "Pages in the prefix index",
-                               labels=labels)  # fmt: skip
-    usage = GaugeMetricFamily("kvcore_pool_usage_ratio", "Held pages / pages (as vLLM's "
-                              "kv_cache_usage counts: evictable pages are free to take)",
-                              labels=labels)  # fmt: skip
+    cached = GaugeMetricFamily(
+        "kvcore_pool_cached_pages", "Pages in the prefix index", labels=labels
+    )
+    usage = GaugeMetricFamily(
+        "kvcore_pool_usage_ratio",
+        "Held pages / pages (as vLLM's kv_cache_usage counts: evictable pages are free to take)",
+        labels=labels,
+    )
     seqs = GaugeMetricFamily("kvcore_pool_sequences", "Live sequences", labels=labels)
-    queries = CounterMetricFamily("kvcore_prefix_cache_queries_tokens", "Prompt tokens looked "
-                                  "up by successful allocations (vLLM's prefix_cache_queries)",
-                                  labels=labels)  # fmt: skip
-    hits = CounterMetricFamily("kvcore_prefix_cache_hits_tokens", "Of those, tokens served "
-                               "from the prefix cache (vLLM's prefix_cache_hits)",
-                               labels=labels)  # fmt: skip
-    evictions = CounterMetricFamily("kvcore_evictions_pages", "Cached pages evicted to make "
-                                    "room", labels=labels)  # fmt: skip
+    queries = CounterMetricFamily(
+        "kvcore_prefix_cache_queries_tokens",
+        "Prompt tokens looked up by successful allocations (vLLM's prefix_cache_queries)",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        "kvcore_prefix_cache_hits_tokens",
+        "Of those, tokens served from the prefix cache (vLLM's prefix_cache_hits)",
+        labels=labels,
+    )
+    evictions = CounterMetricFamily(
+        "kvcore_evictions_pages", "Cached pages evicted to make room", labels=labels
+    )
     for p in pools:
-        for state, count in (("free", p.free_pages), ("evictable", p.evictable_pages),
-                             ("held", p.held_pages)):  # fmt: skip
+        for state, count in (
+            ("free", p.free_pages),
+            ("evictable", p.evictable_pages),
+            ("held", p.held_pages),
+        ):
             pages.add_metric([p.name, state], count)
         capacity.add_metric([p.name], p.total_pages)
         cached.add_metric([p.name], p.cached_pages)
@@ -221,8 +254,15 @@ class MetricsServer:
     old the loop's last turn may be before ``/health`` answers 503.
     """
 
-    def __init__(self, exchange: Exchange, registry: CollectorRegistry, *, port: int,
-                 addr: str = "127.0.0.1", stale_after_s: float = 5.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exchange: Exchange,
+        registry: CollectorRegistry,
+        *,
+        port: int,
+        addr: str = "127.0.0.1",
+        stale_after_s: float = 5.0,
+    ) -> None:
         self.exchange = exchange
         self.stale_after_s = stale_after_s
         metrics_app = make_wsgi_app(registry)
@@ -238,8 +278,9 @@ class MetricsServer:
             raise BadRequest(f"--metrics-port {port} on {addr}: {exc.strerror or exc}") from None
         self.addr = addr
         self.port: int = self._server.server_port
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="kvcore-metrics", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kvcore-metrics", daemon=True
+        )
         self._thread.start()
 
     def _health(self, start_response: Any) -> list[bytes]:
@@ -261,8 +302,9 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def start(take: Callable[[], Snapshot], *, port: int, addr: str = "127.0.0.1",
-          stale_after_s: float = 5.0) -> tuple[Exchange, RequestTimer, MetricsServer]:  # fmt: skip
+def start(
+    take: Callable[[], Snapshot], *, port: int, addr: str = "127.0.0.1", stale_after_s: float = 5.0
+) -> tuple[Exchange, RequestTimer, MetricsServer]:
     """A registry of its own with the snapshot collector and the latency histogram,
     served on ``addr:port``."""
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created: see uptime

@@ -106,8 +106,17 @@ class SessionTable:
         if watch:
             with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfd here
                 pidfd = os.pidfd_open(pid)
-        session = Session(secrets.randbits(63) | 1, pool, namespace, grant, pid, name,
-                          now + self.lease_s, now, pidfd)  # fmt: skip
+        session = Session(
+            secrets.randbits(63) | 1,
+            pool,
+            namespace,
+            grant,
+            pid,
+            name,
+            now + self.lease_s,
+            now,
+            pidfd,
+        )
         self._sessions[session.id] = session
         self._owner.setdefault(pool, {})
         return session

@@ -148,9 +148,15 @@ def _register(original: str) -> str:
     fallback: Callable[..., Any] = ALL_ATTENTION_FUNCTIONS[base]
     fallback_mask: Callable[..., Any] = ALL_MASK_ATTENTION_FUNCTIONS[base]
 
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, attention_mask: torch.Tensor | None,
-                  scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         cache: Forward | None = getattr(_ACTIVE, "cache", None)
         if cache is None:
             result: tuple[torch.Tensor, None] = fallback(

@@ -83,8 +83,9 @@ class _PagedLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise Unsupported("KVCoreCache layers are written through KVCoreCache.update")
 
     def get_seq_length(self) -> int:
@@ -146,8 +147,14 @@ class KVCoreCache(Cache):
 
     # -- transformers' Cache API ------------------------------------------------------
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's K/V ([B, Hkv, q, D]) of layer ``layer_idx`` into the pages."""
         plan, kernels = self._plan, self._kernels
         if plan is None or kernels is None:
@@ -224,8 +231,14 @@ class KVCoreCache(Cache):
             return self.backend.plan_decode(
                 kv, plan.block_table, plan.seq_lens, slots=plan.slots, copies=plan.copies
             )
-        return self.backend.plan_prefill(kv, plan.block_table, plan.cu_seqlens_q, plan.seq_lens,
-                                         slots=plan.slots, copies=plan.copies)  # fmt: skip
+        return self.backend.plan_prefill(
+            kv,
+            plan.block_table,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            slots=plan.slots,
+            copies=plan.copies,
+        )
 
     def end(self, failed: bool) -> None:
         plan, self._plan, self._kernels = self._plan, None, None

@@ -47,8 +47,9 @@ def block_view(cache: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
     return cache.view(blocks, heads, tokens, 2, dim).permute(0, 3, 2, 1, 4)
 
 
-def copy_pages(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor,
-               dst_index: torch.Tensor) -> None:  # fmt: skip
+def copy_pages(
+    src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor
+) -> None:
     """``dst[dst_index[i]] = src[src_index[i]]`` for every i: one gather, one scatter.
 
     ``src`` ``[S, 2, N, H, D]`` and ``dst`` ``[T, 2, N, H, D]``: pages or blocks of one
@@ -85,8 +86,13 @@ class VllmGeometry:
 
 def check_layout(pool: KVLayout, model: VllmGeometry, pool_name: str) -> None:
     """LayoutMismatch naming every field that differs and the ``--pool`` flag that fits."""
-    wanted = {"num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads,
-              "head_dim": model.head_dim, "page_size": model.block_size, "dtype": model.dtype}  # fmt: skip
+    wanted = {
+        "num_layers": model.num_layers,
+        "num_kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "page_size": model.block_size,
+        "dtype": model.dtype,
+    }
     have = pool.to_dict()
     wrong = [f"{k}: pool {have[k]}, vLLM {v}" for k, v in wanted.items() if have[k] != v]
     if wrong:
