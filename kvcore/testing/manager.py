@@ -1,11 +1,9 @@
 """Conformance of anything with the Manager API, as a hypothesis state machine.
 
-:func:`make_state_machine` drives a subject (the in-process :class:`~kvcore.Manager`,
-or a :class:`~kvcore.Client` talking to a daemon) against :class:`Model`, a
-small reference written for obviousness rather than speed: prefixes are keyed
-by their token tuples (hashed only to name them in events and snapshots, by
-spec/hashing.md's rules), pages are tracked by the ids the subject hands out,
-and the eviction policy is replayed as a plain list.
+:class:`ManagerConformance` drives a subject (the in-process :class:`~kvcore.Manager`,
+or a :class:`~kvcore.Client` talking to a daemon) against
+:class:`~kvcore.testing.manager_model.Model`, a small reference written for
+obviousness rather than speed (kvcore/testing/manager_model.py).
 
 After every step it checks, through the subject's public API:
 
@@ -28,40 +26,50 @@ After every step it checks, through the subject's public API:
 * when it has ``prefix_snapshot``, the snapshot is the model's index, each
   parent before its children.
 
-``check_integrity``, ``take_events`` and ``prefix_snapshot`` are optional: a
-:class:`~kvcore.Client` has no ``take_events`` (the daemon takes and publishes
-the events) nor ``check_integrity`` (the daemon runs it itself), so
-:class:`ManagerAPI` lists only what every subject has.
+``check_integrity``, ``take_events`` and ``prefix_snapshot`` are optional, so
+:class:`ManagerAPI` lists only what every subject has: a :class:`~kvcore.Client`
+has no ``take_events`` (the daemon takes and publishes the events), and its
+``check_integrity`` runs the daemon's ``check`` operation (every pool and session).
 
-Usage (a fresh subject with an empty pool per example)::
+Usage (a fresh subject with an empty pool per example): subclass and say how
+the subject is built, or hand :func:`make_state_machine` a function that builds it::
 
-    TestManager = make_state_machine(lambda layout: Manager(layout)).TestCase
+    class ManagerMachine(ManagerConformance):
+        def make_subject(self, layout: KVLayout) -> Manager:
+            return Manager(layout)
+
+    TestManager = ManagerMachine.TestCase
+    TestManager = make_state_machine(lambda layout: Manager(layout)).TestCase  # the same
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvcore.allocator import PageId
 from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
-from kvcore.prefix import (
-    PageEvent,
-    PageRemoved,
-    PageStored,
-    PrefixKey,
-    encode_tokens,
-    page_key,
-    root_key,
-)
+from kvcore.prefix import PageRemoved, PageStored, PrefixKey
+from kvcore.testing.manager_model import Model, ModelEvent, ModelSeq, PrefixId
+
+__all__ = [
+    "NAMESPACES",
+    "SEQ_IDS",
+    "TOKENS",
+    "Factory",
+    "ManagerAPI",
+    "ManagerConformance",
+    "Model",
+    "ModelEvent",
+    "ModelSeq",
+    "PrefixId",
+    "make_state_machine",
+]
 
 
 class ManagerAPI(Protocol):
@@ -81,415 +89,318 @@ class ManagerAPI(Protocol):
 
 
 Factory = Callable[[KVLayout], Any]
-PrefixId = tuple[str, tuple[int, ...]]  # (namespace, tokens from 0 to the end of a full page)
-ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
-
-
-@dataclass
-class ModelSeq:
-    namespace: str
-    tokens: list[int]
-    pages: list[int]
-    committed: int = 0  # leading pages already offered to the index
-
-
-@dataclass
-class Model:
-    """Reference semantics of docs/architecture.md's state machine, in the plainest terms."""
-
-    page_size: int
-    num_pages: int
-    seqs: dict[int, ModelSeq] = field(default_factory=dict)
-    index: dict[PrefixId, int] = field(default_factory=dict)  # first committer wins
-    lru: list[int] = field(default_factory=list)  # evictable pages, least recent first
-    events: list[ModelEvent] = field(default_factory=list)  # index changes not yet checked
-
-    def refcounts(self) -> Counter[int]:
-        return Counter(page for seq in self.seqs.values() for page in seq.pages)
-
-    def free_pages(self) -> set[int]:
-        return set(range(self.num_pages)) - set(self.refcounts()) - set(self.lru)
-
-    def indexed_pages(self) -> set[int]:
-        return set(self.index.values())
-
-    def prefix_id(self, namespace: str, tokens: Sequence[int], num_pages: int) -> PrefixId:
-        return (namespace, tuple(tokens[: num_pages * self.page_size]))
-
-    def hit_pages(self, namespace: str, tokens: Sequence[int]) -> list[int]:
-        pages: list[int] = []
-        for i in range(max(len(tokens) - 1, 0) // self.page_size):
-            page = self.index.get(self.prefix_id(namespace, tokens, i + 1))
-            if page is None:
-                break
-            pages.append(page)
-        return pages
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def fits(self, num_pages: int, pinned: Sequence[int] = ()) -> bool:
-        pinned_evictable = sum(1 for page in pinned if page in self.lru)
-        return num_pages <= len(self.free_pages()) + len(self.lru) - pinned_evictable
-
-    def take(self, got: Sequence[int]) -> None:
-        """Check that the subject took exactly what the policy allows; apply evictions."""
-        free = self.free_pages()
-        assert len(set(got)) == len(got), f"a page handed out twice: {got}"
-        if len(got) <= len(free):
-            assert set(got) <= free, f"took {got}, but free pages were {sorted(free)}"
-            return
-        evicted = self.lru[: len(got) - len(free)]
-        assert set(got) == free | set(evicted), (
-            f"took {sorted(got)}; policy says free {sorted(free)} + LRU head {evicted}"
-        )
-        self.lru = self.lru[len(evicted) :]
-        prefix_of = {p: k for k, p in self.index.items()}
-        for page in evicted:  # in LRU order, as they are taken
-            self.events.append((False, prefix_of[page], page))
-            del self.index[prefix_of[page]]
-
-    def publish(self, seq: ModelSeq, start: int, tokens: Sequence[int]) -> None:
-        """Index the full pages of ``tokens`` (the sequence's from ``start``) not yet
-        offered; a prefix or page already indexed stays as it is (first commit wins)."""
-        indexed = self.indexed_pages()
-        upto = seq.tokens[: start + len(tokens)]
-        for i in range(seq.committed, len(upto) // self.page_size):
-            prefix = self.prefix_id(seq.namespace, upto, i + 1)
-            if prefix not in self.index and seq.pages[i] not in indexed:
-                self.index[prefix] = seq.pages[i]
-                indexed.add(seq.pages[i])
-                self.events.append((True, prefix, seq.pages[i]))
-        seq.committed = max(seq.committed, len(upto) // self.page_size)
-
-    def key(self, prefix: PrefixId) -> PrefixKey:
-        """The prefix key of spec/hashing.md for a prefix (the root for no tokens)."""
-        namespace, tokens = prefix
-        key = root_key(namespace)
-        for i in range(len(tokens) // self.page_size):
-            page = tokens[i * self.page_size : (i + 1) * self.page_size]
-            key = page_key(key, encode_tokens(page))
-        return key
-
-    def event(self, event: ModelEvent) -> PageEvent:
-        stored, (namespace, tokens), page = event
-        if stored:
-            parent = (namespace, tokens[: len(tokens) - self.page_size])
-            page_tokens = b"".join(t.to_bytes(4, "little") for t in tokens[-self.page_size :])
-            return PageStored(self.key((namespace, tokens)), self.key(parent), PageId(page),
-                              page_tokens, namespace)  # fmt: skip
-        return PageRemoved(self.key((namespace, tokens)), PageId(page))
-
-    def release(self, pages: Sequence[int]) -> None:
-        counts = self.refcounts()
-        indexed = self.indexed_pages()
-        for page in reversed(pages):
-            counts[page] -= 1
-            if counts[page] == 0 and page in indexed:
-                self.lru.append(page)
-
-
 SEQ_IDS = st.integers(min_value=0, max_value=3)
 NAMESPACES = st.sampled_from(["default", "tenant-b"])
 # A tiny vocabulary makes shared prefixes (and so hits) common.
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), max_size=14)
 
 
-def make_state_machine(factory: Factory) -> type[RuleBasedStateMachine]:
-    """A state machine class holding the subject ``factory(layout)`` to the model."""
+class ManagerConformance(RuleBasedStateMachine):
+    """The module docstring's rules and invariants, for the subject :meth:`make_subject`
+    builds: a fresh one per example (closed at teardown when it has ``close``)."""
 
-    class ManagerConformance(RuleBasedStateMachine):
-        subject: Any
-        model: Model
+    subject: Any  # the system under test; set by start, never replaced
+    model: Model  # the reference; the rules change it in step with the subject
 
-        @initialize(page_size=st.integers(1, 4), num_pages=st.integers(1, 8))
-        def start(self, page_size: int, num_pages: int) -> None:
-            layout = KVLayout(
-                num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size,
-                dtype="float16", num_pages=num_pages,
-            )  # fmt: skip
-            self.subject = factory(layout)
-            self.model = Model(page_size, num_pages)
+    def make_subject(self, layout: KVLayout) -> Any:
+        """A fresh system under test with an empty pool of ``layout``."""
+        raise NotImplementedError(f"{type(self).__name__} must override make_subject")
 
-        def teardown(self) -> None:
-            close = getattr(getattr(self, "subject", None), "close", None)
-            if close is not None:
-                close()
+    @initialize(page_size=st.integers(1, 4), num_pages=st.integers(1, 8))
+    def start(self, page_size: int, num_pages: int) -> None:
+        # one layer, one kv head of 8 elements: the books do not depend on the geometry
+        self.subject = self.make_subject(KVLayout(1, 1, 8, page_size, "float16", num_pages))
+        self.model = Model(page_size, num_pages)
 
-        def expect_error(self, error: type[KVCoreError], call: Callable[[], object]) -> None:
-            try:
-                call()
-            except error:
+    def teardown(self) -> None:
+        close = getattr(getattr(self, "subject", None), "close", None)
+        if close is not None:
+            close()
+
+    def expect_error(self, error: type[KVCoreError], call: Callable[[], object]) -> None:
+        try:
+            call()
+        except error:
+            return
+        raise AssertionError(f"expected {error.__name__}")
+
+    # -- operations ------------------------------------------------------------
+
+    @rule(seq_id=SEQ_IDS, tokens=TOKENS, namespace=NAMESPACES)
+    def allocate(self, seq_id: int, tokens: list[int], namespace: str) -> None:
+        m = self.model
+        call = partial(self.subject.allocate, seq_id, tokens, namespace=namespace)
+        if seq_id in m.seqs:
+            return self.expect_error(SequenceExists, call)
+        hits = m.hit_pages(namespace, tokens)
+        num_new = m.pages_for(len(tokens)) - len(hits)
+        if not m.fits(num_new, hits):
+            return self.expect_error(OutOfPages, call)
+        result = call()
+        assert result.num_cached_tokens == len(hits) * m.page_size, (
+            f"hit {result.num_cached_tokens} tokens, model says {len(hits) * m.page_size}"
+        )
+        assert result.pages[: len(hits)] == hits, f"hit pages {result.pages} != {hits}"
+        # The hit pages are pinned (held, off the LRU) before the new pages are taken.
+        m.lru = [page for page in m.lru if page not in hits]
+        m.seqs[seq_id] = ModelSeq(namespace, list(tokens), list(hits), len(hits))
+        m.take(result.pages[len(hits) :])
+        m.seqs[seq_id].pages = list(result.pages)
+
+    @rule(seq_id=SEQ_IDS, new_tokens=TOKENS)
+    def extend(self, seq_id: int, new_tokens: list[int]) -> None:
+        m = self.model
+        call = partial(self.subject.extend, seq_id, len(new_tokens))
+        seq = m.seqs.get(seq_id)
+        if seq is None:
+            return self.expect_error(UnknownSequence, call)
+        total = len(seq.tokens) + len(new_tokens)
+        num_new = m.pages_for(total) - len(seq.pages)
+        cow = (
+            bool(new_tokens)
+            and len(seq.tokens) % m.page_size != 0
+            and m.refcounts()[seq.pages[-1]] > 1
+        )
+        if not m.fits(num_new + cow):
+            return self.expect_error(OutOfPages, call)
+        result = call()
+        assert len(result.new_pages) == num_new, f"{result.new_pages} for {num_new} new pages"
+        assert len(result.copies) == cow, f"copies {result.copies}, copy-on-write {cow}"
+        taken = list(result.new_pages)
+        if cow:
+            src, dst = result.copies[0]
+            assert src == seq.pages[-1], f"copied from {src}, last page is {seq.pages[-1]}"
+            taken.append(dst)
+        m.take(taken)
+        if cow:
+            seq.pages[-1] = result.copies[0][1]
+        seq.pages.extend(result.new_pages)
+        seq.tokens.extend(new_tokens)
+
+    @rule(seq_id=SEQ_IDS, cut=st.integers(0, 20))
+    def commit(self, seq_id: int, cut: int) -> None:
+        """commit as old clients call it: the tokens from the first one, no start."""
+        m = self.model
+        seq = m.seqs.get(seq_id)
+        if seq is None:
+            return self.expect_error(UnknownSequence, partial(self.subject.commit, seq_id, []))
+        tokens = seq.tokens[: min(cut, len(seq.tokens))]
+        published = self.subject.commit(seq_id, tokens)
+        m.publish(seq, 0, tokens)
+        assert published == seq.committed, f"commit says {published}, model {seq.committed}"
+
+    @precondition(lambda self: bool(self.model.seqs))
+    @rule(data=st.data(), cut=st.integers(0, 20))
+    def commit_from(self, data: st.DataObject, cut: int) -> None:
+        """commit of only the tokens from a page boundary at or before the first
+        page not yet committed (what a client that remembers its commits sends)."""
+        m = self.model
+        seq_id = data.draw(st.sampled_from(sorted(m.seqs)), label="seq_id")
+        seq = m.seqs[seq_id]
+        start = data.draw(st.integers(0, seq.committed), label="start_pages") * m.page_size
+        tokens = seq.tokens[start : max(start, min(cut, len(seq.tokens)))]
+        published = self.subject.commit(seq_id, tokens, start=start)
+        m.publish(seq, start, tokens)
+        assert published == seq.committed, f"commit says {published}, model {seq.committed}"
+
+    @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["unaligned", "beyond", "negative", "long"]))
+    def commit_bad_start(self, seq_id: int, bad: str) -> None:
+        """A start that is not a page boundary, lies past the committed pages, is
+        negative, or makes the tokens run past the sequence: BadRequest."""
+        m = self.model
+        seq = m.seqs.get(seq_id)
+        if seq is None:
+            return
+        committed = seq.committed * m.page_size
+        if bad == "unaligned":
+            if m.page_size == 1:
                 return
-            raise AssertionError(f"expected {error.__name__}")
+            start = committed - m.page_size + 1 if committed else 1
+        else:
+            start = {
+                "beyond": committed + m.page_size,
+                "negative": -m.page_size,
+                "long": committed,
+            }[bad]
+        tokens = [*seq.tokens[max(start, 0) :], 0] if bad == "long" else []
+        self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens, start=start))
 
-        # -- operations ------------------------------------------------------------
+    @precondition(lambda self: any(s.committed for s in self.model.seqs.values()))
+    @rule(data=st.data())
+    def commit_forged(self, data: st.DataObject) -> None:
+        """A commit that re-sends a committed (or prefix-hit) page with other tokens:
+        BadRequest, nothing changes."""
+        m = self.model
+        seq_id = data.draw(st.sampled_from(sorted(i for i, s in m.seqs.items() if s.committed)))
+        seq = m.seqs[seq_id]
+        page = data.draw(st.integers(0, seq.committed - 1), label="forged_page")
+        tokens = list(seq.tokens[: seq.committed * m.page_size])
+        tokens[page * m.page_size] += 1  # tokens are < 3: still a valid token id
+        self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens))
 
-        @rule(seq_id=SEQ_IDS, tokens=TOKENS, namespace=NAMESPACES)
-        def allocate(self, seq_id: int, tokens: list[int], namespace: str) -> None:
-            m = self.model
-            call = partial(self.subject.allocate, seq_id, tokens, namespace=namespace)
-            if seq_id in m.seqs:
-                return self.expect_error(SequenceExists, call)
-            hits = m.hit_pages(namespace, tokens)
-            num_new = m.pages_for(len(tokens)) - len(hits)
-            if not m.fits(num_new, hits):
-                return self.expect_error(OutOfPages, call)
-            result = call()
-            assert result.num_cached_tokens == len(hits) * m.page_size, (
-                f"hit {result.num_cached_tokens} tokens, model says {len(hits) * m.page_size}"
-            )
-            assert result.pages[: len(hits)] == hits, f"hit pages {result.pages} != {hits}"
-            # The hit pages are pinned (held, off the LRU) before the new pages are taken.
-            m.lru = [page for page in m.lru if page not in hits]
-            m.seqs[seq_id] = ModelSeq(namespace, list(tokens), list(hits), len(hits))
-            m.take(result.pages[len(hits) :])
-            m.seqs[seq_id].pages = list(result.pages)
-
-        @rule(seq_id=SEQ_IDS, new_tokens=TOKENS)
-        def extend(self, seq_id: int, new_tokens: list[int]) -> None:
-            m = self.model
-            call = partial(self.subject.extend, seq_id, len(new_tokens))
-            seq = m.seqs.get(seq_id)
-            if seq is None:
-                return self.expect_error(UnknownSequence, call)
-            total = len(seq.tokens) + len(new_tokens)
-            num_new = m.pages_for(total) - len(seq.pages)
-            cow = (
-                bool(new_tokens)
-                and len(seq.tokens) % m.page_size != 0
-                and m.refcounts()[seq.pages[-1]] > 1
-            )
-            if not m.fits(num_new + cow):
-                return self.expect_error(OutOfPages, call)
-            result = call()
-            assert len(result.new_pages) == num_new, f"{result.new_pages} for {num_new} new pages"
-            assert len(result.copies) == cow, f"copies {result.copies}, copy-on-write {cow}"
-            taken = list(result.new_pages)
-            if cow:
-                src, dst = result.copies[0]
-                assert src == seq.pages[-1], f"copied from {src}, last page is {seq.pages[-1]}"
-                taken.append(dst)
-            m.take(taken)
-            if cow:
-                seq.pages[-1] = result.copies[0][1]
-            seq.pages.extend(result.new_pages)
-            seq.tokens.extend(new_tokens)
-
-        @rule(seq_id=SEQ_IDS, cut=st.integers(0, 20))
-        def commit(self, seq_id: int, cut: int) -> None:
-            """commit as old clients call it: the tokens from the first one, no start."""
-            m = self.model
-            seq = m.seqs.get(seq_id)
-            if seq is None:
-                return self.expect_error(UnknownSequence, partial(self.subject.commit, seq_id, []))
-            tokens = seq.tokens[: min(cut, len(seq.tokens))]
-            published = self.subject.commit(seq_id, tokens)
-            m.publish(seq, 0, tokens)
-            assert published == seq.committed, f"commit says {published}, model {seq.committed}"
-
-        @precondition(lambda self: bool(self.model.seqs))
-        @rule(data=st.data(), cut=st.integers(0, 20))
-        def commit_from(self, data: st.DataObject, cut: int) -> None:
-            """commit of only the tokens from a page boundary at or before the first
-            page not yet committed (what a client that remembers its commits sends)."""
-            m = self.model
-            seq_id = data.draw(st.sampled_from(sorted(m.seqs)), label="seq_id")
-            seq = m.seqs[seq_id]
-            start = data.draw(st.integers(0, seq.committed), label="start_pages") * m.page_size
-            tokens = seq.tokens[start : max(start, min(cut, len(seq.tokens)))]
-            published = self.subject.commit(seq_id, tokens, start=start)
-            m.publish(seq, start, tokens)
-            assert published == seq.committed, f"commit says {published}, model {seq.committed}"
-
-        @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["unaligned", "beyond", "negative", "long"]))
-        def commit_bad_start(self, seq_id: int, bad: str) -> None:
-            """A start that is not a page boundary, lies past the committed pages, is
-            negative, or makes the tokens run past the sequence: BadRequest."""
-            m = self.model
-            seq = m.seqs.get(seq_id)
-            if seq is None:
-                return
-            committed = seq.committed * m.page_size
-            if bad == "unaligned":
-                if m.page_size == 1:
-                    return
-                start = committed - m.page_size + 1 if committed else 1
-            else:
-                start = {"beyond": committed + m.page_size, "negative": -m.page_size,
-                         "long": committed}[bad]  # fmt: skip
-            tokens = [*seq.tokens[max(start, 0) :], 0] if bad == "long" else []
-            self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens, start=start))
-
-        @precondition(lambda self: any(s.committed for s in self.model.seqs.values()))
-        @rule(data=st.data())
-        def commit_forged(self, data: st.DataObject) -> None:
-            """A commit that re-sends a committed (or prefix-hit) page with other tokens:
-            BadRequest, nothing changes."""
-            m = self.model
-            seq_id = data.draw(st.sampled_from(sorted(i for i, s in m.seqs.items() if s.committed)))
-            seq = m.seqs[seq_id]
-            page = data.draw(st.integers(0, seq.committed - 1), label="forged_page")
-            tokens = list(seq.tokens[: seq.committed * m.page_size])
-            tokens[page * m.page_size] += 1  # tokens are < 3: still a valid token id
+    @rule(seq_id=SEQ_IDS)
+    def commit_too_many(self, seq_id: int) -> None:
+        seq = self.model.seqs.get(seq_id)
+        if seq is not None:
+            tokens = [*seq.tokens, 0]
             self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens))
 
-        @rule(seq_id=SEQ_IDS)
-        def commit_too_many(self, seq_id: int) -> None:
-            seq = self.model.seqs.get(seq_id)
-            if seq is not None:
-                tokens = [*seq.tokens, 0]
-                self.expect_error(BadRequest, partial(self.subject.commit, seq_id, tokens))
+    @rule(parent_id=SEQ_IDS, child_id=SEQ_IDS)
+    def fork(self, parent_id: int, child_id: int) -> None:
+        m = self.model
+        call = partial(self.subject.fork, parent_id, child_id)
+        parent = m.seqs.get(parent_id)
+        if parent is None:
+            return self.expect_error(UnknownSequence, call)
+        if child_id in m.seqs:
+            return self.expect_error(SequenceExists, call)
+        assert call() == parent.pages
+        m.seqs[child_id] = ModelSeq(
+            parent.namespace, list(parent.tokens), list(parent.pages), parent.committed
+        )
 
-        @rule(parent_id=SEQ_IDS, child_id=SEQ_IDS)
-        def fork(self, parent_id: int, child_id: int) -> None:
-            m = self.model
-            call = partial(self.subject.fork, parent_id, child_id)
-            parent = m.seqs.get(parent_id)
-            if parent is None:
-                return self.expect_error(UnknownSequence, call)
-            if child_id in m.seqs:
-                return self.expect_error(SequenceExists, call)
-            assert call() == parent.pages
-            m.seqs[child_id] = ModelSeq(
-                parent.namespace, list(parent.tokens), list(parent.pages), parent.committed
+    @rule(seq_id=SEQ_IDS)
+    def free(self, seq_id: int) -> None:
+        m = self.model
+        seq = m.seqs.get(seq_id)
+        if seq is None:
+            return self.expect_error(UnknownSequence, partial(self.subject.free, seq_id))
+        self.subject.free(seq_id)
+        m.release(seq.pages)
+        del m.seqs[seq_id]
+
+    @rule(seq_id=SEQ_IDS)
+    def finish(self, seq_id: int) -> None:
+        """What an engine does when a request ends: publish every full page, then free."""
+        if seq_id in self.model.seqs:
+            self.commit(seq_id, len(self.model.seqs[seq_id].tokens))
+        self.free(seq_id)
+
+    @rule(tokens=TOKENS, namespace=NAMESPACES)
+    def lookup(self, tokens: list[int], namespace: str) -> None:
+        m = self.model
+        hits = m.hit_pages(namespace, tokens)
+        got = self.subject.lookup(tokens, namespace=namespace)
+        expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in m.lru))
+        assert got == expected, f"lookup {got}, model says {expected}"
+
+    @precondition(lambda self: bool(self.model.seqs))
+    @rule(data=st.data())
+    def lookup_live_prompt(self, data: st.DataObject) -> None:
+        """Look up a live sequence's own tokens: the hits the model expects most."""
+        seq_id = data.draw(st.sampled_from(sorted(self.model.seqs)))
+        seq = self.model.seqs[seq_id]
+        self.lookup(seq.tokens, seq.namespace)
+
+    @rule(tokens=TOKENS, namespace=NAMESPACES, num_pages=st.integers(0, 4))
+    def adopt(self, tokens: list[int], namespace: str, num_pages: int) -> None:
+        """Pages found below the pool (a lower tier) indexed after the pool's hits,
+        as if committed, and left evictable (subjects with ``adopt`` only)."""
+        m = self.model
+        adopt = getattr(self.subject, "adopt", None)
+        if adopt is None:
+            return
+        call = partial(adopt, tokens, num_pages, namespace=namespace)
+        hits = m.hit_pages(namespace, tokens)
+        if len(hits) + num_pages > max(len(tokens) - 1, 0) // m.page_size:
+            return self.expect_error(BadRequest, call)
+        prefixes = []  # the run stops before a prefix already indexed
+        for i in range(len(hits), len(hits) + num_pages):
+            prefix = m.prefix_id(namespace, tokens, i + 1)
+            if prefix in m.index:
+                break
+            prefixes.append(prefix)
+        if prefixes and not m.fits(len(prefixes), hits):
+            return self.expect_error(OutOfPages, call)
+        got = call()
+        assert len(got) == len(prefixes), f"adopted {got}, model says {len(prefixes)} pages"
+        if not got:
+            return
+        held = m.refcounts()
+        m.lru = [page for page in m.lru if page not in hits]
+        m.seqs[-1] = ModelSeq(namespace, [], list(hits))  # the hits, pinned while it takes
+        m.take(got)
+        del m.seqs[-1]
+        for prefix, page in zip(prefixes, got, strict=True):
+            m.index[prefix] = page
+            m.events.append((True, prefix, page))
+        m.lru += [page for page in reversed(hits + got) if page not in held]
+
+    @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace"]))
+    def bad_input(self, seq_id: int, bad: str) -> None:
+        if bad == "token":
+            call = partial(self.subject.allocate, 100 + seq_id, [1, -1])
+        elif bad == "extend":
+            if seq_id not in self.model.seqs:
+                return
+            call = partial(self.subject.extend, seq_id, -1)
+        else:
+            call = partial(self.subject.lookup, [1], namespace="x" * 1000)
+        self.expect_error(BadRequest, call)
+
+    # -- invariants ------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        if not hasattr(self, "model"):
+            return
+        m = self.model
+        check = getattr(self.subject, "check_integrity", None)
+        if check is not None:
+            check()
+        stats = self.subject.stats()
+        held = set(m.refcounts())
+        assert stats.total_pages == m.num_pages
+        assert stats.free_pages + stats.evictable_pages + stats.held_pages == m.num_pages, stats
+        assert stats.held_pages == len(held), f"{stats} but {len(held)} pages referenced"
+        assert stats.evictable_pages == len(m.lru), f"{stats} but model LRU {m.lru}"
+        assert stats.free_pages == len(m.free_pages()), stats
+        assert stats.cached_pages == len(m.index), f"{stats} but model index {len(m.index)}"
+        assert stats.num_sequences == len(m.seqs)
+        for seq_id, seq in m.seqs.items():
+            table = self.subject.block_table(seq_id)
+            assert table == seq.pages, f"seq {seq_id}: table {table} != model {seq.pages}"
+            assert len(table) == m.pages_for(len(seq.tokens))
+            assert self.subject.num_tokens(seq_id) == len(seq.tokens)
+
+    @invariant()
+    def events_agree_with_model(self) -> None:
+        """The step's events are the model's index changes; the snapshot is its index."""
+        if not hasattr(self, "model"):
+            return
+        m = self.model
+        expected = [m.event(event) for event in m.events]
+        m.events.clear()
+        take_events = getattr(self.subject, "take_events", None)
+        if take_events is not None:
+            got = take_events()
+            assert got == expected, f"events {got}, model says {expected}"
+        if getattr(self.subject, "records_evictions", False):
+            evicted = [(e.key, e.page) for e in expected if isinstance(e, PageRemoved)]
+            assert self.subject.take_evicted() == evicted, "evictions differ from events"
+        snapshot = getattr(self.subject, "prefix_snapshot", None)
+        if snapshot is None:
+            return
+        entries: list[PageStored] = snapshot()
+        model = {m.event((True, prefix, page)) for prefix, page in m.index.items()}
+        assert len(entries) == len(model) and set(entries) == model, (
+            f"snapshot {entries}, model index {model}"
+        )
+        seen: set[PrefixKey] = set()
+        keys = {entry.key for entry in entries}
+        for entry in entries:
+            assert entry.parent_key not in keys or entry.parent_key in seen, (
+                f"snapshot lists {entry.key.hex()} before its parent"
             )
+            seen.add(entry.key)
 
-        @rule(seq_id=SEQ_IDS)
-        def free(self, seq_id: int) -> None:
-            m = self.model
-            seq = m.seqs.get(seq_id)
-            if seq is None:
-                return self.expect_error(UnknownSequence, partial(self.subject.free, seq_id))
-            self.subject.free(seq_id)
-            m.release(seq.pages)
-            del m.seqs[seq_id]
 
-        @rule(seq_id=SEQ_IDS)
-        def finish(self, seq_id: int) -> None:
-            """What an engine does when a request ends: publish every full page, then free."""
-            if seq_id in self.model.seqs:
-                self.commit(seq_id, len(self.model.seqs[seq_id].tokens))
-            self.free(seq_id)
+def make_state_machine(factory: Factory) -> type[ManagerConformance]:
+    """A :class:`ManagerConformance` whose subject is ``factory(layout)``: the entry
+    point for a suite that builds its subject with a plain function."""
 
-        @rule(tokens=TOKENS, namespace=NAMESPACES)
-        def lookup(self, tokens: list[int], namespace: str) -> None:
-            m = self.model
-            hits = m.hit_pages(namespace, tokens)
-            got = self.subject.lookup(tokens, namespace=namespace)
-            expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in m.lru))
-            assert got == expected, f"lookup {got}, model says {expected}"
+    class FactoryConformance(ManagerConformance):
+        def make_subject(self, layout: KVLayout) -> Any:
+            return factory(layout)
 
-        @precondition(lambda self: bool(self.model.seqs))
-        @rule(data=st.data())
-        def lookup_live_prompt(self, data: st.DataObject) -> None:
-            """Look up a live sequence's own tokens: the hits the model expects most."""
-            seq_id = data.draw(st.sampled_from(sorted(self.model.seqs)))
-            seq = self.model.seqs[seq_id]
-            self.lookup(seq.tokens, seq.namespace)
-
-        @rule(tokens=TOKENS, namespace=NAMESPACES, num_pages=st.integers(0, 4))
-        def adopt(self, tokens: list[int], namespace: str, num_pages: int) -> None:
-            """Pages found below the pool (a lower tier) indexed after the pool's hits,
-            as if committed, and left evictable (subjects with ``adopt`` only)."""
-            m = self.model
-            adopt = getattr(self.subject, "adopt", None)
-            if adopt is None:
-                return
-            call = partial(adopt, tokens, num_pages, namespace=namespace)
-            hits = m.hit_pages(namespace, tokens)
-            if len(hits) + num_pages > max(len(tokens) - 1, 0) // m.page_size:
-                return self.expect_error(BadRequest, call)
-            prefixes = []  # the run stops before a prefix already indexed
-            for i in range(len(hits), len(hits) + num_pages):
-                prefix = m.prefix_id(namespace, tokens, i + 1)
-                if prefix in m.index:
-                    break
-                prefixes.append(prefix)
-            if prefixes and not m.fits(len(prefixes), hits):
-                return self.expect_error(OutOfPages, call)
-            got = call()
-            assert len(got) == len(prefixes), f"adopted {got}, model says {len(prefixes)} pages"
-            if not got:
-                return
-            held = m.refcounts()
-            m.lru = [page for page in m.lru if page not in hits]
-            m.seqs[-1] = ModelSeq(namespace, [], list(hits))  # the hits, pinned while it takes
-            m.take(got)
-            del m.seqs[-1]
-            for prefix, page in zip(prefixes, got, strict=True):
-                m.index[prefix] = page
-                m.events.append((True, prefix, page))
-            m.lru += [page for page in reversed(hits + got) if page not in held]
-
-        @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace"]))
-        def bad_input(self, seq_id: int, bad: str) -> None:
-            if bad == "token":
-                call = partial(self.subject.allocate, 100 + seq_id, [1, -1])
-            elif bad == "extend":
-                if seq_id not in self.model.seqs:
-                    return
-                call = partial(self.subject.extend, seq_id, -1)
-            else:
-                call = partial(self.subject.lookup, [1], namespace="x" * 1000)
-            self.expect_error(BadRequest, call)
-
-        # -- invariants ------------------------------------------------------------
-
-        @invariant()
-        def agrees_with_model(self) -> None:
-            if not hasattr(self, "model"):
-                return
-            m = self.model
-            check = getattr(self.subject, "check_integrity", None)
-            if check is not None:
-                check()
-            stats = self.subject.stats()
-            held = set(m.refcounts())
-            assert stats.total_pages == m.num_pages
-            assert stats.free_pages + stats.evictable_pages + stats.held_pages == m.num_pages, stats
-            assert stats.held_pages == len(held), f"{stats} but {len(held)} pages referenced"
-            assert stats.evictable_pages == len(m.lru), f"{stats} but model LRU {m.lru}"
-            assert stats.free_pages == len(m.free_pages()), stats
-            assert stats.cached_pages == len(m.index), f"{stats} but model index {len(m.index)}"
-            assert stats.num_sequences == len(m.seqs)
-            for seq_id, seq in m.seqs.items():
-                table = self.subject.block_table(seq_id)
-                assert table == seq.pages, f"seq {seq_id}: table {table} != model {seq.pages}"
-                assert len(table) == m.pages_for(len(seq.tokens))
-                assert self.subject.num_tokens(seq_id) == len(seq.tokens)
-
-        @invariant()
-        def events_agree_with_model(self) -> None:
-            """The step's events are the model's index changes; the snapshot is its index."""
-            if not hasattr(self, "model"):
-                return
-            m = self.model
-            expected = [m.event(event) for event in m.events]
-            m.events.clear()
-            take_events = getattr(self.subject, "take_events", None)
-            if take_events is not None:
-                got = take_events()
-                assert got == expected, f"events {got}, model says {expected}"
-            if getattr(self.subject, "records_evictions", False):
-                evicted = [(e.key, e.page) for e in expected if isinstance(e, PageRemoved)]
-                assert self.subject.take_evicted() == evicted, "evictions differ from events"
-            snapshot = getattr(self.subject, "prefix_snapshot", None)
-            if snapshot is None:
-                return
-            entries: list[PageStored] = snapshot()
-            model = {
-                m.event((True, prefix, page)) for prefix, page in m.index.items()
-            }  # fmt: skip
-            assert len(entries) == len(model) and set(entries) == model, (
-                f"snapshot {entries}, model index {model}"
-            )
-            seen: set[PrefixKey] = set()
-            keys = {entry.key for entry in entries}
-            for entry in entries:
-                assert entry.parent_key not in keys or entry.parent_key in seen, (
-                    f"snapshot lists {entry.key.hex()} before its parent"
-                )
-                seen.add(entry.key)
-
-    return ManagerConformance
+    return FactoryConformance

@@ -1,0 +1,148 @@
+"""The reference model the Manager conformance machine (:mod:`kvcore.testing.manager`)
+holds a subject to: docs/architecture.md's state machine in the plainest terms,
+written for obviousness rather than speed.
+
+* Prefixes are keyed by their token tuples, ``(namespace, tokens from 0 to the
+  end of a full page)``; they are hashed (spec/hashing.md) only to name them in
+  events and snapshots (:meth:`Model.key`, :meth:`Model.event`).
+* Pages are the ids the subject hands out; the model never picks one, it checks
+  that the subject's pick is one the policy allows (:meth:`Model.take`).
+* The eviction policy is a plain list, least recently released first
+  (:attr:`Model.lru`); a page is free iff no sequence references it and it is
+  not on that list.
+* Every index change is appended to :attr:`Model.events` in order; the machine
+  drains the list after each step and compares it with the subject's events.
+
+Counts are in pages unless a name says tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcore.allocator import PageId
+from kvcore.prefix import (
+    PageEvent,
+    PageRemoved,
+    PageStored,
+    PrefixKey,
+    encode_tokens,
+    page_key,
+    root_key,
+)
+
+PrefixId = tuple[str, tuple[int, ...]]  # (namespace, tokens from 0 to the end of a full page)
+ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
+
+
+@dataclass(slots=True)
+class ModelSeq:
+    """One live sequence as the model sees it; the machine's rules change every field."""
+
+    namespace: str
+    tokens: list[int]
+    pages: list[int]
+    committed: int = 0  # leading pages already offered to the index
+
+
+@dataclass(slots=True)
+class Model:
+    """Reference semantics of docs/architecture.md's state machine, in the plainest terms."""
+
+    page_size: int
+    num_pages: int
+    seqs: dict[int, ModelSeq] = field(default_factory=dict)
+    index: dict[PrefixId, int] = field(default_factory=dict)  # first committer wins
+    lru: list[int] = field(default_factory=list)  # evictable pages, least recent first
+    events: list[ModelEvent] = field(default_factory=list)  # index changes not yet checked
+
+    def refcounts(self) -> Counter[int]:
+        return Counter(page for seq in self.seqs.values() for page in seq.pages)
+
+    def free_pages(self) -> set[int]:
+        return set(range(self.num_pages)) - set(self.refcounts()) - set(self.lru)
+
+    def indexed_pages(self) -> set[int]:
+        return set(self.index.values())
+
+    def prefix_id(self, namespace: str, tokens: Sequence[int], num_pages: int) -> PrefixId:
+        return (namespace, tuple(tokens[: num_pages * self.page_size]))
+
+    def hit_pages(self, namespace: str, tokens: Sequence[int]) -> list[int]:
+        pages: list[int] = []
+        for i in range(max(len(tokens) - 1, 0) // self.page_size):
+            page = self.index.get(self.prefix_id(namespace, tokens, i + 1))
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def fits(self, num_pages: int, pinned: Sequence[int] = ()) -> bool:
+        pinned_evictable = sum(1 for page in pinned if page in self.lru)
+        return num_pages <= len(self.free_pages()) + len(self.lru) - pinned_evictable
+
+    def take(self, got: Sequence[int]) -> None:
+        """Check that the subject took exactly what the policy allows; apply evictions."""
+        free = self.free_pages()
+        assert len(set(got)) == len(got), f"a page handed out twice: {got}"
+        if len(got) <= len(free):
+            assert set(got) <= free, f"took {got}, but free pages were {sorted(free)}"
+            return
+        evicted = self.lru[: len(got) - len(free)]
+        assert set(got) == free | set(evicted), (
+            f"took {sorted(got)}; policy says free {sorted(free)} + LRU head {evicted}"
+        )
+        self.lru = self.lru[len(evicted) :]
+        prefix_of = {p: k for k, p in self.index.items()}
+        for page in evicted:  # in LRU order, as they are taken
+            self.events.append((False, prefix_of[page], page))
+            del self.index[prefix_of[page]]
+
+    def publish(self, seq: ModelSeq, start: int, tokens: Sequence[int]) -> None:
+        """Index the full pages of ``tokens`` (the sequence's from ``start``) not yet
+        offered; a prefix or page already indexed stays as it is (first commit wins)."""
+        indexed = self.indexed_pages()
+        upto = seq.tokens[: start + len(tokens)]
+        for i in range(seq.committed, len(upto) // self.page_size):
+            prefix = self.prefix_id(seq.namespace, upto, i + 1)
+            if prefix not in self.index and seq.pages[i] not in indexed:
+                self.index[prefix] = seq.pages[i]
+                indexed.add(seq.pages[i])
+                self.events.append((True, prefix, seq.pages[i]))
+        seq.committed = max(seq.committed, len(upto) // self.page_size)
+
+    def key(self, prefix: PrefixId) -> PrefixKey:
+        """The prefix key of spec/hashing.md for a prefix (the root for no tokens)."""
+        namespace, tokens = prefix
+        key = root_key(namespace)
+        for i in range(len(tokens) // self.page_size):
+            page = tokens[i * self.page_size : (i + 1) * self.page_size]
+            key = page_key(key, encode_tokens(page))
+        return key
+
+    def event(self, event: ModelEvent) -> PageEvent:
+        stored, (namespace, tokens), page = event
+        if stored:
+            parent = (namespace, tokens[: len(tokens) - self.page_size])
+            page_tokens = b"".join(t.to_bytes(4, "little") for t in tokens[-self.page_size :])
+            return PageStored(
+                self.key((namespace, tokens)),
+                self.key(parent),
+                PageId(page),
+                page_tokens,
+                namespace,
+            )
+        return PageRemoved(self.key((namespace, tokens)), PageId(page))
+
+    def release(self, pages: Sequence[int]) -> None:
+        counts = self.refcounts()
+        indexed = self.indexed_pages()
+        for page in reversed(pages):
+            counts[page] -= 1
+            if counts[page] == 0 and page in indexed:
+                self.lru.append(page)
