@@ -34,35 +34,108 @@ sets a field of every configured pool (``KVCORE_POOL_SIZE=1GiB``) and
 ``KVCORE_POOLS`` replaces the pools by ``;``-separated ``--pool`` specs
 (:func:`apply_env`). Flags override both; ``--pool`` takes the same keys as
 ``k=v,k=v``.
-Invalid configuration raises :class:`~kvcore.errors.BadRequest`. Paths of
-the runtime directory and of ipc:// sockets are checked by
-:func:`check_runtime_dir` and :func:`check_socket_path` (docs/security.md).
+Invalid configuration raises :class:`~kvcore.errors.BadRequest`.
+
+Under a pool, a ``[pools.tiers]`` table declares the lower tiers below it
+(:class:`TierConfig`; docs/concepts.md, "Tiers")::
+
+    [pools.tiers]
+    host = "4GiB"                         # daemon-owned host memory (bytes; 0 = none)
+    disk = "/var/cache/kvcore/default"    # a directory of this user's alone ("" = none)
+    disk_size = "64GiB"                   # bytes the disk tier may use
+    remote_master = "10.0.0.1:50051"      # Mooncake master ("" = no remote tier)
+    remote_metadata = "http://10.0.0.1:8080/metadata"
+    remote_timeout_s = 1.0                # the longest a request waits on the store
+
+As ``--pool`` keys: ``host_tier=4GiB``, ``disk_tier=/path``,
+``disk_tier_size=64GiB``, ``remote_master=host:port``,
+``remote_metadata=http://host:port/metadata``, ``remote_timeout_s=0.5``
+(:data:`TIER_FLAG_KEYS`). Every tier is off by default; a pool with none is
+served exactly as before. Sizes are bytes (an int or "512MiB"); page counts
+follow from the pool's layout.
+
+This module is the schema alone: it imports neither the tiers (kvcore.tiers)
+nor anything that opens a socket. The trust checks of the runtime directory
+and of ipc:// socket paths are :mod:`kvcore.paths` (docs/security.md); sizes
+are parsed by :mod:`kvcore.sizes`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
-from kvcore.errors import BadRequest, Timeout, UntrustedEndpoint
+from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-from kvcore.tiers.config import TierConfig, split_flags
 
-SOCKET_NAME = "kvcore.sock"
+# Re-exported for the importers of their old home (the client, `kvcore stats`, the vLLM
+# connector's metadata, tests); they live in kvcore.paths.
+from kvcore.paths import check_runtime_dir as check_runtime_dir
+from kvcore.paths import check_socket_path as check_socket_path
+from kvcore.paths import default_endpoint as default_endpoint
+from kvcore.sizes import parse_size
+
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
 MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is plenty
 MAX_BATCH = 1 << 20  # operations
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "KVCORE_"
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+# --pool keys -> TierConfig fields
+TIER_FLAG_KEYS = {
+    "host_tier": "host",
+    "disk_tier": "disk",
+    "disk_tier_size": "disk_size",
+    "remote_master": "remote_master",
+    "remote_metadata": "remote_metadata",
+    "remote_timeout_s": "remote_timeout_s",
+    "remote_local_hostname": "remote_local_hostname",
+}
+
+
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The tiers below one pool; all off by default. Sizes in bytes, times in seconds."""
+
+    host: int | str = 0
+    disk: str = ""
+    disk_size: int | str = "16GiB"
+    remote_master: str = ""
+    remote_metadata: str = ""
+    remote_local_hostname: str = "127.0.0.1"
+    remote_timeout_s: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_bytes() or self.disk or self.remote_master)
+
+    def host_bytes(self) -> int:
+        return parse_size(self.host)
+
+    def disk_bytes(self) -> int:
+        return parse_size(self.disk_size)
+
+    def validate(self, pool: str, page_bytes: int) -> None:
+        """BadRequest unless each declared tier holds at least one page of ``page_bytes``."""
+        host = self.host_bytes()
+        if host < 0 or 0 < host < page_bytes:
+            raise BadRequest(
+                f"pool {pool!r}: host tier of {host} bytes holds no page of {page_bytes} bytes"
+            )
+        if self.disk and self.disk_bytes() < page_bytes:
+            raise BadRequest(
+                f"pool {pool!r}: disk tier of {self.disk_bytes()} bytes holds "
+                f"no page of {page_bytes} bytes"
+            )
+        if bool(self.remote_master) != bool(self.remote_metadata):
+            raise BadRequest(
+                f"pool {pool!r}: a remote tier needs both remote_master and remote_metadata"
+            )
+        if not self.remote_timeout_s > 0:
+            raise BadRequest(f"pool {pool!r}: remote_timeout_s must be > 0")
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -87,19 +160,29 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # it is 0660 of that group, so tenants of other uids in it can map the pool.
     group: str = ""
     # Lower tiers below the pool (host memory, a disk directory, a Mooncake store); off by
-    # default. TOML: a [pools.tiers] table; --pool: host_tier=, disk_tier=, ... (tiers/config.py).
+    # default. TOML: a [pools.tiers] table; --pool: host_tier=, disk_tier=, ... (TierConfig).
     tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def layout(self) -> KVLayout:
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):
             raise BadRequest(f"pool {self.name!r}: device must be 'cpu' or 'cuda:N'")
         if self.num_pages is not None:
-            return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                            self.dtype, self.num_pages)  # fmt: skip
+            return KVLayout(
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.page_size,
+                self.dtype,
+                self.num_pages,
+            )
         return KVLayout.for_budget(
-            parse_size(self.size), num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, page_size=self.page_size, dtype=self.dtype,
-        )  # fmt: skip
+            parse_size(self.size),
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=self.dtype,
+        )
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -146,8 +229,10 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.events_format not in ("kvcore", "vllm"):
             raise BadRequest(f"events_format is 'kvcore' or 'vllm', not {self.events_format!r}")
         if self.log_format not in ("text", "json") or self.log_level not in LOG_LEVELS:
-            raise BadRequest(f"log_format is 'text' or 'json' and log_level one of {LOG_LEVELS}; "
-                             f"got {self.log_format!r}, {self.log_level!r}")  # fmt: skip
+            raise BadRequest(
+                f"log_format is 'text' or 'json' and log_level one of {LOG_LEVELS}; "
+                f"got {self.log_format!r}, {self.log_level!r}"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise BadRequest(
                 f"metrics_port is a TCP port (0: any free one), not {self.metrics_port}"
@@ -159,8 +244,12 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"pool names repeat: {names}")
         for pool in self.pools:
             pool.layout()
-            quotas = (pool.session_max_pages, pool.session_max_sequences,
-                      pool.namespace_max_pages, pool.namespace_max_sequences)  # fmt: skip
+            quotas = (
+                pool.session_max_pages,
+                pool.session_max_sequences,
+                pool.namespace_max_pages,
+                pool.namespace_max_sequences,
+            )
             if min(quotas) < 0:
                 raise BadRequest(f"pool {pool.name!r}: quotas are counts >= 0 (0 = none)")
         if self.socket_mode & ~0o666 or (self.socket_mode & 0o066 and not self.tenants):
@@ -168,13 +257,19 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for tenant in self.tenants:
             if any(len(key) != 40 for key in tenant.keys):
                 raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
-        limits = (self.max_request_tokens, self.max_sessions, self.max_queued_bytes,
-                  self.events_buffer_bytes)  # fmt: skip
+        limits = (
+            self.max_request_tokens,
+            self.max_sessions,
+            self.max_queued_bytes,
+            self.events_buffer_bytes,
+        )
         if min(limits) < 1 or not (
             math.isfinite(self.fence_timeout_s) and self.fence_timeout_s > 0
         ):
-            raise BadRequest("max_request_tokens, max_sessions, max_queued_bytes, "
-                             "events_buffer_bytes and fence_timeout_s must be positive")  # fmt: skip
+            raise BadRequest(
+                "max_request_tokens, max_sessions, max_queued_bytes, "
+                "events_buffer_bytes and fence_timeout_s must be positive"
+            )
         if not (
             math.isfinite(self.lease_timeout_s)
             and 0 < self.lease_timeout_s <= MAX_LEASE_S
@@ -186,16 +281,6 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"1024 <= max_frame_bytes <= {MAX_FRAME_BYTES}, 1 <= max_batch <= {MAX_BATCH}; "
                 f"got {self.lease_timeout_s}, {self.max_frame_bytes}, {self.max_batch}"
             )
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string like "256MiB", "1.5GiB", "4096"."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        return size
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(size))
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise BadRequest(f"not a size: {size!r} (try 256MiB, 2GiB or a byte count)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def load_toml(path: str | Path) -> ServiceConfig:
@@ -211,8 +296,11 @@ def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -
     ``true``, ``2.5``); a bad value raises BadRequest naming the variable. Variables
     that name no field are left alone (other parts of kvcore read some)."""
     environ = os.environ if environ is None else environ
-    scalar = {f.name: f.type for f in msgspec.structs.fields(ServiceConfig)
-              if f.name not in ("pools", "tenants")}  # fmt: skip
+    scalar = {
+        f.name: f.type
+        for f in msgspec.structs.fields(ServiceConfig)
+        if f.name not in ("pools", "tenants")
+    }
     changes: dict[str, object] = {}
     for field_name, field_type in scalar.items():
         var = ENV_PREFIX + field_name.upper()
@@ -246,7 +334,7 @@ def parse_pool_spec(spec: str) -> PoolConfig:
         key = key.strip().replace("-", "_")
         value = value.strip()
         fields[key] = int(value) if re.fullmatch(r"[0-9]+", value) else value
-    tiers = split_flags(fields)
+    tiers = split_tier_flags(fields)
     if tiers is not None:
         fields["tiers"] = tiers
     try:
@@ -255,81 +343,12 @@ def parse_pool_spec(spec: str) -> PoolConfig:
         raise BadRequest(f"--pool {spec!r}: {exc}") from None
 
 
-def runtime_dir() -> Path:
-    """$XDG_RUNTIME_DIR/kvcore, else /tmp/kvcore-$UID; created 0700 on first use, and
-    refused (UntrustedEndpoint) unless it is a real directory of this user, mode 0700."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "kvcore" if base else Path(f"/tmp/kvcore-{os.getuid()}")
-    if base:
-        Path(base).mkdir(mode=0o700, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)  # never through a symlink: mkdir does not follow one
-    check_runtime_dir(path)
-    return path
-
-
-def check_runtime_dir(path: Path) -> None:
-    """UntrustedEndpoint unless ``path`` is a directory (not a symlink) owned by this user
-    with mode 0700: anyone else who could write there could swap the daemon's socket."""
-    st = os.lstat(path)
-    why = _untrusted(st, {os.getuid()})
-    if why is None and not stat.S_ISDIR(st.st_mode):
-        why = "is not a directory"
-    if why is None and stat.S_IMODE(st.st_mode) != 0o700:
-        why = f"has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
-    if why is not None:
-        raise UntrustedEndpoint(
-            f"runtime directory {path} {why}: another user may have made it. Remove it "
-            f"(as its owner or root) or choose another place (XDG_RUNTIME_DIR, --endpoint)"
-        )
-
-
-def check_socket_path(path: str, trusted_uids: set[int], *, creating: bool) -> None:
-    """UntrustedEndpoint unless an ipc:// socket path can only be a trusted daemon's: its
-    directory belongs to a trusted uid or root and nobody else can write there (or it is
-    sticky, like /tmp), and the file, if it exists, is a socket (not a symlink) of a
-    trusted uid. A client (not ``creating``) also needs the socket to exist already in a
-    directory others can write. The daemon trusts its own uid; a client also root."""
-    parent = os.path.dirname(os.path.abspath(path))
-    try:
-        pst = os.stat(parent)
-    except FileNotFoundError:
-        if not creating:  # a client: no daemon ever bound there
-            raise Timeout(f"no daemon answers on ipc://{path} (its directory {parent} does "
-                          f"not exist) — start one with `kvcore serve`") from None  # fmt: skip
-        raise BadRequest(f"socket directory {parent} does not exist: create it (yours, mode "
-                         f"0700) or choose another endpoint") from None  # fmt: skip
-    shared = bool(pst.st_mode & 0o022)
-    why = _untrusted(pst, trusted_uids | {0})
-    if why is None and shared and not pst.st_mode & stat.S_ISVTX:
-        why = f"is writable by others (mode {stat.S_IMODE(pst.st_mode):04o})"
-    if why is not None:
-        raise UntrustedEndpoint(f"socket directory {parent} {why}: use a directory only "
-                                f"you (or root) can write")  # fmt: skip
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if shared and not creating:
-            raise UntrustedEndpoint(f"no socket at {path} yet, and others may create one "
-                                    f"there: start the daemon first") from None  # fmt: skip
-        return
-    why = _untrusted(st, trusted_uids)
-    if why is None and not stat.S_ISSOCK(st.st_mode):
-        why = "is not a socket"
-    if why is not None:
-        raise UntrustedEndpoint(f"{path} {why}: not a daemon you trust; remove it (as its "
-                                f"owner or root), or trust its owner (trusted_uids)")  # fmt: skip
-
-
-def _untrusted(st: os.stat_result, uids: set[int]) -> str | None:
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symlink"
-    if st.st_uid not in uids:
-        return f"is owned by uid {st.st_uid}"
-    return None
-
-
-def default_endpoint() -> str:
-    """The endpoint ``kvcore serve`` binds and ``Client.connect()`` uses by default
-    ($KVCORE_ENDPOINT overrides)."""
-    return os.environ.get("KVCORE_ENDPOINT") or f"ipc://{runtime_dir() / SOCKET_NAME}"
+def split_tier_flags(fields: dict[str, object]) -> dict[str, object] | None:
+    """Move the tier keys of a ``--pool`` spec out of ``fields`` (in place) into the
+    fields of a TierConfig; None if there are none."""
+    tiers = {TIER_FLAG_KEYS[key]: fields.pop(key) for key in list(fields) if key in TIER_FLAG_KEYS}
+    if "disk" in tiers:
+        tiers["disk"] = str(tiers["disk"])
+    if "remote_timeout_s" in tiers:
+        tiers["remote_timeout_s"] = float(str(tiers["remote_timeout_s"]))
+    return tiers or None

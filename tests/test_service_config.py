@@ -15,11 +15,11 @@ from kvcore.config import (
     apply_env,
     load_toml,
     parse_pool_spec,
-    parse_size,
 )
 from kvcore.daemon.serve import add_arguments, build_config, check_shm
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
+from kvcore.sizes import parse_size
 
 
 @pytest.mark.parametrize(

@@ -47,9 +47,9 @@ from kvcore.config import (
     default_endpoint,
     load_toml,
     parse_pool_spec,
-    runtime_dir,
 )
 from kvcore.errors import BadRequest, KVCoreError
+from kvcore.paths import runtime_dir
 
 from . import metrics
 from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key

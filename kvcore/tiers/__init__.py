@@ -4,10 +4,19 @@ Stacked by layer: ``base`` (keys, counters, the contract), ``codec`` (the
 framing of a checksummed entry), ``transfer`` (pool <-> page batches in bulk),
 then one module per medium (``worker``: bounded calls into the store),
 ``stack`` (the tiers of one pool, top down, as kvcore.daemon.tiering drives
-them) and ``config`` (what a pool declares: TierConfig). Importing this
-package imports neither torch nor mooncake; each tier imports what it needs
-when it is built.
+them). What a pool declares (TierConfig) is part of kvcore.config.
+
+Importing this package loads ``base`` and ``transfer`` only (neither imports
+torch). The tier implementations load on first use of their names
+(``from kvcore.tiers import DiskTier``): the remote tier's worker registers an
+atexit hook, which no process that never builds a tier should carry. Each
+tier imports torch or mooncake when it is built.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvcore.tiers.base import (
     FINGERPRINT_BYTES,
@@ -20,11 +29,25 @@ from kvcore.tiers.base import (
     tier_key,
     tier_keys,
 )
-from kvcore.tiers.disk import DiskTier
-from kvcore.tiers.host import HostTier, Spilled
-from kvcore.tiers.remote import RemoteConfig, RemoteTier, mooncake_available
-from kvcore.tiers.stack import Run, TierStack
 from kvcore.tiers.transfer import gather_pages, scatter_pages
+
+if TYPE_CHECKING:
+    from kvcore.tiers.disk import DiskTier
+    from kvcore.tiers.host import HostTier, Spilled
+    from kvcore.tiers.remote import RemoteConfig, RemoteTier, mooncake_available
+    from kvcore.tiers.stack import Run, TierStack
+
+# the names of the tier implementations -> their modules, imported on first use
+_LAZY = {
+    "DiskTier": "disk",
+    "HostTier": "host",
+    "Spilled": "host",
+    "RemoteConfig": "remote",
+    "RemoteTier": "remote",
+    "mooncake_available": "remote",
+    "Run": "stack",
+    "TierStack": "stack",
+}
 
 __all__ = [
     "FINGERPRINT_BYTES",
@@ -47,3 +70,10 @@ __all__ = [
     "tier_key",
     "tier_keys",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvcore.tiers' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvcore.tiers.{module}"), name)
