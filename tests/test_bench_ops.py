@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvcore.bench import ops
+from kvcore.bench.minimal_cache import MinimalCache
 from kvcore.bench.simulate import PagedPool, simulate
 from kvcore.bench.trace import TraceConfig, make_trace
 from kvcore.layout import KVLayout
@@ -93,7 +94,7 @@ def test_minimal_baseline_replays_like_the_manager() -> None:
     """Same admissions, hits, preemptions and page counts: the ratio compares equal work."""
     trace = make_trace(TRACE)
     layout = KVLayout(2, 2, 64, 8, "float16", 120)
-    manager, minimal = Manager(layout), ops.MinimalCache(layout)
+    manager, minimal = Manager(layout), MinimalCache(layout)
     a = simulate(trace, PagedPool(manager, True, 1), fork_every=3)
     b = simulate(trace, PagedPool(minimal, True, 1), fork_every=3)
     assert a == b and a.preemptions > 0
@@ -113,7 +114,7 @@ def test_cli_prints_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_lockstep_refuses_a_baseline_that_answers_otherwise() -> None:
-    class Forgetful(ops.MinimalCache):
+    class Forgetful(MinimalCache):
         def commit(self, seq_id: int, tokens: Any, *, start: int = 0) -> int:
             return 0  # publishes nothing: its lookups would never hit
 
