@@ -27,9 +27,9 @@ Plan once per step, run per layer (FlashInfer's plan/run split)::
   of the lengths, the geometry they were validated against (:class:`CacheSpec`)
   and whatever the backend precomputes (gather indices, split counts).
 * ``decode`` / ``prefill`` / ``write_kv`` / ``copy_pages`` take a plan and one
-  layer's tensors. They check shapes, dtypes and devices against the plan (no
-  tensor value is read, nothing synchronises), so they may run in a CUDA graph.
-  Any cache of the plan's geometry is valid (every layer of a pool), whatever
+  layer's tensors. They check shapes, dtypes and devices against the plan and
+  read no tensor value, so a run never synchronises with the device
+  (tests/test_backend_validation.py checks both). Any cache of the plan's geometry is valid (every layer of a pool), whatever
   its strides. An out-of-range page index never reaches a kernel.
 
 Empty inputs (B = 0, total_q = 0, T = 0, N = 0) return without calling a kernel.
@@ -210,27 +210,34 @@ class CopyPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodePlan:
-    """One query token per sequence, over tables validated once.
+class AttentionPlan:
+    """What a decode and a prefill plan share: tables validated once for one step.
 
     Sequence b attends its ``seq_lens[b]`` tokens (>= 1), held in pages
     ``block_table[b, :ceil(seq_lens[b] / page_size)]``, each in [0, num_pages);
     the rest of the row is padding and is never read. ``write`` / ``copy`` are the
     step's own write and copy plans (validated in the same transfer), or None.
+    Frozen: a plan is made by :class:`Backend` only, and any number of runs (every
+    layer, any thread) read it.
     """
 
-    backend: str
+    backend: str  # name of the backend that made it; only that backend runs it
     cache: CacheSpec
     block_table: torch.Tensor  # [B, max_pages] int32, contiguous
     seq_lens: torch.Tensor  # [B] int32, tokens
     host_seq_lens: tuple[int, ...]  # seq_lens read back in the validating transfer
-    write: WritePlan | None = None
-    copy: CopyPlan | None = None
-    prepared: object = None
+    write: WritePlan | None = field(default=None, kw_only=True)
+    copy: CopyPlan | None = field(default=None, kw_only=True)
+    prepared: object = field(default=None, kw_only=True)  # the backend's own
 
     @property
     def batch(self) -> int:
         return len(self.host_seq_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan(AttentionPlan):
+    """One query token per sequence, over the tables of :class:`AttentionPlan`."""
 
     @property
     def max_seq_len(self) -> int:
@@ -239,29 +246,16 @@ class DecodePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillPlan:
-    """Varlen causal queries over tables validated once.
+class PrefillPlan(AttentionPlan):
+    """Varlen causal queries over the tables of :class:`AttentionPlan`.
 
     The queries of sequence b are rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of the
     query; they are its *last* q_len[b] <= seq_lens[b] tokens (bottom-right aligned):
-    query i of b attends tokens ``0 .. seq_lens[b] - q_len[b] + i``. Table rules,
-    ``write`` and ``copy`` as in :class:`DecodePlan`.
+    query i of b attends tokens ``0 .. seq_lens[b] - q_len[b] + i``.
     """
 
-    backend: str
-    cache: CacheSpec
-    block_table: torch.Tensor  # [B, max_pages] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, from 0, non-decreasing
-    seq_lens: torch.Tensor  # [B] int32, tokens
-    host_seq_lens: tuple[int, ...]
     host_cu_seqlens_q: tuple[int, ...]
-    write: WritePlan | None = None
-    copy: CopyPlan | None = None
-    prepared: object = None
-
-    @property
-    def batch(self) -> int:
-        return len(self.host_seq_lens)
 
     @property
     def total_q(self) -> int:
@@ -305,10 +299,8 @@ class Backend(abc.ABC):
         at = checks.fetch(lens)
         side = _Side(checks, kv_cache, slots, copies)
         host = checks.run()
-        plan = DecodePlan(
-            self.name, spec, table, lens, tuple(host[at]),
-            write=self._write_plan(side, spec, kv_cache, host), copy=side.copy_plan(self, spec),
-        )  # fmt: skip
+        write, copy = self._write_plan(side, spec, kv_cache, host), side.copy_plan(self, spec)
+        plan = DecodePlan(self.name, spec, table, lens, tuple(host[at]), write=write, copy=copy)
         prepared = self._prepare_decode(plan, kv_cache)
         return plan if prepared is None else replace(plan, prepared=prepared)
 
@@ -339,10 +331,11 @@ class Backend(abc.ABC):
         at_lens, at_cu = checks.fetch(lens), checks.fetch(cu)
         side = _Side(checks, kv_cache, slots, copies)
         host = checks.run()
+        write, copy = self._write_plan(side, spec, kv_cache, host), side.copy_plan(self, spec)
+        host_lens, host_cu = tuple(host[at_lens]), tuple(host[at_cu])
         plan = PrefillPlan(
-            self.name, spec, table, cu, lens, tuple(host[at_lens]), tuple(host[at_cu]),
-            write=self._write_plan(side, spec, kv_cache, host), copy=side.copy_plan(self, spec),
-        )  # fmt: skip
+            self.name, spec, table, lens, host_lens, cu, host_cu, write=write, copy=copy
+        )
         prepared = self._prepare_prefill(plan, kv_cache)
         return plan if prepared is None else replace(plan, prepared=prepared)
 
@@ -398,8 +391,8 @@ class Backend(abc.ABC):
         query = spec.check_rows(query, "query", None, None)
         if query.shape[0] != plan.total_q:
             raise BadRequest(
-                f"query has {query.shape[0]} rows; cu_seqlens_q[-1] of the plan must equal "
-                f"total_q = {query.shape[0]}, got {plan.total_q}"
+                f"query has {query.shape[0]} rows; it must have the plan's "
+                f"total_q = cu_seqlens_q[-1] = {plan.total_q}"
             )
         scale = check_scale(scale)
         if plan.total_q == 0:

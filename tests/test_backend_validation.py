@@ -6,6 +6,7 @@ satisfy the contract."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_torch import TorchBackend
 
-from kvcore.backend import Backend
+from kvcore.backend import AttentionPlan, Backend
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 
 I32, I64 = torch.int32, torch.int64
@@ -181,7 +182,11 @@ PREFILL_ERRORS: list[tuple[str, dict[str, Any], str]] = [
     ("cu rank", {"cu_seqlens_q": t32(0, 2, 5).reshape(1, 3)}, r"cu_seqlens_q must have shape"),
     ("cu empty", {"cu_seqlens_q": t32()}, "B \\+ 1 >= 1"),
     ("cu start", {"cu_seqlens_q": t32(1, 2, 5)}, r"cu_seqlens_q\[0\] must be 0"),
-    ("cu end", {"cu_seqlens_q": t32(0, 2, 4)}, r"must equal total_q = 5"),
+    (
+        "cu end",
+        {"cu_seqlens_q": t32(0, 2, 4)},
+        r"^query has 5 rows; it must have the plan's total_q = cu_seqlens_q\[-1\] = 4$",
+    ),
     (
         "cu decreasing",
         {"cu_seqlens_q": t32(0, 6, 5), "query": torch.zeros(5, 4, D)},
@@ -333,6 +338,24 @@ def test_one_step_plan_validates_writes_and_copies_too() -> None:
     assert kv[1, 0, 0].eq(1).all() and kv[1, 1, 1].eq(2).all() and kv[1, 0, 3].eq(1).all()
     assert backend.prefill(plan, torch.zeros(5, 4, D), kv, 0.5).shape == (5, 4, D)
     assert plan.write.prepared is not None  # the scatter index, computed once
+
+
+def test_step_plans_are_frozen_and_share_their_tables() -> None:
+    """A decode and a prefill plan are frozen AttentionPlans: every layer and thread
+    reads the one plan of a step, and nothing can change it under them."""
+    backend = TorchBackend()
+    kv, table, lens = cache(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    plans = (
+        backend.plan_decode(kv, table, lens),
+        backend.plan_prefill(kv, table, t32(0, 2, 5), lens),
+    )
+    for plan in plans:
+        assert isinstance(plan, AttentionPlan) and plan.batch == 2
+        assert plan.host_seq_lens == (5, 8) and plan.block_table.equal(table)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.seq_lens = lens  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plans[1].host_cu_seqlens_q = (0, 5, 5)  # type: ignore[misc]
 
 
 @st.composite
