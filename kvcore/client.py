@@ -50,7 +50,9 @@ from kvcore.errors import (
     LeaseLost,
     NotAttached,
     Timeout,
+    UnknownPool,
     UntrustedEndpoint,
+    batch_failed,
     error_from_code,
 )
 from kvcore.layout import KVLayout
@@ -133,8 +135,12 @@ class Client:
 
     def open_channel(self) -> DealerChannel:
         """A new channel to the daemon with this client's keys (one per thread)."""
-        return DealerChannel(self.endpoint, timeout_s=self._timeout_s,
-                             curve_server_key=self._curve, curve_keypair=self._keypair)  # fmt: skip
+        return DealerChannel(
+            self.endpoint,
+            timeout_s=self._timeout_s,
+            curve_server_key=self._curve,
+            curve_keypair=self._keypair,
+        )
 
     # -- session ------------------------------------------------------------------
 
@@ -146,9 +152,14 @@ class Client:
                 **{**fields, "num_pages": fields["num_pages"] * self._ephemeral}
             )
         body = msg.Attach(
-            version=msg.PROTOCOL_VERSION, pool=self.pool, namespace=self.namespace,
-            layout=expected, ephemeral=self._ephemeral, pid=os.getpid(), name=self._name,
-        )  # fmt: skip
+            version=msg.PROTOCOL_VERSION,
+            pool=self.pool,
+            namespace=self.namespace,
+            layout=expected,
+            ephemeral=self._ephemeral,
+            pid=os.getpid(),
+            name=self._name,
+        )
         ok = self._call(body, msg.AttachOk)
         self.session, self.epoch = ok.session, ok.epoch
         self.attach_info = ok
@@ -249,7 +260,7 @@ class Client:
 
     def run_op(self, op: Operation[Any, T], request: msg.BatchOp) -> T:
         """One Manager operation over the wire: its result, as the Manager returns it."""
-        if isinstance(request, msg.Free):
+        if op.ends is not None:  # its pages go back to the daemon
             self._wait_for_gpu()
         result: T = op.decode(self._call(request, op.result))
         return result
@@ -258,10 +269,18 @@ class Client:
         """This pool's figures, as Manager.stats() returns them."""
         for p in self.daemon_stats().pools:
             if p.name == self.pool:
-                return Stats(p.total_pages, p.free_pages, p.evictable_pages, p.held_pages,
-                             p.cached_pages, p.num_sequences, p.query_tokens, p.hit_tokens,
-                             p.evictions)  # fmt: skip
-        raise error_from_code("unknown_pool", f"the daemon no longer serves {self.pool!r}")
+                return Stats(
+                    p.total_pages,
+                    p.free_pages,
+                    p.evictable_pages,
+                    p.held_pages,
+                    p.cached_pages,
+                    p.num_sequences,
+                    p.query_tokens,
+                    p.hit_tokens,
+                    p.evictions,
+                )
+        raise UnknownPool(f"the daemon no longer serves {self.pool!r}")
 
     def daemon_stats(self) -> msg.StatsOk:
         """Every pool, session and counter of the daemon (what `kvcore stats` shows)."""
@@ -321,11 +340,12 @@ class Client:
             if reply.id == request_id or reply.id == 0:
                 break
         if reply.error is not None:
-            if reply.error.code == LeaseLost.code:
+            error = error_from_code(reply.error.code, reply.error.message)
+            if isinstance(error, LeaseLost):
                 self._lose(self._channel)
-            elif self._lost and reply.error.code == NotAttached.code:  # the heartbeat acked first
+            elif self._lost and isinstance(error, NotAttached):  # the heartbeat acked first
                 raise LeaseLost("this session's lease was lost; reconnect() to attach again")
-            raise error_from_code(reply.error.code, reply.error.message)
+            raise error
         if reply.result is None:
             raise InternalError(f"reply to {type(body).__name__} has neither result nor error")
         return reply.result
@@ -356,9 +376,12 @@ class Batch:
     returns their results in order, as the Manager returns them.
 
     Not atomic (spec/protocol.md): the ops run in order and the first failing op
-    stops the batch. Then run() raises that op's typed error, with
-    ``error.batch_results`` (the results of the ops before it) and
-    ``error.batch_index`` (its index) set; the failing op changed nothing.
+    stops the batch; it changed nothing. Then run() raises a
+    :class:`~kvcore.errors.BatchFailed` that is also that op's typed error
+    (``except OutOfPages`` catches it), with ``error.batch_index`` (its index),
+    ``error.batch_results`` (the results of the ops before it) and ``error.error``
+    (the op's error alone). A request refused as a whole (``max_request_tokens``,
+    too many ops) raises the plain typed error: nothing ran.
     """
 
     allocate = Queued(ops.allocate)
@@ -385,7 +408,7 @@ class Batch:
         """Send the ops; the list of their results (the Manager's result types)."""
         queued, self._ops = self._ops, []
         requests = msg.Batch([request for _, request in queued])
-        if any(isinstance(request, msg.Free) for request in requests.ops):
+        if any(op.ends is not None for op, _ in queued):  # pages go back to the daemon
             self._client._wait_for_gpu()
         kinds = {op for op, _ in queued}
         error: msg.ErrorBody | None
@@ -406,10 +429,8 @@ class Batch:
             ]
             error = raw.error
         if error is not None:
-            exc = error_from_code(error.code, error.message)
-            exc.batch_results = self.results  # type: ignore[attr-defined]
-            exc.batch_index = len(self.results)  # type: ignore[attr-defined]
-            raise exc
+            cause = error_from_code(error.code, error.message)
+            raise batch_failed(cause, len(self.results), self.results)
         return self.results
 
     def __enter__(self) -> Batch:

@@ -2,19 +2,24 @@
 
 Three tiers of failure:
 
-* an expected outcome (the pool is full) and a caller's mistake (an unknown
-  sequence, a malformed request) are a :class:`KVCoreError` subclass whose
-  ``code`` is a stable string the wire protocol carries (spec/protocol.md);
-* a broken internal invariant is an ``assert`` with a message.
+* an expected outcome (the pool is full: :class:`OutOfPages`, a quota:
+  :class:`QuotaExceeded`) is a :class:`KVCoreError` subclass whose ``code`` is a
+  stable string the wire protocol carries (spec/protocol.md): callers handle it;
+* a caller's mistake (an unknown sequence, a malformed request, a sequence of
+  another session) is a typed error with a code too (:class:`UnknownSequence`,
+  :class:`BadRequest`, :class:`Forbidden`): the caller fixes its code;
+* a broken internal invariant is an ``assert`` with a message: a bug in kvcore,
+  never raised for anything a caller sends (the daemon answers ``internal``).
 
 Every operation that raises a :class:`KVCoreError` leaves the state exactly as it
 was before the call. The client side raises the very same classes, rebuilt from
-the code in the error reply (:func:`error_from_code`).
+the code in the error reply (:func:`error_from_code`); an op that fails inside a
+batch raises its class and :class:`BatchFailed` at once (:func:`batch_failed`).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 
 class KVCoreError(Exception):
@@ -160,3 +165,46 @@ def error_from_code(code: str, message: str) -> KVCoreError:
     if cls is None:
         return InternalError(f"{code}: {message}")
     return cls(message)
+
+
+class BatchFailed(KVCoreError):
+    """An op of a batch failed (client side; the wire carries only the op's error).
+
+    ``batch_index`` is the op's position, ``batch_results`` the results of the ops
+    before it (they ran), ``error`` the op's typed error alone. The op changed
+    nothing and no op after it ran. Raised as a class derived from both BatchFailed
+    and the op's error class (:func:`batch_failed`), so ``except OutOfPages`` catches
+    it as it catches one op's, and ``code`` and the message are the op's.
+    """
+
+    batch_index: int
+    batch_results: list[Any]
+    error: KVCoreError
+
+    def __init__(self, error: KVCoreError, batch_index: int, batch_results: list[Any]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.batch_index = batch_index
+        self.batch_results = batch_results
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return batch_failed, (self.error, self.batch_index, self.batch_results)
+
+
+def _in_batch(cls: type[KVCoreError]) -> type[BatchFailed]:
+    name = f"{cls.__name__}InBatch"
+    doc = f"{cls.__name__} of an op in a batch (see BatchFailed)."
+    namespace = {"__module__": __name__, "__qualname__": name, "__doc__": doc}
+    return cast(type[BatchFailed], type(name, (BatchFailed, cls), namespace))
+
+
+_IN_BATCH: dict[type[KVCoreError], type[BatchFailed]] = {
+    cls: _in_batch(cls) for cls in ERRORS.values()
+}
+"""Per error class, its BatchFailed twin (both bases: either ``except`` catches it)."""
+
+
+def batch_failed(error: KVCoreError, batch_index: int, batch_results: list[Any]) -> BatchFailed:
+    """The error of op ``batch_index`` of a batch, as a :class:`BatchFailed` that is also
+    an instance of ``error``'s class (one of :data:`ERRORS`)."""
+    return _IN_BATCH[type(error)](error, batch_index, batch_results)

@@ -11,7 +11,7 @@ import pytest
 
 from kvcore import Client, statsview
 from kvcore.daemon_process import DaemonProcess
-from kvcore.errors import NotAttached, OutOfPages, Timeout, UnknownSequence
+from kvcore.errors import BatchFailed, NotAttached, OutOfPages, Timeout, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
 
@@ -23,15 +23,21 @@ LAYOUT = KVLayout(
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp: Path = tmp_path_factory.mktemp("api")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral",
-                       "--pool", "num_pages=2,num_layers=1") as d:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp / 'd.sock'}",
+        "--allow-ephemeral",
+        "--pool",
+        "num_pages=2,num_layers=1",
+    ) as d:
         yield d
 
 
 @pytest.fixture
 def client(daemon: DaemonProcess, request: pytest.FixtureRequest) -> Iterator[Client]:
-    with Client.connect(daemon.endpoint, pool=request.node.name, layout=LAYOUT, ephemeral=True,
-                        name="api-test") as c:  # fmt: skip
+    with Client.connect(
+        daemon.endpoint, pool=request.node.name, layout=LAYOUT, ephemeral=True, name="api-test"
+    ) as c:
         yield c
 
 
@@ -84,10 +90,13 @@ def test_batch_results_and_partial_failure(client: Client) -> None:
     failing.extend(1, 2)
     failing.free(77)
     failing.free(1)
-    with pytest.raises(UnknownSequence) as info:
+    with pytest.raises(UnknownSequence) as info:  # the op's own class, and BatchFailed
         failing.run()
-    assert info.value.batch_results == [Extension([2], [])]  # type: ignore[attr-defined]
-    assert info.value.batch_index == 1  # type: ignore[attr-defined]
+    failed = info.value
+    assert isinstance(failed, BatchFailed) and failed.code == UnknownSequence.code
+    assert failed.batch_results == [Extension([2], [])]
+    assert failed.batch_index == 1
+    assert type(failed.error) is UnknownSequence and str(failed.error) == str(failed)
     assert client.num_tokens(1) == 6  # the op before ran, the one after did not
     with pytest.raises(OutOfPages):
         client.allocate(3, list(range(100)))
@@ -111,8 +120,9 @@ def test_timeout_when_no_daemon_answers(tmp_path: Path) -> None:
         Client.connect(f"ipc://{tmp_path / 'nobody.sock'}", timeout_s=0.2)
 
 
-def test_kvcore_stats_table_and_json(daemon: DaemonProcess, client: Client,
-                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_kvcore_stats_table_and_json(
+    daemon: DaemonProcess, client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
     client.allocate(1, [1, 2, 3])
     parser = argparse.ArgumentParser()
     statsview.add_arguments(parser)

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvcore.errors import BadRequest, KVCoreError
+from kvcore.errors import BadRequest, BatchFailed, KVCoreError
 from kvcore.manager import Allocation, Extension
 
 if TYPE_CHECKING:
@@ -165,13 +165,16 @@ class PagedRows:
         dev = self.device
         everything = len(q_index) == len(self.rows) * q
         return StepPlan(
-            batch=len(self.rows), q=q,
+            batch=len(self.rows),
+            q=q,
             slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_table=self._table(),
-            seq_lens=torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(
+                [len(r.tokens) for r in self.rows], dtype=torch.int32, device=dev
+            ),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             q_index=None if everything else torch.tensor(q_index, dtype=torch.int64, device=dev),
-        )  # fmt: skip
+        )
 
     # -- later forwards ---------------------------------------------------------------
 
@@ -212,15 +215,20 @@ class PagedRows:
             slots.extend(self._slot(row, r) for r in range(start, start + q))
         dev = self.device
         plan = StepPlan(
-            batch=len(self.rows), q=q,
+            batch=len(self.rows),
+            q=q,
             slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_table=self._table() if growing or self._last_table is None else self._last_table,
-            seq_lens=torch.tensor([len(r.tokens) for r in self.rows], dtype=torch.int32, device=dev),
-        )  # fmt: skip
+            seq_lens=torch.tensor(
+                [len(r.tokens) for r in self.rows], dtype=torch.int32, device=dev
+            ),
+        )
         self._last_table = plan.block_table
         if src:
-            plan.copies = (torch.tensor(src, dtype=torch.int64, device=dev),
-                           torch.tensor(dst, dtype=torch.int64, device=dev))  # fmt: skip
+            plan.copies = (
+                torch.tensor(src, dtype=torch.int64, device=dev),
+                torch.tensor(dst, dtype=torch.int64, device=dev),
+            )
         if q > 1:  # several new tokens per row (a continuation): the prefill kernel
             plan.cu_seqlens_q = torch.arange(
                 0, q * len(self.rows) + 1, q, dtype=torch.int32, device=dev
@@ -283,9 +291,10 @@ class PagedRows:
             try:
                 ops.run()
                 pending = []
-            except KVCoreError as exc:  # the failing free changed nothing; go on after it
-                done = getattr(exc, "batch_index", len(pending) - 1) + 1
-                pending = pending[done:]
+            except BatchFailed as exc:  # the failing free changed nothing; go on after it
+                pending = pending[exc.batch_index + 1 :]
+            except KVCoreError:  # refused as a whole, or the daemon is gone: give up
+                pending = []
         self.live.clear()
 
     # -- helpers ----------------------------------------------------------------------
@@ -300,8 +309,8 @@ class PagedRows:
                 # A failed op of the batch says how many ran before it; anything else
                 # (a timeout, an interrupt) leaves it unknown, so every sequence may
                 # exist, and close() frees them all (skipping unknown ones).
-                ran = getattr(exc, "batch_index", None)
-                self.live.update(creates if ran is None else creates[:ran])
+                ran = exc.batch_index if isinstance(exc, BatchFailed) else len(creates)
+                self.live.update(creates[:ran])
             raise
         if creates is not None:
             self.live.update(creates)
