@@ -10,14 +10,22 @@ An :class:`Operation` ties together
   daemon runs the request on a Manager and answers (``serve``), and how the
   answer becomes the Manager's result type again (``decode``, client side),
 * the ownership rule: which request fields name sequences the session must own
-  (``owns``), create (``creates``, the session claims it) or end (``ends``).
+  (``owns``), create (``creates``, the session claims it) or end (``ends``: the
+  session releases it, its pages go back, so the client first waits for the
+  kernels that may still read them),
+* what the request costs and adds, read from the daemon's books of the pool
+  (:class:`Books`): ``work``, the tokens of work it is (bounded per request by
+  ``max_request_tokens``), and ``grows``, the sequence whose token count it
+  sets and that count, from which the quota ledger derives the page references
+  and sequences it adds (so a quota may refuse it) and books them after it ran.
 
 Everything else is derived from :data:`OPERATIONS`: the daemon's dispatch
-(kvcore/daemon/handler.py), the methods of :class:`~kvcore.client.Client` and
-:class:`~kvcore.client.Batch` (an Operation is a typed descriptor: as a class
-attribute of a client it is the bound method, with the Manager method's
-signature and docstring), and tests hold the table, the schema and
-spec/protocol.md to each other. Session-level operations (attach, detach,
+(kvcore/daemon/handler.py), its work bound and quotas (kvcore/daemon/quotas.py),
+the methods of :class:`~kvcore.client.Client` and :class:`~kvcore.client.Batch`
+(an Operation is a typed descriptor: as a class attribute of a client it is the
+bound method, with the Manager method's signature and docstring), and tests hold
+the table, the Manager's behaviour, the schema and spec/protocol.md to each
+other (tests/test_ops_table.py). Session-level operations (attach, detach,
 heartbeat, stats, check, batch) touch no Manager and live in the handler.
 """
 
@@ -37,6 +45,19 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+class Books(Protocol):
+    """What the daemon's ledger knows of one pool, as ``work`` and ``grows`` read it."""
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        ...
+
+    def held(self, seq: int) -> int | None:
+        """Tokens ``seq`` holds; None if it is not on the books (no owned sequence)."""
+        ...
+
+
 class Caller(Protocol):
     """What an Operation binds to as a method: something that runs a request."""
 
@@ -49,6 +70,14 @@ class Operation(Generic[P, T]):
 
     ``serve(manager, request, namespace)`` gets the session's namespace (the
     default of per-call namespaces) and returns the wire result struct.
+
+    ``work(request, books)`` is the request's cost in tokens: those it carries,
+    adds or copies; 0 for none. ``grows(request, books)`` is ``(seq, tokens)``:
+    the sequence whose token count the op sets and that count after it ran (the
+    created sequence for ``creates``, else a sequence it owns); None if it sets
+    none, or if that sequence is not on the books (the Manager refuses the op
+    then). Both are declared by every operation (no defaults): an op that
+    carries tokens or grows a sequence cannot skip the work bound or quotas.
     """
 
     method: Callable[Concatenate[Manager, P], T]
@@ -58,7 +87,9 @@ class Operation(Generic[P, T]):
     decode: Callable[[Any], T]
     owns: tuple[str, ...] = ()  # request fields naming sequences the session must own
     creates: str | None = None  # request field naming the sequence the op creates
-    ends: str | None = None  # request field naming the sequence the op ends
+    ends: str | None = None  # request field naming the sequence the op ends (pages go back)
+    work: Callable[[Any, Books], int] = field(kw_only=True)  # tokens of work (see above)
+    grows: Callable[[Any, Books], tuple[int, int] | None] = field(kw_only=True)  # (seq, tokens)
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +191,33 @@ def _lookup(tokens: Sequence[int], *, namespace: str | None = None) -> msg.Looku
     return msg.Lookup(_tokens(tokens), namespace)
 
 
+# -- work and growth, read from the books (units: tokens) -------------------------------
+
+
+def _no_work(request: Any, books: Books) -> int:
+    return 0
+
+
+def _grows_none(request: Any, books: Books) -> None:
+    return None  # the op sets no sequence's token count
+
+
+def _copied(request: msg.Fork, books: Books) -> int:
+    """A fork copies the parent's block table: its pages, priced as full pages of tokens."""
+    held = books.held(request.parent) or 0
+    return -(-held // books.page_size) * books.page_size
+
+
+def _forked(request: msg.Fork, books: Books) -> tuple[int, int] | None:
+    held = books.held(request.parent)
+    return None if held is None else (request.child, held)
+
+
+def _extended(request: msg.Extend, books: Books) -> tuple[int, int] | None:
+    held = books.held(request.seq)
+    return None if held is None else (request.seq, held + request.num_tokens)
+
+
 # -- the table ------------------------------------------------------------------------
 
 allocate = Operation(
@@ -171,6 +229,8 @@ allocate = Operation(
     ),
     decode=lambda r: Allocation(r.pages, r.num_cached_tokens),
     creates="seq",
+    work=lambda r, b: len(r.tokens),
+    grows=lambda r, b: (r.seq, len(r.tokens)),
 )
 extend = Operation(
     Manager.extend,
@@ -179,6 +239,8 @@ extend = Operation(
     serve=lambda m, r, ns: msg.ExtendOk(*_extension(m.extend(r.seq, r.num_tokens))),
     decode=lambda r: Extension(r.new_pages, r.copies),
     owns=("seq",),
+    work=lambda r, b: r.num_tokens,
+    grows=_extended,
 )
 commit = Operation(
     Manager.commit,
@@ -187,6 +249,8 @@ commit = Operation(
     serve=lambda m, r, ns: msg.CommitOk(m.commit(r.seq, r.tokens, start=r.start)),
     decode=lambda r: r.num_committed,
     owns=("seq",),
+    work=lambda r, b: len(r.tokens),
+    grows=_grows_none,
 )
 fork = Operation(
     Manager.fork,
@@ -196,6 +260,8 @@ fork = Operation(
     decode=lambda r: r.pages,
     owns=("parent",),
     creates="child",
+    work=_copied,
+    grows=_forked,
 )
 free = Operation(
     Manager.free,
@@ -205,6 +271,8 @@ free = Operation(
     decode=lambda r: None,
     owns=("seq",),
     ends="seq",
+    work=_no_work,
+    grows=_grows_none,
 )
 lookup = Operation(
     Manager.lookup,
@@ -214,6 +282,8 @@ lookup = Operation(
         *_hit(m.lookup(r.tokens, namespace=_namespace(r.namespace, ns)))
     ),
     decode=lambda r: PrefixHit(r.num_cached_tokens, r.num_evictable_pages),
+    work=lambda r, b: len(r.tokens),
+    grows=_grows_none,
 )
 block_table = Operation(
     Manager.block_table,
@@ -222,6 +292,8 @@ block_table = Operation(
     serve=lambda m, r, ns: msg.PagesOk(m.block_table(r.seq)),
     decode=lambda r: r.pages,
     owns=("seq",),
+    work=_no_work,
+    grows=_grows_none,
 )
 num_tokens = Operation(
     Manager.num_tokens,
@@ -230,6 +302,8 @@ num_tokens = Operation(
     serve=lambda m, r, ns: msg.NumTokensOk(m.num_tokens(r.seq)),
     decode=lambda r: r.num_tokens,
     owns=("seq",),
+    work=_no_work,
+    grows=_grows_none,
 )
 
 
@@ -254,6 +328,12 @@ OPERATIONS: dict[type[msg.BatchOp], Operation[Any, Any]] = {
     op.request: op for op in (allocate, extend, commit, fork, free, lookup, block_table, num_tokens)
 }
 """Every Manager operation by request type; exactly the batchable ops of the protocol."""
+
+
+def operation_of(request: msg.BatchOp) -> Operation[Any, Any]:
+    """The table entry of a (decoded, so batchable) Manager request."""
+    return OPERATIONS[type(request)]
+
 
 SESSION_OPS: frozenset[str] = frozenset(
     {"attach", "detach", "heartbeat", "stats", "check", "snapshot", "batch"}

@@ -5,12 +5,15 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from kvcore_ipc import messages as msg
 
 from kvcore import ops
 from kvcore.client import Batch, Client
+from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 from kvcore.prefix import MAX_NAMESPACE_BYTES
 
@@ -72,3 +75,66 @@ def test_a_bound_operation_documents_itself() -> None:
     assert bound.__name__ == "allocate"
     assert "OutOfPages" in (bound.__doc__ or "") and "AllocateOk" in (bound.__doc__ or "")
     assert str(inspect.signature(bound)).startswith("(seq_id: 'int', tokens:")
+
+
+PAGE_SIZE = 4
+EXAMPLES: dict[type[msg.BatchOp], msg.BatchOp] = {
+    msg.Allocate: msg.Allocate(2, list(range(100, 110))),
+    msg.Extend: msg.Extend(1, 3),
+    msg.Commit: msg.Commit(1, list(range(8))),
+    msg.Fork: msg.Fork(1, 2),
+    msg.Free: msg.Free(1),
+    msg.Lookup: msg.Lookup(list(range(9))),
+    msg.BlockTable: msg.BlockTable(1),
+    msg.NumTokens: msg.NumTokens(1),
+}
+"""One request per operation, for a Manager holding seq 1 (13 tokens, 4 pages of 4)."""
+
+
+@dataclass(slots=True)
+class _Books:
+    """The daemon's books as the table reads them (kvcore.ops.Books)."""
+
+    page_size: int
+    tokens: dict[int, int]
+
+    def held(self, seq: int) -> int | None:
+        return self.tokens.get(seq)
+
+
+def test_every_operation_declares_its_work_growth_and_release() -> None:
+    """Each op's ``work``, ``grows`` and ``ends`` agree with what its Manager method does,
+    so a new op that carries tokens, grows a sequence or ends one cannot skip
+    max_request_tokens, the quotas or the ledger."""
+    assert set(EXAMPLES) == set(ops.OPERATIONS), "give every operation an example here"
+    layout = KVLayout(1, 1, 8, PAGE_SIZE, "float16", num_pages=16)
+    for kind, request in EXAMPLES.items():
+        op = ops.OPERATIONS[kind]
+        assert ops.operation_of(request) is op
+        manager = Manager(layout)
+        manager.allocate(1, list(range(13)))
+        books = _Books(PAGE_SIZE, {1: 13})
+        carried = sum(len(v) for v in msgspec.structs.astuple(request) if isinstance(v, list))
+        work = op.work(request, books)
+        op.serve(manager, request, "default")
+        grown = op.grows(request, books)
+        if grown is not None:
+            seq, tokens = grown
+            assert (seq in books.tokens) is (op.creates is None), f"{op.name} grows {seq}"
+            assert work >= tokens - books.tokens.get(seq, 0), f"{op.name}: its growth is work"
+            books.tokens[seq] = tokens
+        if op.creates is not None:
+            assert grown is not None, f"{op.name} creates a sequence: the quotas must see it"
+        if op.ends is not None:
+            del books.tokens[getattr(request, op.ends)]
+        assert work >= carried, f"{op.name}: the tokens it carries are work"
+        live = {seq: manager.num_tokens(seq) for seq in (1, 2) if seq in manager}
+        assert books.tokens == live, f"{op.name}: the books do not follow the Manager"
+
+
+def test_a_fork_costs_the_parents_pages_in_tokens() -> None:
+    """The fork's price (max_request_tokens): the parent's block table in whole pages."""
+    books = _Books(PAGE_SIZE, {1: 13})
+    assert ops.fork.work(msg.Fork(1, 2), books) == 16
+    assert ops.fork.work(msg.Fork(9, 2), books) == 0  # not on the books: the Manager refuses it
+    assert ops.fork.grows(msg.Fork(9, 2), books) is None

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from kvcore_ipc import messages as msg
 
-from kvcore import Client
+from kvcore import Client, ops
+from kvcore.daemon.quotas import Ledger, Limits, Usage, request_work
 from kvcore.daemon_process import DaemonProcess
-from kvcore.errors import QuotaExceeded
+from kvcore.errors import BadRequest, QuotaExceeded
 
 CONFIG = """
 max_sessions = 4
@@ -91,6 +93,46 @@ def test_session_and_namespace_quotas(tmp_path: Path) -> None:
         b.close()
 
 
+def test_the_ledger_prices_and_books_each_op_by_its_table_entry() -> None:
+    """The ledger alone (no daemon): quotas and work read from kvcore.ops, as
+    test_session_and_namespace_quotas sees them over the wire."""
+    ledger = Ledger()
+    ledger.open_pool("q", 4, Limits(10, 3, 16, 5))
+
+    def run(op: ops.Operation[..., object], body: msg.BatchOp) -> None:
+        ledger.check("q", 1, "t", op, body)
+        ledger.apply("q", 1, "t", op, body)
+
+    run(ops.allocate, msg.Allocate(1, list(range(16))))  # 4 pages
+    run(ops.fork, msg.Fork(1, 2))  # 8 page references
+    with pytest.raises(QuotaExceeded, match="session holds 8 page references; 4 more"):
+        ledger.check("q", 1, "t", ops.fork, msg.Fork(1, 3))
+    with pytest.raises(QuotaExceeded, match="3 more exceed its quota of 10"):
+        ledger.check("q", 1, "t", ops.extend, msg.Extend(1, 12))
+    run(ops.commit, msg.Commit(1, list(range(16))))  # adds nothing
+    run(ops.lookup, msg.Lookup(list(range(17))))
+    run(ops.allocate, msg.Allocate(3, [1]))  # the third sequence, 9 references
+    with pytest.raises(QuotaExceeded, match="3 sequences; its quota is 3"):
+        ledger.check("q", 1, "t", ops.allocate, msg.Allocate(4, [1]))
+    ledger.check("q", 1, "t", ops.extend, msg.Extend(9, 100))  # not booked: the Manager refuses
+    run(ops.free, msg.Free(2))  # 5 references
+    run(ops.extend, msg.Extend(1, 1))  # 17 tokens: 5 pages, 6 references
+    assert ledger.usage("q", 1) == Usage(pages=6, sequences=2)
+    ledger.check_integrity("q", {1: 17, 3: 1}.__getitem__)
+    books = ledger.books("q")
+    batch = [
+        (ops.allocate, msg.Allocate(5, [1] * 10)),  # 10 tokens carried
+        (ops.extend, msg.Extend(1, 3)),  # 3 added
+        (ops.fork, msg.Fork(1, 6)),  # 5 pages of 4 copied: 20
+        (ops.free, msg.Free(3)),  # nothing
+    ]
+    request_work(batch, books, 33)
+    with pytest.raises(BadRequest, match="34 tokens of work, more than 33"):
+        request_work(
+            [*batch, (ops.num_tokens, msg.NumTokens(1)), (ops.extend, msg.Extend(1, 1))], books, 33
+        )
+
+
 def test_sessions_are_bounded(tmp_path: Path) -> None:
     with _daemon(tmp_path) as daemon:
         clients = [Client.connect(daemon.endpoint, pool="q", map_memory=False) for _ in range(4)]
@@ -118,8 +160,9 @@ def test_queued_requests_are_bounded_in_bytes(tmp_path: Path) -> None:
     daemon is busy with another client's request."""
     with _daemon(tmp_path, "--max-request-tokens", "100000000") as daemon:
         before = _peak_mib(daemon)
-        busy = subprocess.Popen([sys.executable, "-c", BUSY, daemon.endpoint],
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        busy = subprocess.Popen(
+            [sys.executable, "-c", BUSY, daemon.endpoint], stdout=subprocess.PIPE, text=True
+        )
         assert busy.stdout is not None and busy.stdout.readline().strip() == "go"
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

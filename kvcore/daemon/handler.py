@@ -35,11 +35,14 @@ from kvcore.errors import (
     KVCoreError,
     LayoutMismatch,
     NotAttached,
+    QuotaExceeded,
     StaleEpoch,
+    UntrustedEndpoint,
     VersionMismatch,
+    error_from_code,
 )
 from kvcore.layout import KVLayout
-from kvcore.ops import OPERATIONS, Operation
+from kvcore.ops import OPERATIONS, Operation, operation_of
 from kvcore.prefix import root_key
 
 from .auth import Authority
@@ -50,8 +53,14 @@ from .sessions import Session, SessionTable, State
 
 log = logging.getLogger("kvcore.daemon")
 
-REFUSALS = frozenset({"forbidden", "quota_exceeded", "untrusted_endpoint", "version_mismatch",
-                      "layout_mismatch"})  # logged at WARNING; other error replies at DEBUG  # fmt: skip
+REFUSALS: tuple[type[KVCoreError], ...] = (
+    Forbidden,
+    QuotaExceeded,
+    UntrustedEndpoint,
+    VersionMismatch,
+    LayoutMismatch,
+)
+"""Error replies logged at WARNING (a peer was refused); the others at DEBUG."""
 
 
 class Handler:
@@ -92,11 +101,11 @@ class Handler:
         try:
             request = self.codec.decode_request(frame)
         except FrameError as exc:
-            self._failed(exc.code, exc.message, None)
+            self._failed(error_from_code(exc.code, exc.message), None)
             return self.codec.encode_error(exc.request_id, exc.code, exc.message)
         except Exception as exc:  # a frame the codec failed to classify: still a bad request
-            self._failed("bad_request", repr(exc), None)
-            return self.codec.encode_error(0, "bad_request", f"undecodable request: {exc!r}")
+            self._failed(BadRequest(repr(exc)), None)
+            return self.codec.encode_error(0, BadRequest.code, f"undecodable request: {exc!r}")
         if self.timer is not None:
             return self._timed(self.timer, request, raw)
         return self._answer(request, raw)
@@ -111,55 +120,73 @@ class Handler:
         try:
             return self.codec.encode_result(request.id, self._dispatch(request, raw))
         except KVCoreError as exc:
-            self._failed(exc.code, str(exc), request)
+            self._failed(exc, request)
             return self.codec.encode_error(request.id, exc.code, str(exc))
         except Exception as exc:  # a bug: report it, keep serving
-            self._failed("internal", "", None)
+            self._failed(InternalError(), None)
             log.exception("internal error on %s", type(request.body).__name__)
-            return self.codec.encode_error(request.id, "internal", f"{type(exc).__name__}: {exc}")
+            return self.codec.encode_error(
+                request.id, InternalError.code, f"{type(exc).__name__}: {exc}"
+            )
 
-    def _failed(self, code: str, message: str, request: msg.Request | None) -> None:
+    def _failed(self, error: KVCoreError, request: msg.Request | None) -> None:
         """Count an error reply (or a failed op of a batch) by code; log refusals."""
+        code = error.code
         self.errors += 1
         self.errors_by_code[code] = self.errors_by_code.get(code, 0) + 1
-        level = logging.WARNING if code in REFUSALS else logging.DEBUG
+        level = logging.WARNING if isinstance(error, REFUSALS) else logging.DEBUG
         if request is not None and log.isEnabledFor(level):
-            log.log(level, "session %x: %s refused: %s: %s", request.session,
-                    type(request.body).__name__, code, message)  # fmt: skip
+            log.log(
+                level,
+                "session %x: %s refused: %s: %s",
+                request.session,
+                type(request.body).__name__,
+                code,
+                error,
+            )
 
     def _dispatch(self, request: msg.Request, raw: zmq.Frame | None) -> msgspec.Struct:
         body = request.body
         op = OPERATIONS.get(type(body))
         if op is not None:  # the hot path: one Manager operation
             session = self._session(request)
-            request_work((body,), self.ledger, session.pool, self.max_request_tokens)
+            books = self.ledger.books(session.pool)
+            request_work(((op, body),), books, self.max_request_tokens)
             return self._run(session, self.pools.pools[session.pool], op, body)
         match body:
             case msg.Attach():
                 return self._attach(body, raw)
             case msg.GetStats():
                 return self._stats(raw)
-            case msg.Detach() if self.sessions.acknowledge(request.session):
-                return msg.Empty()  # a fenced client unmapped the pool: its pages drain now
+            case msg.Detach():
+                if self.sessions.acknowledge(request.session):
+                    return msg.Empty()  # a fenced client unmapped the pool: its pages drain now
         session = self._session(request)
         pool = self.pools.pools[session.pool]
         match body:
-            case msg.Batch(ops=ops):
-                request_work(ops, self.ledger, session.pool, self.max_request_tokens)
+            case msg.Batch(ops=items):
+                # every BatchOp is in the table (kvcore.ops asserts it)
+                batch = [(operation_of(item), item) for item in items]
+                request_work(batch, self.ledger.books(session.pool), self.max_request_tokens)
                 results: list[Any] = []
                 try:
-                    for item in ops:  # every BatchOp is in the table (kvcore.ops asserts it)
-                        results.append(self._run(session, pool, OPERATIONS[type(item)], item))
+                    for op, item in batch:
+                        results.append(self._run(session, pool, op, item))
                 except KVCoreError as exc:
-                    self._failed(exc.code, str(exc), request)
+                    self._failed(exc, request)
                     return msg.BatchOk(results, msg.ErrorBody(exc.code, str(exc)))
                 return msg.BatchOk(results)
             case msg.Heartbeat():
                 return msg.Empty()
             case msg.Detach():
                 self.sessions.end(session)  # its sequences drain in the next ticks
-                log.info("session %x detached from pool %r (pid %d, %d sequences)",
-                         session.id, session.pool, session.pid, len(session.seqs))  # fmt: skip
+                log.info(
+                    "session %x detached from pool %r (pid %d, %d sequences)",
+                    session.id,
+                    session.pool,
+                    session.pid,
+                    len(session.seqs),
+                )
                 return msg.Empty()
             case msg.Check():
                 return self._check()
@@ -188,13 +215,13 @@ class Handler:
         namespace = getattr(body, "namespace", None)
         if namespace is not None:
             session.grant.check_namespace(namespace)
-        self.ledger.check(pool.name, session.id, session.namespace, body)
+        self.ledger.check(pool.name, session.id, session.namespace, op, body)
         result = op.serve(pool.manager, body, session.namespace)
         if op.creates is not None:
             self.sessions.claim(session, getattr(body, op.creates))
         if op.ends is not None:
             self.sessions.release(session, getattr(body, op.ends))
-        self.ledger.apply(pool.name, session.id, session.namespace, body)
+        self.ledger.apply(pool.name, session.id, session.namespace, op, body)
         return result
 
     # -- sessions --------------------------------------------------------------------
@@ -218,17 +245,25 @@ class Handler:
             raise LayoutMismatch(f"pool {pool.name!r} has layout {pool.layout}; expected {want}")
         pid = peer.pid if peer is not None and peer.pid is not None else body.pid
         watch = peer is not None and peer.pid is not None  # the kernel's pid: safe to watch
-        session = self.sessions.open(pool.name, body.namespace, grant, pid, watch, body.name,
-                                     time.monotonic())  # fmt: skip
+        session = self.sessions.open(
+            pool.name, body.namespace, grant, pid, watch, body.name, time.monotonic()
+        )
         log.info(
             "session %x attached to pool %r (pid %d, %r)", session.id, pool.name, pid, body.name
         )
         return msg.AttachOk(
-            session=session.id, epoch=self.epoch, version=msg.PROTOCOL_VERSION, pool=pool.name,
-            device=pool.device, layout=have, memory=pool.region.describe(),
-            lease_ms=int(self.sessions.lease_s * 1000), max_frame_bytes=self.codec.max_frame_bytes,
-            max_batch=self.codec.max_batch, events=self.events_endpoint,
-        )  # fmt: skip
+            session=session.id,
+            epoch=self.epoch,
+            version=msg.PROTOCOL_VERSION,
+            pool=pool.name,
+            device=pool.device,
+            layout=have,
+            memory=pool.region.describe(),
+            lease_ms=int(self.sessions.lease_s * 1000),
+            max_frame_bytes=self.codec.max_frame_bytes,
+            max_batch=self.codec.max_batch,
+            events=self.events_endpoint,
+        )
 
     def _ephemeral_pool(self, body: msg.Attach) -> Pool:
         if not self.allow_ephemeral:
@@ -237,8 +272,12 @@ class Handler:
             raise BadRequest("an ephemeral pool needs a full layout (num_pages > 0)")
         layout = KVLayout(**msgspec.structs.asdict(body.layout))
         pool = self.pools.open(body.pool, "cpu", layout, ephemeral=True)
-        log.info("ephemeral pool %r opened: %d pages x %d tokens", pool.name,
-                 layout.num_pages, layout.page_size)  # fmt: skip
+        log.info(
+            "ephemeral pool %r opened: %d pages x %d tokens",
+            pool.name,
+            layout.num_pages,
+            layout.page_size,
+        )
         self.ledger.open_pool(pool.name, layout.page_size, Limits(session_sequences=65536))
         return pool
 
@@ -248,8 +287,11 @@ class Handler:
         for session in self.sessions.expire(now):
             log.warning(
                 "session %x (pid %d): lease over, %s with %d sequences",
-                session.id, session.pid, session.state.value, len(session.seqs),
-            )  # fmt: skip
+                session.id,
+                session.pid,
+                session.state.value,
+                len(session.seqs),
+            )
 
     def reap(self, budget: int) -> None:
         """Free up to about ``budget`` page references of draining sessions (each sequence
@@ -295,8 +337,10 @@ class Handler:
             total = usage.setdefault((s.pool, s.namespace), [0, 0])
             total[0] += held.pages
             total[1] += held.sequences
-        namespaces = [NamespaceUsage(pool, ns, pages, seqs)
-                      for (pool, ns), (pages, seqs) in sorted(usage.items())]  # fmt: skip
+        namespaces = [
+            NamespaceUsage(pool, ns, pages, seqs)
+            for (pool, ns), (pages, seqs) in sorted(usage.items())
+        ]
         return Snapshot(self._stats(None), dict(self.errors_by_code), namespaces)
 
     def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
@@ -311,15 +355,26 @@ class Handler:
             if not grant.sees(pool.name):
                 continue
             s = pool.manager.stats()
-            pools.append(msg.PoolStats(
-                name=pool.name, device=pool.device, layout=pool.layout_message(),
-                total_pages=s.total_pages, free_pages=s.free_pages,
-                evictable_pages=s.evictable_pages, held_pages=s.held_pages,
-                cached_pages=s.cached_pages, num_sequences=s.num_sequences,
-                query_tokens=s.query_tokens, hit_tokens=s.hit_tokens, evictions=s.evictions,
-                num_sessions=self.sessions.on_pool(pool.name), ephemeral=pool.ephemeral,
-                event_seq_no=self.pools.last_seq_no(pool.name), tiers=pool.tier_stats(),
-            ))  # fmt: skip
+            pools.append(
+                msg.PoolStats(
+                    name=pool.name,
+                    device=pool.device,
+                    layout=pool.layout_message(),
+                    total_pages=s.total_pages,
+                    free_pages=s.free_pages,
+                    evictable_pages=s.evictable_pages,
+                    held_pages=s.held_pages,
+                    cached_pages=s.cached_pages,
+                    num_sequences=s.num_sequences,
+                    query_tokens=s.query_tokens,
+                    hit_tokens=s.hit_tokens,
+                    evictions=s.evictions,
+                    num_sessions=self.sessions.on_pool(pool.name),
+                    ephemeral=pool.ephemeral,
+                    event_seq_no=self.pools.last_seq_no(pool.name),
+                    tiers=pool.tier_stats(),
+                )
+            )
         sessions = [
             msg.SessionStats(
                 pool=s.pool,
@@ -333,9 +388,12 @@ class Handler:
             if s.state is not State.DRAINING and grant.sees(s.pool, s.namespace)
         ]
         counters = msg.ServerCounters(
-            epoch=self.epoch, version=msg.PROTOCOL_VERSION, uptime_s=now - self.started,
-            requests=self.requests, errors=self.errors,
+            epoch=self.epoch,
+            version=msg.PROTOCOL_VERSION,
+            uptime_s=now - self.started,
+            requests=self.requests,
+            errors=self.errors,
             dropped_frames=self.server.dropped_frames if self.server else 0,
             expired_sessions=self.sessions.expired,
-        )  # fmt: skip
+        )
         return msg.StatsOk(pools, sessions, counters)

@@ -15,17 +15,23 @@ nothing changed) and updated after it succeeded. Invariant
 :func:`request_work` bounds one request's work (``max_request_tokens``): the
 tokens it carries, plus those a fork copies and an extend adds, summed over a
 batch; a heavier request is ``bad_request`` before anything runs.
+
+What each operation costs and adds is declared once, on its
+:class:`~kvcore.ops.Operation` (``work``, ``grows``, ``creates``, ``ends``);
+this module only reads those declarations against the books.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcore_ipc import messages as msg
 
 from kvcore.config import PoolConfig
 from kvcore.errors import BadRequest, QuotaExceeded
+from kvcore.ops import Books, Operation
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +45,12 @@ class Limits:
 
     @classmethod
     def of(cls, pool: PoolConfig) -> Limits:
-        return cls(pool.session_max_pages, pool.session_max_sequences,
-                   pool.namespace_max_pages, pool.namespace_max_sequences)  # fmt: skip
+        return cls(
+            pool.session_max_pages,
+            pool.session_max_sequences,
+            pool.namespace_max_pages,
+            pool.namespace_max_sequences,
+        )
 
 
 @dataclass(slots=True)
@@ -61,6 +71,9 @@ class _PoolBook:
     def pages(self, seq: int) -> int:
         return -(-self.tokens[seq] // self.page_size)
 
+    def held(self, seq: int) -> int | None:
+        return self.tokens.get(seq)
+
 
 class Ledger:
     """Per-pool books of what sessions and namespaces hold (see module doc)."""
@@ -77,70 +90,71 @@ class Ledger:
         book = self._books.pop(pool, None)
         assert book is None or not book.tokens, f"pool {pool!r} closed with sequences on its books"
 
-    def page_size(self, pool: str) -> int:
-        return self._books[pool].page_size
-
     def pages(self, pool: str, seq: int) -> int:
         """Page references held by ``seq`` (0 if it is not on the books)."""
         book = self._books[pool]
         return book.pages(seq) if seq in book.tokens else 0
 
-    def check(self, pool: str, session: int, namespace: str, body: msg.BatchOp) -> None:
-        """QuotaExceeded if ``body`` would take the session or namespace over a quota."""
+    def books(self, pool: str) -> Books:
+        """The books of ``pool``, as an operation's ``work`` and ``grows`` read them."""
+        return self._books[pool]
+
+    def check(
+        self, pool: str, session: int, namespace: str, op: Operation[Any, Any], body: msg.BatchOp
+    ) -> None:
+        """QuotaExceeded if ``body`` would take the session or namespace over a quota: the
+        page references of the sequence ``op.grows`` (all of them if the op creates it,
+        else those it adds) and, if the op creates one, a sequence."""
         book = self._books[pool]
-        kind = type(body)
-        if kind is msg.Extend and not (book.limits.session_pages or book.limits.namespace_pages):
-            return  # the hot path: an extend adds no sequence, and pages are not limited
-        if kind not in _GROW:
+        lim = book.limits
+        creates = op.creates is not None
+        if not (lim.session_pages or lim.namespace_pages) and not (
+            creates and (lim.session_sequences or lim.namespace_sequences)
+        ):
+            return  # the hot path: nothing this op may add is limited
+        grown = op.grows(body, book)
+        if grown is None:
             return
-        match body:
-            case msg.Allocate(tokens=tokens):
-                self._room(book, session, namespace, -(-len(tokens) // book.page_size), 1)
-            case msg.Fork(parent=parent) if parent in book.tokens:
-                self._room(book, session, namespace, book.pages(parent), 1)
-            case msg.Extend(seq=seq, num_tokens=n) if seq in book.tokens:
-                grown = -(-(book.tokens[seq] + n) // book.page_size) - book.pages(seq)
-                self._room(book, session, namespace, grown, 0)
+        seq, tokens = grown
+        pages = -(-tokens // book.page_size) - (0 if creates else book.pages(seq))
+        self._room(book, session, namespace, pages, int(creates))
 
     def _room(self, book: _PoolBook, session: int, namespace: str, pages: int, seqs: int) -> None:
         lim = book.limits
         for who, usage, max_pages, max_seqs in (
             ("session", book.sessions.get(session), lim.session_pages, lim.session_sequences),
-            (f"namespace {namespace!r}", book.namespaces.get(namespace),
-             lim.namespace_pages, lim.namespace_sequences),
-        ):  # fmt: skip
+            (
+                f"namespace {namespace!r}",
+                book.namespaces.get(namespace),
+                lim.namespace_pages,
+                lim.namespace_sequences,
+            ),
+        ):
             held = usage or Usage()
             if max_pages and held.pages + pages > max_pages:
-                raise QuotaExceeded(f"the {who} holds {held.pages} page references; "
-                                    f"{pages} more exceed its quota of {max_pages}")  # fmt: skip
+                raise QuotaExceeded(
+                    f"the {who} holds {held.pages} page references; "
+                    f"{pages} more exceed its quota of {max_pages}"
+                )
             if max_seqs and held.sequences + seqs > max_seqs:
-                raise QuotaExceeded(f"the {who} holds {held.sequences} sequences; "
-                                    f"its quota is {max_seqs}")  # fmt: skip
+                raise QuotaExceeded(
+                    f"the {who} holds {held.sequences} sequences; its quota is {max_seqs}"
+                )
 
-    def apply(self, pool: str, session: int, namespace: str, body: msg.BatchOp) -> None:
-        """Book the effect of ``body``, which the Manager just carried out."""
+    def apply(
+        self, pool: str, session: int, namespace: str, op: Operation[Any, Any], body: msg.BatchOp
+    ) -> None:
+        """Book the effect of ``body``, which the Manager just carried out: the token count
+        ``op.grows`` sets (a created sequence is the session's), the sequence ``op.ends``
+        drops."""
         book = self._books[pool]
-        kind = type(body)
-        if kind is msg.Extend:  # the hot path
-            seq = body.seq  # type: ignore[attr-defined]
-            old = book.tokens[seq]
-            new = old + body.num_tokens  # type: ignore[attr-defined]
-            book.tokens[seq] = new
-            grown = -(-new // book.page_size) - -(-old // book.page_size)
-            if grown:
-                session, namespace = book.holder[seq]
-                book.sessions[session].pages += grown
-                book.namespaces[namespace].pages += grown
-            return
-        if kind not in _GROW and kind is not msg.Free:
-            return
-        match body:
-            case msg.Allocate(seq=seq, tokens=tokens):
-                self._set(book, seq, len(tokens), (session, namespace))
-            case msg.Fork(parent=parent, child=child):
-                self._set(book, child, book.tokens[parent], (session, namespace))
-            case msg.Free(seq=seq):
-                self.drop(pool, seq)
+        grown = op.grows(body, book)
+        if grown is not None:
+            seq, tokens = grown
+            holder = (session, namespace) if op.creates is not None else book.holder[seq]
+            self._set(book, seq, tokens, holder)
+        if op.ends is not None:
+            self.drop(pool, getattr(body, op.ends))
 
     def drop(self, pool: str, seq: int) -> None:
         """``seq`` was freed (by its owner, or reaped)."""
@@ -161,8 +175,10 @@ class Ledger:
         new_seq = seq not in book.tokens
         book.tokens[seq] = tokens
         book.holder[seq] = holder
-        for usage in (book.sessions.setdefault(holder[0], Usage()),
-                      book.namespaces.setdefault(holder[1], Usage())):  # fmt: skip
+        for usage in (
+            book.sessions.setdefault(holder[0], Usage()),
+            book.namespaces.setdefault(holder[1], Usage()),
+        ):
             usage.pages += book.pages(seq) - old_pages
             usage.sequences += new_seq
 
@@ -178,8 +194,10 @@ class Ledger:
         for seq, tokens in book.tokens.items():
             assert num_tokens(seq) == tokens, f"seq {seq}: {tokens} tokens booked"
             session, namespace = book.holder[seq]
-            for usage in (sessions.setdefault(session, Usage()),
-                          namespaces.setdefault(namespace, Usage())):  # fmt: skip
+            for usage in (
+                sessions.setdefault(session, Usage()),
+                namespaces.setdefault(namespace, Usage()),
+            ):
                 usage.pages += book.pages(seq)
                 usage.sequences += 1
         assert sessions == book.sessions, "session usage does not add up"
@@ -189,22 +207,14 @@ class Ledger:
         return self._books[pool].tokens.keys()
 
 
-def request_work(ops: Iterable[msg.BatchOp], ledger: Ledger, pool: str, limit: int) -> None:
-    """BadRequest if ``ops`` (one request) would cost more than ``limit`` tokens of work.
-    (Type tests, not ``match``: this runs for every op of every batch.)"""
-    work = 0
-    for op in ops:
-        kind = type(op)
-        if kind is msg.Extend:
-            work += op.num_tokens  # type: ignore[attr-defined]
-        elif kind in _CARRY_TOKENS:
-            work += len(op.tokens)  # type: ignore[attr-defined]
-        elif kind is msg.Fork:
-            work += ledger.pages(pool, op.parent) * ledger.page_size(pool)  # type: ignore[attr-defined]
+def request_work(
+    ops: Iterable[tuple[Operation[Any, Any], msg.BatchOp]], books: Books, limit: int
+) -> None:
+    """BadRequest if ``ops`` (one request: each op with its table entry) would cost more
+    than ``limit`` tokens of work (each op's ``work``, summed)."""
+    work = sum(op.work(body, books) for op, body in ops)
     if work > limit:
-        raise BadRequest(f"this request is {work} tokens of work, more than {limit} "
-                         f"(max_request_tokens): split it")  # fmt: skip
-
-
-_CARRY_TOKENS = frozenset({msg.Allocate, msg.Commit, msg.Lookup})
-_GROW = frozenset({msg.Allocate, msg.Fork, msg.Extend})  # the ops a quota may refuse
+        raise BadRequest(
+            f"this request is {work} tokens of work, more than {limit} "
+            f"(max_request_tokens): split it"
+        )
