@@ -16,7 +16,8 @@ from kvcore.config import (
     load_toml,
     parse_pool_spec,
 )
-from kvcore.daemon.serve import add_arguments, build_config, check_shm
+from kvcore.daemon.daemon import check_shm
+from kvcore.daemon.serve import add_arguments, build_config
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
 from kvcore.sizes import parse_size

@@ -7,9 +7,10 @@ Parts, one job each (docs/architecture.md, "The daemon"):
 * :mod:`.quotas` — the ledger of what sessions and namespaces hold; bounded work;
 * :mod:`.pools` — a pool's memory region, its Manager, its event numbering;
 * :mod:`.handler` — one frame in, one frame out, through :mod:`kvcore.ops`;
-* :mod:`.serve` — the Daemon assembly, the command line, locks, signals, logs.
+* :mod:`.daemon` — the Daemon: its parts built in order, the loop's tick;
+* :mod:`.serve` — the command line: configuration, locks, signals, banner, logs.
 """
 
-from kvcore.daemon.serve import Daemon
+from kvcore.daemon.daemon import Daemon
 
 __all__ = ["Daemon"]

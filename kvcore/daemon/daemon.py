@@ -1,0 +1,274 @@
+"""The Daemon: the parts one start creates, built once and in order, and the loop's tick.
+
+A start builds, each part once and handed to the next::
+
+    config -> epoch, endpoint (trust checks), authority, CURVE key, sweep of a killed
+              daemon's segments, sessions, ledger
+           -> publisher (events; None when off)
+           -> pools      (publish through the publisher)
+           -> handler    (answers frames against pools, sessions, ledger)
+           -> server     (the ROUTER socket; calls the handler)
+           -> metrics    (reads the handler's snapshot; None when off)
+
+Each part that holds a resource registers its close as it is built; :meth:`Daemon.close`
+(or a failed build) closes them last built first. The command line around it
+(configuration, endpoint locks, signals, banner, logs) is :mod:`kvcore.daemon.serve`.
+
+The loop's tick (:meth:`Daemon.tick`) keeps leases fair to clients: time in
+which the daemon could not hear anyone (it was stopped, or busy) is no one's
+lease, and what is queued is read before anyone is expired.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import time
+
+from kvcore_ipc.codec import ServerCodec
+from kvcore_ipc.events import EventPublisher, Publisher
+from kvcore_ipc.memory import sweep
+from kvcore_ipc.server import RouterServer
+from kvcore_ipc.vllm_events import VllmEventPublisher
+
+from kvcore.config import ServiceConfig
+from kvcore.errors import BadRequest
+from kvcore.paths import check_socket_path, default_endpoint, runtime_dir
+
+from . import metrics
+from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key
+from .handler import Handler
+from .pools import MAX_EVENT_MESSAGE_BYTES, PoolTable
+from .quotas import Ledger, Limits
+from .sessions import SessionTable
+
+DEAF_S = 0.25  # a gap between ticks longer than this was time the daemon could not listen
+REAP_BUDGET = 16384  # page references of ended sessions freed per tick
+
+log = logging.getLogger("kvcore.daemon")
+
+
+class Daemon:
+    """Pools, sessions and the handler behind one ROUTER socket; :meth:`serve` runs the loop.
+
+    Invalid configuration or an untrusted endpoint path is BadRequest or
+    UntrustedEndpoint before anything is created; a failure while building closes
+    whatever was built (see the module doc for the order)."""
+
+    pools: PoolTable
+    handler: Handler
+    server: RouterServer
+
+    def __init__(self, config: ServiceConfig) -> None:
+        config.validate()
+        self.config = config
+        self.epoch = secrets.randbits(63) | 1
+        endpoint = config.endpoint or default_endpoint()
+        for path in ipc_paths(endpoint, config.events):
+            check_socket_path(path, {os.getuid()}, creating=True)
+        self.authority = Authority(config.tenants, keys_dir=config.authorized_keys_dir)
+        secret = _server_key(config)
+        self.swept = sweep(segment_prefix(endpoint))  # what a killed daemon of this endpoint left
+        self.sessions = SessionTable(
+            config.lease_timeout_s, config.fence_timeout_s, config.max_sessions
+        )
+        self.ledger = Ledger()
+        self.publisher: Publisher | None = None
+        self.metrics: metrics.Exchange | None = None
+        self.metrics_server: metrics.MetricsServer | None = None
+        self._next_scan = self._last_tick = 0.0
+        self._closing = contextlib.ExitStack()  # the built parts' closes, last built first
+        self._closing.callback(self.authority.stop_zap)
+        self._closing.callback(self.sessions.close_all)
+        try:
+            self._build(config, endpoint, secret)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: ServiceConfig, endpoint: str, secret: bytes | None) -> None:
+        """Publisher, pools, handler, server, metrics: each built once, from the ones before."""
+        check_shm(config)
+        if secret is not None:
+            self.authority.start_zap()
+        self.publisher = event_publisher(config, endpoint, secret)
+        if self.publisher is not None:
+            self._closing.callback(self.publisher.close)
+        self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
+        self._closing.callback(self.pools.close_all)  # publishes the removals: before the publisher
+        self._open_pools(config)
+        self.handler = Handler(
+            self.pools,
+            self.sessions,
+            ServerCodec(config.max_frame_bytes, config.max_batch),
+            authority=self.authority,
+            ledger=self.ledger,
+            max_request_tokens=config.max_request_tokens,
+            allow_ephemeral=config.allow_ephemeral,
+            events_endpoint=self.publisher.endpoint if self.publisher else "",
+        )
+        self.handler.ipc = endpoint.startswith("ipc://")
+        self.server = RouterServer(
+            endpoint,
+            self.handler.handle,
+            curve_secret_key=secret,
+            insecure=config.insecure,
+            hard_limit_bytes=4 * config.max_frame_bytes,
+            max_queued_bytes=config.max_queued_bytes,
+            socket_mode=config.socket_mode,
+            zap_domain=REQUEST_DOMAIN if secret else "",
+        )
+        self._closing.callback(self.server.close)
+        self.handler.server = self.server  # frame counters; the server calls the handler
+        if config.metrics_port is not None:
+            self.metrics, self.handler.timer, self.metrics_server = metrics.start(
+                self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr
+            )
+            self._closing.callback(self.metrics_server.close)
+
+    def _open_pools(self, config: ServiceConfig) -> None:
+        """Each configured pool: its memory and Manager, and its quotas in the ledger."""
+        for pool in config.pools:
+            layout = pool.layout()
+            self.pools.open(pool.name, pool.device, layout, group=pool.group, tiers=pool.tiers)
+            self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
+            log.info(
+                "pool %r created: %s, %d pages x %d tokens, %.1f MiB",
+                pool.name,
+                pool.device,
+                layout.num_pages,
+                layout.page_size,
+                layout.total_bytes / (1 << 20),
+            )
+
+    def tick(self) -> None:
+        """Between requests: publish the events of the request just answered (after its
+        reply went out); give back to every lease the time the daemon was deaf (a gap
+        since the last tick over DEAF_S); expire sessions whose lease is over, but only
+        once nothing is queued (a heartbeat may be waiting) or half a lease has passed;
+        free a bounded part of what ended sessions held."""
+        self.pools.publish()
+        now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.turn(now)
+        if self._last_tick and now - self._last_tick > DEAF_S:
+            self.sessions.pause(now - self._last_tick)
+        self._last_tick = now
+        if now >= self._next_scan and not (
+            self.server.pending() and now - self._next_scan < self.sessions.lease_s / 2
+        ):
+            self._next_scan = now + min(0.05, self.sessions.lease_s / 10)
+            self.handler.expire(now)
+        if self.sessions.draining():
+            self.handler.reap(REAP_BUDGET)
+            self.pools.publish()
+
+    def serve(self) -> None:
+        self.server.serve(self.tick)
+
+    def stop(self) -> None:
+        """Return from :meth:`serve` after the current request (signal-handler safe)."""
+        self.server.stop()
+
+    def close(self) -> None:
+        """Close what was built, last built first: the metrics endpoint, the socket, every
+        pool (publishing its removals), the publisher, the sessions' process handles, ZAP.
+        Closing again does nothing."""
+        self._closing.close()
+
+
+def events_endpoint(events: str, endpoint: str) -> str:
+    """The PUB endpoint for ``--events``: "" (off), an explicit endpoint, or "auto".
+
+    "auto" gives each daemon its own path, derived from its request endpoint:
+    ``ipc:///dir/name.sock`` publishes on ``ipc:///dir/name.events.sock``; other
+    transports on a socket in the runtime directory named after the endpoint.
+    """
+    if events != "auto":
+        return events
+    if endpoint.startswith("ipc://"):
+        return f"{endpoint.removesuffix('.sock')}.events.sock"
+    digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
+    return f"ipc://{runtime_dir() / f'events-{digest}.sock'}"
+
+
+def ipc_paths(endpoint: str, events: str) -> list[str]:
+    """The filesystem paths of the request and event sockets that are ipc://."""
+    paths = [endpoint, events_endpoint(events, endpoint) if events else ""]
+    return [p[len("ipc://") :] for p in paths if p.startswith("ipc://")]
+
+
+def segment_prefix(endpoint: str) -> str:
+    """The name prefix of this endpoint's host segments (see :func:`sweep`)."""
+    return f"kvcore-{hashlib.sha256(endpoint.encode()).hexdigest()[:12]}"
+
+
+def check_shm(config: ServiceConfig, shm: str = "/dev/shm") -> None:
+    """BadRequest, with the numbers, if the host pools need more shared memory than ``shm``
+    has free: a segment larger than its filesystem is created without complaint and
+    kills whoever touches the missing pages (SIGBUS)."""
+    need = sum(p.layout().total_bytes for p in config.pools if p.device == "cpu")
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return  # no such filesystem here: nothing to measure against
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if need > free:
+        gib = 1 << 30
+        raise BadRequest(
+            f"the host pools need {need / gib:.2f} GiB of shared memory, but {shm} has "
+            f"{free / gib:.2f} GiB free (of {size / gib:.2f} GiB): give the pools a smaller "
+            f"size, or grow {shm} (containers: docker run --shm-size; docs/deploy.md)"
+        )
+
+
+def _server_key(config: ServiceConfig) -> bytes | None:
+    """The daemon's CURVE secret key (z85 bytes), or None without one. BadRequest if CURVE is
+    on but no client key could ever be admitted."""
+    if not config.curve_secret_key_file:
+        return None
+    secret = read_secret_key(config.curve_secret_key_file)
+    if not config.authorized_keys_dir and not any(t.keys for t in config.tenants):
+        raise BadRequest(
+            "CURVE needs the public keys of the clients it admits: "
+            "--authorized-keys DIR (see `kvcore keys`) or tenants' keys"
+        )
+    return secret
+
+
+def event_publisher(config: ServiceConfig, endpoint: str, secret: bytes | None) -> Publisher | None:
+    """The publisher of page events in the configured format, or None when events are off."""
+    events = events_endpoint(config.events, endpoint)
+    if not events:
+        return None
+    if config.events_format == "vllm":
+        return vllm_publisher(config, events)
+    return EventPublisher(
+        events,
+        curve_secret_key=secret,
+        zap_domain=EVENTS_DOMAIN if secret else "",
+        max_messages=max(1, config.events_buffer_bytes // MAX_EVENT_MESSAGE_BYTES),
+    )
+
+
+def vllm_publisher(config: ServiceConfig, endpoint: str) -> VllmEventPublisher:
+    """The vLLM-format publisher (spec/vllm-events.md): ``medium`` GPU for cuda pools,
+    CPU for host pools; a new daemon start is announced with AllBlocksCleared.
+    ipc:// only or CURVE-less tcp:// (vLLM's subscribers speak no CURVE)."""
+    if config.curve_secret_key_file and not endpoint.startswith("ipc://"):
+        raise BadRequest(
+            "--events-format vllm over tcp:// would be unencrypted; use an ipc:// "
+            "--events endpoint (vLLM's subscribers speak no CURVE)"
+        )
+    mediums = {p.name: "CPU" if p.device == "cpu" else "GPU" for p in config.pools}
+    publisher = VllmEventPublisher(
+        endpoint,
+        config.events_replay or None,
+        page_size=config.pools[0].page_size,
+        mediums=mediums,
+    )
+    publisher.cleared()
+    return publisher
