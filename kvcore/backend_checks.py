@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
+from kvcore.layout import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +180,7 @@ def check_table(
         n = int(lens[b])
         return (
             f"block_table[{b}, {j}] = {int(table[b, j])} is not a page in [0, {num_pages}) "
-            f"(sequence {b} holds {n} tokens = {-(-n // page_size)} pages)"
+            f"(sequence {b} holds {n} tokens = {cdiv(n, page_size)} pages)"
         )
 
     checks.check((lens < 1).any(), lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}")

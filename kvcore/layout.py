@@ -28,6 +28,15 @@ DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 MAX_PAGES = 1 << 31  # page ids are int32 in block tables
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints, exactly (no float): ``a`` >= 0, ``b`` >= 1, same unit.
+
+    Pages for tokens (``cdiv(tokens, page_size)``), blocks or splits for tokens,
+    CTAs for threads: every count of whole units that must cover ``a``.
+    """
+    return -(-a // b)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """Geometry of one pool. Immutable; validated on construction (BadRequest)."""
@@ -93,7 +102,7 @@ class KVLayout:
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     @classmethod
     def for_budget(

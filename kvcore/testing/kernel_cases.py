@@ -20,6 +20,7 @@ import torch
 from hypothesis import strategies as st
 
 from kvcore.backend import MAX_HEAD_DIM, MAX_PAGE_SIZE, Capabilities
+from kvcore.layout import cdiv
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -161,7 +162,7 @@ class Case:
         return self.scale_factor / math.sqrt(self.head_dim)
 
     def pages_of(self, seq_len: int) -> int:
-        return -(-seq_len // self.page_size)
+        return cdiv(seq_len, self.page_size)
 
 
 @st.composite

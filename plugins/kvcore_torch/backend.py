@@ -1,0 +1,252 @@
+"""TorchBackend: the reference backend in plain PyTorch; the oracle of the conformance suite.
+
+Correct before fast: prefill loops over sequences on the host, gathers the
+pages a sequence uses into contiguous K/V, and computes a masked softmax in
+fp32. Decode runs once per layer per generated token, so its plan does the
+index work once per step (:class:`DecodeGather`): per layer it is one gather of
+K and V together plus one SDPA call. Runs on any device torch runs on, for every
+dtype and shape the backend API allows (head dims 1..256, page sizes 1..128
+tokens).
+
+Syncs: a run never synchronises. Planning a write whose slots skip (< 0) finds
+the kept rows with ``nonzero``, a second device sync on CUDA; decode steps write
+every row and never skip.
+
+Numerics: scores, softmax and the weighted sum are computed in fp32 from the
+stored values (fp16/bf16 are upcast after the gather); the output is rounded
+once, to the query's dtype, at the end.
+
+The unused slots of a sequence's last page (which may hold anything, NaN
+included) never enter the arithmetic: prefill gathers only tokens
+``0 .. seq_len - 1``; decode gathers, for the positions past a row's length, its
+token 0 again (a written token, so finite) and masks them out of the scores.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
+from kvcore.layout import cdiv
+from kvcore_torch.rows import Rows, page_offsets, row_layout, token_rows
+
+__all__ = ["DecodeGather", "TorchBackend", "attend", "gather_kv"]
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence, contiguous: each [seq_len, Hkv, D] in the cache dtype.
+
+    ``pages`` [>= ceil(seq_len / page_size)] holds the sequence's page indices in
+    token order; entries past the pages it uses are ignored.
+    """
+    page_size = kv_cache.shape[2]
+    n_pages = cdiv(seq_len, page_size)
+    idx = pages[:n_pages].long()
+    k = kv_cache[idx, 0].reshape(n_pages * page_size, *kv_cache.shape[3:])[:seq_len]
+    v = kv_cache[idx, 1].reshape(n_pages * page_size, *kv_cache.shape[3:])[:seq_len]
+    return k, v
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bottom-right aligned causal attention of one sequence, in fp32.
+
+    query [Lq, Hq, D], key/value [Lk, Hkv, D] with Lq <= Lk and Hq a multiple of
+    Hkv: query row i sits at token position ``Lk - Lq + i`` and attends keys
+    ``0 .. Lk - Lq + i``. Returns [Lq, Hq, D] fp32.
+
+        keys      0 1 2 3 4 5        (Lk = 6, Lq = 2)
+        query 0   x x x x x .        position 4
+        query 1   x x x x x x        position 5
+    """
+    lq, hq, _ = query.shape
+    lk, hkv, _ = key.shape
+    group = hq // hkv  # query heads per kv head; query head h reads kv head h // group
+    q = query.float()
+    k = key.float().repeat_interleave(group, dim=1)
+    v = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_pos = torch.arange(lk - lq, lk, device=query.device)
+    k_pos = torch.arange(lk, device=query.device)
+    future = k_pos[None, :] > q_pos[:, None]  # [Lq, Lk]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGather:
+    """A decode plan's gather, computed once per step.
+
+    Position ``j < max_len`` of row b is token j of sequence b; past the row's
+    length it repeats the row's token 0 (finite) and ``mask`` (additive fp32
+    [B, 1, 1, max_len]: 0 or -inf; None when every row has max_len tokens) removes
+    it from the softmax. ``rows`` indexes those tokens as head rows (one [D] row per
+    token and kv head), ``index`` shaped [2, B, Hkv, max_len], so one
+    ``index_select`` yields K and V head-major and contiguous, as SDPA reads them
+    fastest. Where the planning cache's strides allow no such view, ``rows`` is None
+    and ``pages``/``offsets`` hold each position's page and offset for an
+    advanced-index gather (a run on a cache whose strides differ from the planning
+    cache's computes them itself).
+
+    ``workspace`` [2 * B * Hkv * max_len, D] (cache dtype) receives that gather in
+    runs from the planning thread (``owner``), and ``k``/``v`` [B, Hkv, max_len, D]
+    are its two halves, viewed once here: a layer's run is then one ``index_select``
+    into it and one SDPA call. It is scratch, read only inside the run that filled
+    it (the output is SDPA's own tensor), so the layers of a step reuse it; runs
+    from another thread gather into a tensor of their own, so threads never share it.
+    """
+
+    max_len: int  # tokens
+    pages: torch.Tensor | None  # [B, max_len] int64; only where rows is None
+    offsets: torch.Tensor | None  # [B, max_len] int64; only where rows is None
+    mask: torch.Tensor | None
+    rows: Rows | None
+    workspace: torch.Tensor | None = None  # None where rows is None
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    owner: int = 0  # threading.get_ident() of the planning thread
+
+
+@dataclass(frozen=True, slots=True)
+class WriteIndex:
+    """A write plan's scatter: the kept tokens (``keep`` None: all), their slots' page and
+    offset (int64), and the same slots as token rows ([Hkv, D] blocks) where the
+    planning cache allows that view (one ``index_copy_`` each for K and V)."""
+
+    keep: torch.Tensor | None
+    page: torch.Tensor
+    offset: torch.Tensor
+    rows: Rows | None
+
+
+class TorchBackend(Backend):
+    """Plain PyTorch paged attention: any device, fp32/fp16/bf16, any head dim and page size."""
+
+    name = "torch"
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    )
+
+    # -- plans ------------------------------------------------------------------------
+
+    def _prepare_decode(self, plan: DecodePlan, kv_cache: torch.Tensor) -> DecodeGather | None:
+        if plan.batch == 0:
+            return None
+        page_size = plan.cache.page_size
+        max_len = plan.max_seq_len
+        lens = plan.seq_lens.long()
+        valid = None  # [B, L] bool: position < the row's length; None when all are
+        mask = None
+        if min(plan.host_seq_lens) < max_len:
+            valid = torch.arange(max_len, device=lens.device) < lens[:, None]
+            mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
+            mask = mask[:, None, None, :]
+        layout = row_layout(kv_cache, per_head=True)
+        if layout is None:  # other strides: the advanced-index gather reads (pages, offsets)
+            return DecodeGather(max_len, *_token_pages(plan, valid), mask, None)
+        # Head rows at page granularity: row (kv, b, h, j) = table[b, j // page_size] *
+        # a_page + (kv, h, j % page_size)'s offset, one broadcast add over the pages the
+        # longest row uses; past a row's length, its token 0 (a written, finite row).
+        batch, num_kv_heads, head_dim = plan.batch, kv_cache.shape[3], kv_cache.shape[4]
+        n_pages = cdiv(max_len, page_size)
+        table = plan.block_table[:, :n_pages].long() * layout.a_page
+        index = table.view(1, batch, 1, n_pages, 1) + page_offsets(layout, lens.device)
+        index = index.view(2, batch, num_kv_heads, n_pages * page_size)[..., :max_len]
+        if valid is not None:
+            index = torch.where(valid.view(1, batch, 1, max_len), index, index[..., :1])
+        flat = index.reshape(-1)
+        rows = Rows(layout.strides, layout.contiguous, layout.n_rows, (head_dim,), index, flat)
+        workspace = kv_cache.new_empty((flat.shape[0], head_dim))
+        k, v = workspace.view(2, batch, num_kv_heads, max_len, head_dim).unbind(0)
+        return DecodeGather(max_len, None, None, mask, rows, workspace, k, v, threading.get_ident())
+
+    def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
+        slots, keep = plan.slots, None
+        if plan.skips:  # the common case (no skipped slot) needs no mask
+            keep = (slots >= 0).nonzero().squeeze(1)  # (a device sync where slots skip)
+            slots = slots.index_select(0, keep)
+        page_size = plan.cache.page_size
+        page, offset = slots // page_size, slots % page_size
+        return WriteIndex(keep, page, offset, token_rows(kv_cache, page, offset))
+
+    # -- kernels ----------------------------------------------------------------------
+
+    def _write_kv(
+        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        index = plan.prepared
+        assert isinstance(index, WriteIndex), "a torch write plan carries its WriteIndex"
+        if index.keep is not None:
+            key, value = key.index_select(0, index.keep), value.index_select(0, index.keep)
+        view = None if index.rows is None else index.rows.view(kv_cache)
+        if view is not None and index.rows is not None:
+            view.index_copy_(0, index.rows.index[0], key)
+            view.index_copy_(0, index.rows.index[1], value)
+            return
+        kv_cache[index.page, 0, index.offset] = key
+        kv_cache[index.page, 1, index.offset] = value
+
+    def _decode(
+        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        g = plan.prepared
+        assert isinstance(g, DecodeGather), "a torch decode plan carries its DecodeGather"
+        batch, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        view = None if g.rows is None else g.rows.view(kv_cache)
+        if view is not None and g.rows is not None:  # K, V: [B, Hkv, L, D] contiguous
+            if g.owner == threading.get_ident() and g.k is not None and g.v is not None:
+                torch.index_select(view, 0, g.rows.flat, out=g.workspace)
+                k, v = g.k, g.v
+            else:
+                kv = view.index_select(0, g.rows.flat)
+                k, v = kv.view(2, batch, num_kv_heads, g.max_len, head_dim).unbind(0)
+        else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
+            pages, offsets = g.pages, g.offsets
+            if pages is None or offsets is None:  # the planning cache took the row view
+                valid = None if g.mask is None else g.mask[:, 0, 0] == 0
+                pages, offsets = _token_pages(plan, valid)
+            kv = kv_cache[pages, :, offsets]
+            k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+        # One query token: the query heads that share kv head h act as the query
+        # rows of h, so GQA needs no repeat of K/V.
+        q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if query.dtype != torch.float32:  # fp32 arithmetic, one rounding at the end
+            q, k, v = q.float(), k.float(), v.float()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+        out = out.view(batch, num_heads, head_dim)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _prefill(
+        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        starts = plan.host_cu_seqlens_q
+        for b, seq_len in enumerate(plan.host_seq_lens):
+            lo, hi = starts[b], starts[b + 1]
+            if hi == lo:
+                continue
+            k, v = gather_kv(kv_cache, plan.block_table[b], seq_len)
+            out[lo:hi] = attend(query[lo:hi], k, v, scale).to(query.dtype)
+        return out
+
+    def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
+        kv_cache[plan.dst] = kv_cache[plan.src]  # the gather copies src out before the scatter
+
+
+def _token_pages(plan: DecodePlan, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page and offset [B, max_len] int64 of each position; past a row's length (``valid``
+    [B, max_len] False) its token 0."""
+    position = torch.arange(plan.max_seq_len, device=plan.seq_lens.device)
+    token = position.expand(plan.batch, -1) if valid is None else position * valid
+    page_size = plan.cache.page_size
+    return plan.block_table.long().gather(1, token // page_size), token % page_size
