@@ -41,7 +41,8 @@ def test_error_codes_match_kvcore_errors() -> None:
 def test_kvcore_ipc_imports_nothing_of_kvcore() -> None:
     code = (
         "import sys, kvcore_ipc.messages, kvcore_ipc.codec, kvcore_ipc.server, "
-        "kvcore_ipc.channel, kvcore_ipc.memory, kvcore_ipc.events\n"
+        "kvcore_ipc.channel, kvcore_ipc.memory, kvcore_ipc.shm, kvcore_ipc.cuda_ipc, "
+        "kvcore_ipc.sockets, kvcore_ipc.events, kvcore_ipc.vllm_events\n"
         "bad = sorted(m for m in sys.modules if m == 'kvcore' or m.startswith('kvcore.') or m == 'torch')\n"
         "assert not bad, bad"
     )
@@ -109,8 +110,9 @@ def test_codec_refusals_carry_codes_and_salvaged_ids() -> None:
 
 def test_unknown_fields_are_ignored_and_missing_defaults_filled() -> None:
     """Schema evolution: a newer peer's extra field decodes; an older peer's omission too."""
-    frame = msgpack.packb({"id": 1, "body": {"op": "allocate", "seq": 2, "tokens": [1], "future": 1},
-                           "trace": "x"})  # fmt: skip
+    frame = msgpack.packb(
+        {"id": 1, "body": {"op": "allocate", "seq": 2, "tokens": [1], "future": 1}, "trace": "x"}
+    )
     request = ServerCodec().decode_request(frame)
     assert request.body == msg.Allocate(2, [1], None) and request.session == 0
 
@@ -120,8 +122,9 @@ def test_error_reply_shape() -> None:
     assert reply == {"id": 3, "error": {"code": "forbidden", "message": "not yours"}}
     ok = msgpack.unpackb(ServerCodec().encode_result(4, msg.ExtendOk([5], [(1, 2)])))
     assert ok == {"id": 4, "result": {"new_pages": [5], "copies": [[1, 2]]}}
-    typed = ClientCodec().decode_reply(msgspec.msgpack.encode(msg.Reply(4, msg.ExtendOk([5], [(1, 2)]))),
-                                       msg.ExtendOk)  # fmt: skip
+    typed = ClientCodec().decode_reply(
+        msgspec.msgpack.encode(msg.Reply(4, msg.ExtendOk([5], [(1, 2)]))), msg.ExtendOk
+    )
     assert typed.result == msg.ExtendOk([5], [(1, 2)])
 
 

@@ -2,7 +2,9 @@
 
 Typed messages (``messages``), msgpack framing and limits (``codec``), the
 daemon's ROUTER loop (``server``), the engine's DEALER channel (``channel``),
-shared memory regions (``memory``) and the event stream (``events``).
+their shared CURVE and socket-file set-up (``sockets``), shared memory regions
+(``memory``: POSIX shm in ``shm``, CUDA IPC in ``cuda_ipc``) and the event
+streams (``events``, and vLLM's format in ``vllm_events``).
 This package knows nothing about pages or prefixes beyond message field types,
 and imports nothing from kvcore.
 """

@@ -17,6 +17,8 @@ import socket
 
 import zmq
 
+from kvcore_ipc.sockets import curve_client
+
 PROBE_MS = 500  # a reply not here after this long: check that the endpoint still listens
 
 
@@ -67,11 +69,7 @@ class DealerChannel:
         self.timeout_ms = max(1, int(timeout_s * 1000))
         sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if curve_server_key is not None:
-            public, secret = curve_keypair or zmq.curve_keypair()
-            sock.curve_serverkey = curve_server_key
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
+        curve_client(sock, curve_server_key, curve_keypair)
         sock.connect(endpoint)
         self._socket = sock
         self._rcvtimeo = -1

@@ -19,7 +19,6 @@ CURVE server whose subscribers the daemon's ZAP handler admits
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -27,6 +26,7 @@ import msgspec
 import zmq
 
 from kvcore_ipc.messages import EventBatch
+from kvcore_ipc.sockets import bind_private, close_unlinking, curve_client, curve_server
 
 
 def topic(pool: str) -> bytes:
@@ -47,7 +47,7 @@ class Publisher(Protocol):
 class EventPublisher:
     """A PUB socket; publishing never blocks (a slow subscriber loses events)."""
 
-    __slots__ = ("_encoder", "_ipc_path", "_socket", "endpoint")
+    __slots__ = ("_encoder", "_socket", "endpoint")
 
     def __init__(
         self,
@@ -60,20 +60,8 @@ class EventPublisher:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, max_messages)
-        if zap_domain:
-            sock.zap_domain = zap_domain.encode()
-        if curve_secret_key is not None:
-            sock.curve_server = True
-            sock.curve_secretkey = curve_secret_key
-        old = os.umask(0o077)
-        try:
-            sock.bind(endpoint)
-        finally:
-            os.umask(old)
-        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._ipc_path = self.endpoint[6:] if self.endpoint.startswith("ipc://") else None
-        if self._ipc_path is not None:
-            os.chmod(self._ipc_path, 0o600)
+        curve_server(sock, curve_secret_key, zap_domain)
+        self.endpoint = bind_private(sock, endpoint)
         self._socket = sock
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -84,10 +72,7 @@ class EventPublisher:
 
     def close(self) -> None:
         """Close the socket and remove an ipc:// socket file."""
-        self._socket.close(linger=0)
-        if self._ipc_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_path)
+        close_unlinking(self._socket, self.endpoint)
 
 
 class EventSubscriber:
@@ -105,11 +90,7 @@ class EventSubscriber:
     ) -> None:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        if curve_server_key is not None:
-            public, secret = curve_keypair or zmq.curve_keypair()
-            sock.curve_serverkey = curve_server_key
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
+        curve_client(sock, curve_server_key, curve_keypair)
         sock.connect(endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, b"" if pool is None else topic(pool))
         self._socket = sock

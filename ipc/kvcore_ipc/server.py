@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvcore_ipc.sockets import bind_private, close_unlinking, curve_server, ipc_path
+
 Handler = Callable[[bytes, zmq.Frame], bytes]
 """``handler(request bytes, request frame) -> reply bytes``; the frame carries the peer."""
 
@@ -91,15 +93,18 @@ class EndpointLock:
     def __init__(self, endpoint: str) -> None:
         self._path: str | None = None
         self._fd: int | None = None
-        if not endpoint.startswith("ipc://"):
+        socket_path = ipc_path(endpoint)
+        if socket_path is None:
             return
-        path = endpoint[len("ipc://") :] + ".lock"
+        path = socket_path + ".lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.getuid() or mode & 0o077:
             os.close(fd)
-            raise PermissionError(f"{path} is not this user's alone (owner {st.st_uid}, mode "
-                                  f"{stat.S_IMODE(st.st_mode):04o}): remove it")  # fmt: skip
+            raise PermissionError(
+                f"{path} is not this user's alone (owner {st.st_uid}, mode {mode:04o}): remove it"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -107,7 +112,7 @@ class EndpointLock:
             raise EndpointBusy(f"a daemon already serves {endpoint} (it holds {path})") from None
         self._path, self._fd = path, fd
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(endpoint[len("ipc://") :])  # the lock was free: a dead daemon's socket
+            os.unlink(socket_path)  # the lock was free: a dead daemon's socket
 
     def release(self) -> None:
         if self._fd is None or self._path is None:
@@ -148,26 +153,8 @@ class RouterServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, hard_limit_bytes)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.setsockopt(zmq.RCVHWM, max(1, max_queued_bytes // hard_limit_bytes))
-        self._mode = socket_mode
-        if zap_domain:
-            self._socket.zap_domain = zap_domain.encode()
-        if curve_secret_key is not None:
-            self._socket.curve_server = True
-            self._socket.curve_secretkey = curve_secret_key
-        self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
-        self._bind()
-
-    def _bind(self) -> None:
-        if self._ipc_path is None:
-            self._socket.bind(self.endpoint)
-            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            return
-        old = os.umask(0o077)
-        try:
-            self._socket.bind(self.endpoint)
-        finally:
-            os.umask(old)
-        os.chmod(self._ipc_path, self._mode)
+        curve_server(self._socket, curve_secret_key, zap_domain)
+        self.endpoint = bind_private(self._socket, endpoint, socket_mode)
 
     def stop(self) -> None:
         """Ask :meth:`serve` to return after the current request (signal-handler safe)."""
@@ -204,10 +191,7 @@ class RouterServer:
 
     def close(self) -> None:
         """Close the socket and remove an ipc:// socket file."""
-        self._socket.close(linger=0)
-        if self._ipc_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_path)
+        close_unlinking(self._socket, self.endpoint)
 
 
 def endpoint_in_use(endpoint: str, probe: bytes, timeout_ms: int = 300) -> bool:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import os
 import threading
 import time
 from collections import deque
@@ -37,6 +36,7 @@ import msgspec
 import zmq
 
 from kvcore_ipc.messages import EventBatch, PageRemovedEvent, PageStoredEvent
+from kvcore_ipc.sockets import close_unlinking
 
 DEFAULT_NAMESPACE = "default"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -100,8 +100,9 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
             else:
                 parent = None if _is_root(event.parent, namespace) else block_hash(event.parent)
                 size = len(tokens) or page_size  # a stored event carries one page of tokens
-                out.append(BlockStored([block_hash(event.key)], parent, tokens, size,
-                                       None, medium, lora))  # fmt: skip
+                out.append(
+                    BlockStored([block_hash(event.key)], parent, tokens, size, None, medium, lora)
+                )
             last_key = event.key
         elif isinstance(event, PageRemovedEvent):
             prev = out[-1] if out else None
@@ -137,10 +138,17 @@ class VllmEventPublisher:
     sends one explicitly (a daemon start).
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *,
-                 page_size: int = 16, medium: str | None = "GPU",
-                 mediums: dict[str, str] | None = None, topic: str = "",
-                 buffer: int = 10_000) -> None:  # fmt: skip
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        page_size: int = 16,
+        medium: str | None = "GPU",
+        mediums: dict[str, str] | None = None,
+        topic: str = "",
+        buffer: int = 10_000,
+    ) -> None:
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
@@ -164,8 +172,9 @@ class VllmEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._thread = threading.Thread(target=self._serve_replay, name="kvcore-vllm-replay",
-                                            daemon=True)  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._serve_replay, name="kvcore-vllm-replay", daemon=True
+            )
             self._thread.start()
 
     def publish(self, batch: EventBatch) -> None:
@@ -189,10 +198,7 @@ class VllmEventPublisher:
         for sock, endpoint in ((self._pub, self.endpoint), (self._replay, self.replay_endpoint)):
             if sock is None:
                 continue
-            sock.close(linger=0)
-            if endpoint and endpoint.startswith("ipc://"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(endpoint[6:])
+            close_unlinking(sock, endpoint)
 
     def _send(self, events: list[Any]) -> None:
         payload = self._encoder.encode(VllmEventBatch(time.time(), events))
