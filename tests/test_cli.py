@@ -23,6 +23,10 @@ def _parsers(
                 yield from _parsers(child, (*path, name))
 
 
+# actions whose help argparse writes itself
+SELF_EXPLAINED = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+
+
 def test_bare_kvcore_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
@@ -30,8 +34,8 @@ def test_bare_kvcore_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_version() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvcore.cli", "--version"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [sys.executable, "-m", "kvcore.cli", "--version"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert done.stdout.startswith("kvcore 0.") or done.stdout.startswith("kvcore 1.")
 
@@ -42,8 +46,7 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
         text = parser.format_help()
         assert "``" not in text, f"{' '.join(path)} --help shows reST markup"
         for action in parser._actions:
-            if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                   argparse._SubParsersAction)):  # fmt: skip
+            if isinstance(action, SELF_EXPLAINED):
                 continue
             flag = f"{' '.join(path)} {(action.option_strings or [action.dest])[0]}"
             if not action.help:
@@ -68,11 +71,12 @@ def test_bench_prints_headline_figures_with_targets(capsys: pytest.CaptureFixtur
 def test_report_formats_numbers_for_people() -> None:
     from kvcore.bench.report import Figure, Target, fmt, rows
 
-    assert [fmt(v) for v in (217_100.4, 0.98312, 12.345, 7, None)] == [
-        "217,100", "0.983", "12.3", "7", "-"]  # fmt: skip
+    formatted = [fmt(v) for v in (217_100.4, 0.98312, 12.345, 7, None)]
+    assert formatted == ["217,100", "0.983", "12.3", "7", "-"]
     record = {"a": {"b": 3.0}, "best": 3.0, "worse": 2.0}
     assert rows(record, [Figure("a.b", "ab", Target("==", "best"))]) == [
-        ("a.b", "ab", "3", "== best (3)", "met")]  # fmt: skip
+        ("a.b", "ab", "3", "== best (3)", "met")
+    ]
     assert rows(record, [Figure("worse", target=Target(">=", 2.5))])[0][4] == "NOT MET"
     scaled = Target(">=", "best", factor=0.5)
     assert rows(record, [Figure("worse", target=scaled)])[0][3:] == (">= 0.5 x best (1.5)", "met")

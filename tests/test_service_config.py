@@ -62,8 +62,14 @@ def test_environment_overrides_the_file_and_flags_override_both(
 ) -> None:
     toml = tmp_path / "kvcore.toml"
     toml.write_text('lease_timeout_s = 7.0\nevents = ""\n[[pools]]\nname = "a"\nnum_pages = 8\n')
-    env = {"KVCORE_LEASE_TIMEOUT_S": "5", "KVCORE_EVENTS": "auto", "KVCORE_INSECURE": "true",
-           "KVCORE_METRICS_PORT": "0", "KVCORE_POOL_NUM_LAYERS": "4", "KVCORE_UNRELATED": "x"}  # fmt: skip
+    env = {
+        "KVCORE_LEASE_TIMEOUT_S": "5",
+        "KVCORE_EVENTS": "auto",
+        "KVCORE_INSECURE": "true",
+        "KVCORE_METRICS_PORT": "0",
+        "KVCORE_POOL_NUM_LAYERS": "4",
+        "KVCORE_UNRELATED": "x",
+    }
     config = apply_env(load_toml(toml), env)
     assert (config.lease_timeout_s, config.events, config.insecure) == (5.0, "auto", True)
     assert config.metrics_port == 0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,15 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env["XDG_RUNTIME_DIR"] = str(tmp_path)
     env.pop("KVCORE_ENDPOINT", None)
     return env
+
+
+TINY = ("--pool", "num_pages=4,num_layers=1")
+
+
+def _serve(*args: str, timeout: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``python -m kvcore.daemon ARGS``, run to its end (``kwargs``: subprocess.run's)."""
+    command = [sys.executable, "-m", "kvcore.daemon", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 def _shm_name(output: str) -> str:
@@ -58,14 +68,10 @@ def test_default_daemon_serves_and_stops_cleanly(
 
 
 def test_tcp_needs_curve_or_insecure(tmp_path: Path) -> None:
-    refused = subprocess.run(
-        [sys.executable, "-m", "kvcore.daemon", "--endpoint", "tcp://127.0.0.1:*",
-         "--pool", "num_pages=4,num_layers=1"],
-        capture_output=True, text=True, timeout=30, env=_env(tmp_path),
-    )  # fmt: skip
+    refused = _serve("--endpoint", "tcp://127.0.0.1:*", *TINY, env=_env(tmp_path))
     assert refused.returncode == 2 and "CURVE" in refused.stderr
-    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--insecure",
-                       "--pool", "num_pages=4,num_layers=1", env=_env(tmp_path)) as daemon:  # fmt: skip
+    tcp = ("--endpoint", "tcp://127.0.0.1:*")
+    with DaemonProcess(*tcp, "--insecure", *TINY, env=_env(tmp_path)) as daemon:
         assert daemon.endpoint.startswith("tcp://127.0.0.1:")
         with Client.connect(daemon.endpoint, map_memory=False) as client:
             assert client.stats().total_pages == 4
@@ -80,11 +86,16 @@ def test_tcp_with_curve_keys(tmp_path: Path) -> None:
     _server_pub, server_secret = create(tmp_path / "server", "daemon")
     _client_pub, client_secret = create(tmp_path / "clients", "engine")
     public = load_public(server_secret)
-    with DaemonProcess("--endpoint", "tcp://127.0.0.1:*", "--curve-secret-key-file",
-                       str(server_secret), "--authorized-keys", str(tmp_path / "clients"),
-                       "--pool", "num_pages=4,num_layers=1", env=_env(tmp_path)) as daemon:  # fmt: skip
-        with Client.connect(daemon.endpoint, map_memory=False, curve_server_key=public,
-                            curve_keypair=load_keypair(client_secret)) as client:  # fmt: skip
+    curve = ("--curve-secret-key-file", str(server_secret))
+    keys = ("--authorized-keys", str(tmp_path / "clients"))
+    tcp = ("--endpoint", "tcp://127.0.0.1:*")
+    with DaemonProcess(*tcp, *curve, *keys, *TINY, env=_env(tmp_path)) as daemon:
+        with Client.connect(
+            daemon.endpoint,
+            map_memory=False,
+            curve_server_key=public,
+            curve_keypair=load_keypair(client_secret),
+        ) as client:
             assert client.stats().total_pages == 4
         wrong, _ = zmq.curve_keypair()
         with pytest.raises(Timeout):
@@ -94,14 +105,15 @@ def test_tcp_with_curve_keys(tmp_path: Path) -> None:
 def test_toml_config_and_flag_override(tmp_path: Path) -> None:
     config = tmp_path / "kvcore.toml"
     config.write_text(
-        'lease_timeout_s = 3.5\n'
+        "lease_timeout_s = 3.5\n"
         '[[pools]]\nname = "small"\nnum_layers = 2\nnum_kv_heads = 2\nhead_dim = 32\n'
         'page_size = 8\ndtype = "float16"\nsize = "1MiB"\n'
         '[[pools]]\nname = "tiny"\nnum_layers = 1\nnum_pages = 3\n'
-    )  # fmt: skip
+    )
     endpoint = f"ipc://{tmp_path / 'd.sock'}"
-    with DaemonProcess("--config", str(config), "--endpoint", endpoint, "--lease-timeout", "7",
-                       env=_env(tmp_path)) as daemon:  # fmt: skip
+    with DaemonProcess(
+        "--config", str(config), "--endpoint", endpoint, "--lease-timeout", "7", env=_env(tmp_path)
+    ) as daemon:
         assert "lease 7 s" in daemon.output
         with Client.connect(endpoint, pool="small") as client:
             # 1 MiB / (2 layers * 2 * 8 tokens * 2 heads * 32 dim * 2 bytes) = 256 pages
@@ -114,10 +126,7 @@ def test_bad_config_exits_with_a_message(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[pools]]\nname = "x"\ndtype = "int3"\n')
     for args in (["--config", str(bad)], ["--pool", "size=12parsecs"], ["--pool", "bogus=1"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "kvcore.daemon", "--endpoint", f"ipc://{tmp_path}/x.sock", *args],
-            capture_output=True, text=True, timeout=30, env=_env(tmp_path),
-        )  # fmt: skip
+        done = _serve("--endpoint", f"ipc://{tmp_path}/x.sock", *args, env=_env(tmp_path))
         assert done.returncode == 2, done
         assert done.stderr.startswith("kvcore serve:"), done.stderr
 
@@ -126,10 +135,9 @@ def test_second_daemon_on_a_live_endpoint_is_refused_and_stale_socket_reused(
     tmp_path: Path,
 ) -> None:
     endpoint = f"ipc://{tmp_path / 'd.sock'}"
-    args = ("--endpoint", endpoint, "--pool", "num_pages=4,num_layers=1")
+    args = ("--endpoint", endpoint, *TINY)
     with DaemonProcess(*args, env=_env(tmp_path)) as first:
-        second = subprocess.run([sys.executable, "-m", "kvcore.daemon", *args],
-                                capture_output=True, text=True, timeout=30, env=_env(tmp_path))  # fmt: skip
+        second = _serve(*args, env=_env(tmp_path))
         assert second.returncode == 1 and "already serves" in second.stderr
         first.stop(signal.SIGKILL)  # dies without cleaning up: the socket file stays
     assert (tmp_path / "d.sock").exists()
@@ -145,8 +153,12 @@ def test_a_gone_daemon_fails_fast_and_says_how_to_start_one(tmp_path: Path) -> N
     with pytest.raises(Timeout, match=r"no daemon answers on .* start one with `kvcore serve`"):
         Client.connect(missing, map_memory=False)
     assert time.monotonic() - start < 2.0
-    stats = subprocess.run([sys.executable, "-m", "kvcore.cli", "stats", "--endpoint", missing],
-                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    stats = subprocess.run(
+        [sys.executable, "-m", "kvcore.cli", "stats", "--endpoint", missing],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert stats.returncode == 1 and "start one with `kvcore serve`" in stats.stderr
     daemon = DaemonProcess.private("--pool", "num_layers=1,num_pages=8").start()
     try:
@@ -164,8 +176,7 @@ def test_a_gone_daemon_fails_fast_and_says_how_to_start_one(tmp_path: Path) -> N
 
 def test_a_missing_socket_directory_is_named(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path}/absent/kvcore.sock"
-    refused = subprocess.run([sys.executable, "-m", "kvcore.daemon", "--endpoint", endpoint],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    refused = _serve("--endpoint", endpoint, timeout=60)
     assert refused.returncode == 2
     assert f"socket directory {tmp_path}/absent does not exist" in refused.stderr
     with pytest.raises(Timeout, match=r"does not exist.*start one with `kvcore serve`"):

@@ -8,11 +8,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcore.config import PoolConfig, ServiceConfig, parse_pool_spec
+from kvcore.config import PoolConfig, ServiceConfig, TierConfig, parse_pool_spec
 from kvcore.daemon.tiering import TieredManager, open_stack
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-from kvcore.tiers.config import TierConfig
 
 LAYOUT = KVLayout(
     num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, dtype="float16", num_pages=8
@@ -26,9 +25,11 @@ def test_tiers_are_off_by_default() -> None:
 
 def test_flags_and_toml_agree(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    flags = parse_pool_spec(f"name=a,num_pages=8,host_tier=1MiB,disk_tier={disk},"
-                            "disk_tier_size=2MiB,remote_master=127.0.0.1:1,"
-                            "remote_metadata=http://127.0.0.1:2/metadata,remote_timeout_s=0.5")  # fmt: skip
+    flags = parse_pool_spec(
+        f"name=a,num_pages=8,host_tier=1MiB,disk_tier={disk},"
+        "disk_tier_size=2MiB,remote_master=127.0.0.1:1,"
+        "remote_metadata=http://127.0.0.1:2/metadata,remote_timeout_s=0.5"
+    )
     toml = f"""
 [[pools]]
 name = "a"
@@ -66,8 +67,9 @@ def test_a_misdeclared_tier_is_a_bad_request(tiers: TierConfig) -> None:
 def test_open_stack_builds_the_declared_tiers(tmp_path: Path) -> None:
     import torch
 
-    stack = open_stack(LAYOUT, TierConfig(host=4 * LAYOUT.page_bytes, disk=str(tmp_path / "d"),
-                                          disk_size=16 * LAYOUT.page_bytes), "p")  # fmt: skip
+    page = LAYOUT.page_bytes
+    tiers = TierConfig(host=4 * page, disk=str(tmp_path / "d"), disk_size=16 * page)
+    stack = open_stack(LAYOUT, tiers, "p")
     try:
         assert stack.host is not None and stack.host.capacity_pages == 4
         assert stack.disk is not None and stack.remote is None
