@@ -9,11 +9,11 @@ Request path (single-threaded, one request at a time, so no Manager needs a lock
 Who sent a frame comes from the transport (:func:`kvcore_ipc.server.peer_of`);
 its :class:`~.auth.Grant` is fixed at attach (``stats`` asks per request).
 
-Manager operations come from :data:`kvcore.ops.OPERATIONS` (ownership rule and
-all); this module adds only the session-level operations (attach, detach,
-heartbeat, stats, check, snapshot, batch). Every failure is a typed error
-reply; a failed operation changed nothing (the Manager's promise, and
-ownership changes only after the Manager succeeded).
+Manager operations come from :data:`kvcore.ops.OPERATIONS` (ownership rule,
+work and quota growth and all); this module adds only the session-level
+operations (attach, detach, heartbeat, stats, check, snapshot, batch). Every
+failure is a typed error reply; a failed operation changed nothing (the
+Manager's promise, and ownership changes only after the Manager succeeded).
 """
 
 from __future__ import annotations

@@ -151,8 +151,10 @@ class Ledger:
         grown = op.grows(body, book)
         if grown is not None:
             seq, tokens = grown
-            holder = (session, namespace) if op.creates is not None else book.holder[seq]
-            self._set(book, seq, tokens, holder)
+            if op.creates is None:
+                self._resize(book, seq, tokens)
+            else:
+                self._add(book, seq, tokens, (session, namespace))
         if op.ends is not None:
             self.drop(pool, getattr(body, op.ends))
 
@@ -170,17 +172,26 @@ class Ledger:
         if not book.namespaces[namespace].sequences:
             del book.namespaces[namespace]
 
-    def _set(self, book: _PoolBook, seq: int, tokens: int, holder: tuple[int, str]) -> None:
-        old_pages = book.pages(seq) if seq in book.tokens else 0
-        new_seq = seq not in book.tokens
+    def _add(self, book: _PoolBook, seq: int, tokens: int, holder: tuple[int, str]) -> None:
+        assert seq not in book.tokens, f"seq {seq} created twice"
         book.tokens[seq] = tokens
         book.holder[seq] = holder
+        pages = book.pages(seq)
         for usage in (
             book.sessions.setdefault(holder[0], Usage()),
             book.namespaces.setdefault(holder[1], Usage()),
         ):
-            usage.pages += book.pages(seq) - old_pages
-            usage.sequences += new_seq
+            usage.pages += pages
+            usage.sequences += 1
+
+    def _resize(self, book: _PoolBook, seq: int, tokens: int) -> None:
+        old = book.pages(seq)
+        book.tokens[seq] = tokens
+        grown = book.pages(seq) - old
+        if grown:
+            session, namespace = book.holder[seq]
+            book.sessions[session].pages += grown
+            book.namespaces[namespace].pages += grown
 
     def usage(self, pool: str, session: int) -> Usage:
         return self._books[pool].sessions.get(session) or Usage()
@@ -212,7 +223,9 @@ def request_work(
 ) -> None:
     """BadRequest if ``ops`` (one request: each op with its table entry) would cost more
     than ``limit`` tokens of work (each op's ``work``, summed)."""
-    work = sum(op.work(body, books) for op, body in ops)
+    work = 0
+    for op, body in ops:  # a loop, not sum(): this runs for every op of every batch
+        work += op.work(body, books)
     if work > limit:
         raise BadRequest(
             f"this request is {work} tokens of work, more than {limit} "
