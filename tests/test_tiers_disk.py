@@ -164,6 +164,32 @@ def test_damaged_entries_are_misses(tier_dir: Path, damage: str) -> None:
         tier.check_integrity()
 
 
+def test_a_failed_read_is_an_empty_batch_that_pins_no_scratch(tier_dir: Path) -> None:
+    """A held entry whose payload fails its checksum is a miss at read time; the batch
+    of no pages is a fresh empty tensor, not a view of the scratch buffer the failed
+    read filled (the disk and remote tiers once differed here: kvcore.tiers.transfer's
+    pages_from_bytes is now their one conversion)."""
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        tier.put_many(KEYS[:2], torch.randn(2, *PAGE))
+        flip_byte(path_of(tier_dir, KEYS[0]), HEADER_BYTES + 5)
+        assert tier.match(KEYS[:2]) == 2  # match reads no bytes
+        pages = tier.get_many(KEYS[:2])
+        assert pages.shape == (0, *PAGE) and pages.dtype == LAYOUT.torch_dtype()
+        assert pages.untyped_storage().nbytes() == 0
+        assert tier.stats().corrupt == 1 and tier.match(KEYS[1:2]) == 1
+        tier.check_integrity()
+
+
+def test_a_partial_read_holds_only_the_pages_read(tier_dir: Path) -> None:
+    pages = torch.randn(3, *PAGE)
+    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
+        tier.put_many(KEYS[:3], pages)
+        flip_byte(path_of(tier_dir, KEYS[1]), HEADER_BYTES + 5)
+        got = tier.get_many(KEYS[:3])
+        assert torch.equal(got, pages[:1])
+        assert got.untyped_storage().nbytes() == LAYOUT.page_bytes
+
+
 def test_other_layouts_share_a_directory_apart(tier_dir: Path) -> None:
     wide = KVLayout(2, 1, 8, 2, "float32", 8)
     wide_keys = [tier_key(layout_fingerprint(wide), PrefixKey(bytes([i]) * 32)) for i in range(2)]

@@ -47,7 +47,7 @@ from kvcore.tiers.base import (
     layout_fingerprint,
 )
 from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header, header_names
-from kvcore.tiers.transfer import byte_view
+from kvcore.tiers.transfer import byte_view, pages_from_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -113,8 +113,6 @@ class DiskTier(LocalKeys):
         return len(keys)
 
     def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
-        import torch
-
         check_keys(self.fingerprint, keys)
         held = self.match(keys)
         page_bytes = self._page_bytes
@@ -132,13 +130,7 @@ class DiskTier(LocalKeys):
         stats.misses += len(keys) - count
         stats.bytes_out += count * page_bytes
         self._gauges()
-        flat = (
-            torch.frombuffer(buffer, dtype=torch.uint8)
-            if buffer
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        shape = (count, self.layout.num_layers, *self.layout.page_shape)
-        return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
+        return pages_from_bytes(buffer, count, self.layout)
 
     def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
         """Write each new key's page to its own file (temp + rename); a key held is

@@ -47,7 +47,7 @@ from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.tiers.base import TierKey, TierStats, check_keys, check_pages, layout_fingerprint
 from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header
-from kvcore.tiers.transfer import byte_view
+from kvcore.tiers.transfer import byte_view, pages_from_bytes
 from kvcore.tiers.worker import Worker, abandon, accepts
 
 if TYPE_CHECKING:
@@ -147,8 +147,6 @@ class RemoteTier:
         return count
 
     def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
-        import torch
-
         check_keys(self.fingerprint, keys)
         blobs = self._bounded(self._get_chunks, [object_key(k) for k in keys]) if keys else []
         page_bytes = self._page_bytes
@@ -170,13 +168,7 @@ class RemoteTier:
             stats.misses += len(keys) - count
             stats.corrupt += corrupt
             stats.bytes_out += count * page_bytes
-        flat = (
-            torch.frombuffer(buffer, dtype=torch.uint8)
-            if count
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        shape = (count, self.layout.num_layers, *self.layout.page_shape)
-        return flat[: count * page_bytes].view(self.layout.torch_dtype()).view(shape)
+        return pages_from_bytes(buffer, count, self.layout)
 
     def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
         """Publish in the background: enqueue a copy of ``pages`` and return at once.

@@ -10,7 +10,8 @@ so a batch of ``n`` pages is one tensor, page-major::
     batch  pages[i, l]                  [n, L, 2, page_size, H, D]  (contiguous)
 
 Each page of the batch is then ``page_bytes`` contiguous bytes, ready for a
-host slot, a file or a store object. :func:`promote_rows` writes rows of a
+host slot, a file or a store object (:func:`byte_view`); pages read back from a
+file or a store object become a batch again by :func:`pages_from_bytes`. :func:`promote_rows` writes rows of a
 tier's own page store (the host tier's slots) straight into pool pages. Page ids are pool page indices (pages,
 not bytes); no Python loop runs per page or per byte. The batch lives on the
 pool's device unless ``device`` says otherwise.
@@ -26,6 +27,8 @@ from kvcore.errors import BadRequest
 
 if TYPE_CHECKING:
     import torch
+
+    from kvcore.layout import KVLayout
 
 
 def _index(
@@ -137,3 +140,22 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     raw = (ctypes.c_char * size).from_address(tensor.data_ptr())
     return memoryview(raw).cast("B")
+
+
+def pages_from_bytes(buffer: bytearray, count: int, layout: KVLayout) -> torch.Tensor:
+    """The first ``count`` pages of ``buffer`` (``layout.page_bytes`` bytes each, page
+    after page) as a batch ``[count, L, 2, page_size, H, D]`` of the layout's dtype on
+    the CPU, zero-copy: the batch keeps ``buffer`` alive.
+
+    ``buffer`` may be longer (room for pages whose read then failed). A batch of no
+    pages is a fresh empty tensor that holds none of ``buffer``: torch.frombuffer
+    refuses an empty buffer, and a miss must not pin the scratch of failed reads."""
+    import torch
+
+    shape = (count, layout.num_layers, *layout.page_shape)
+    if count == 0:
+        return torch.empty(shape, dtype=layout.torch_dtype())
+    size = count * layout.page_bytes
+    assert len(buffer) >= size, f"{count} pages need {size} bytes, the buffer has {len(buffer)}"
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=size)
+    return flat.view(layout.torch_dtype()).view(shape)
