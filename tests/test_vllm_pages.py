@@ -49,8 +49,9 @@ def test_pages_round_trip_through_vllm_blocks_in_the_backend_layout(layout: str)
 
 
 def test_a_layout_mismatch_names_the_fields_and_the_pool_flag() -> None:
-    pool = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16",
-                    num_pages=8)  # fmt: skip
+    pool = KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16", num_pages=8
+    )
     model = VllmGeometry(num_layers=2, num_kv_heads=2, head_dim=64, block_size=32, dtype="float32")
     with pytest.raises(LayoutMismatch) as err:
         check_layout(pool, model, "kv")
@@ -79,3 +80,20 @@ def test_unknown_extra_config_keys_are_refused() -> None:
 
     with pytest.raises(BadRequest, match="endpiont"):
         ConnectorConfig.from_extra({"endpiont": "ipc:///x"})
+
+
+def test_extra_config_keys_take_the_fields_defaults_and_types(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvcore.integrations.vllm.metadata import ConnectorConfig
+    from kvcore.manager import DEFAULT_NAMESPACE
+
+    endpoint = "ipc:///tmp/kvcore-test/kvcore.sock"
+    monkeypatch.setenv("KVCORE_ENDPOINT", endpoint)
+    default = ConnectorConfig.from_extra(None)
+    assert default == ConnectorConfig(endpoint, "default", DEFAULT_NAMESPACE, 5.0, 5.0)
+    assert ConnectorConfig.from_extra({"endpoint": ""}) == default  # empty: the default daemon
+    given = {"endpoint": "tcp://h:5555", "pool": "kv", "namespace": "t", "timeout_s": "2"}
+    config = ConnectorConfig.from_extra({**given, "retry_s": 1})
+    assert config == ConnectorConfig("tcp://h:5555", "kv", "t", 2.0, 1.0)
+    assert type(config.timeout_s) is float and type(config.retry_s) is float

@@ -60,8 +60,12 @@ __all__ = ["KvcoreConnector"]
 class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's entry point; each role builds one side and forwards the hooks to it."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
@@ -83,14 +87,16 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._scheduler is not None
         self._scheduler.kv_cache_manager = kv_cache_manager
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:  # fmt: skip
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         self._computed[request.request_id] = num_computed_tokens
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:  # fmt: skip
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         computed = self._computed.pop(request.request_id, 0)
         self._scheduler.after_alloc(request, blocks, num_external_tokens, computed)
@@ -107,8 +113,9 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if isinstance(report, StepReport):
             self._scheduler.on_report(report)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._computed.pop(request.request_id, None)
         self._scheduler.finished(request)
@@ -146,8 +153,13 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous in start_load_kv
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:  # fmt: skip
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         return  # every layer is saved at once in wait_for_save
 
     def wait_for_save(self) -> None:

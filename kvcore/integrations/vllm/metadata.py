@@ -11,7 +11,7 @@ write). Page and block indices are ints; counts of pages, not tokens, unless nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -40,19 +40,18 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """The config of vLLM's ``kv_connector_extra_config``: each key given is converted
+        to its field's type (that of the field's default), the rest keep the defaults
+        above; an empty or absent ``endpoint`` is the default daemon's. BadRequest for
+        an unknown key."""
         extra = dict(extra or {})
-        unknown = set(extra) - {"endpoint", "pool", "namespace", "timeout_s", "retry_s"}
+        unknown = set(extra) - {f.name for f in fields(cls)}
         if unknown:
             raise BadRequest(
                 f"unknown kv_connector_extra_config keys for kvcore: {sorted(unknown)}"
             )
-        return cls(
-            endpoint=str(extra.get("endpoint") or default_endpoint()),
-            pool=str(extra.get("pool", "default")),
-            namespace=str(extra.get("namespace", DEFAULT_NAMESPACE)),
-            timeout_s=float(extra.get("timeout_s", 5.0)),
-            retry_s=float(extra.get("retry_s", 5.0)),
-        )
+        config = cls(endpoint=str(extra.pop("endpoint", None) or default_endpoint()))
+        return replace(config, **{k: type(getattr(config, k))(v) for k, v in extra.items()})
 
 
 @dataclass(slots=True)
@@ -72,9 +71,6 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     saved: dict[str, int] = field(default_factory=dict)
     requests: list[str] = field(default_factory=list)
 
-    def has_work(self) -> bool:
-        return bool(self.load_pages or self.save_pages)
-
 
 @dataclass(slots=True)
 class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
@@ -90,8 +86,11 @@ class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
         assert isinstance(other, StepReport), type(other)
         saved = {r: min(n, other.saved[r]) for r, n in self.saved.items() if r in other.saved}
-        return StepReport(sorted(set(self.steps) | set(other.steps)), saved,
-                          sorted(set(self.requests) | set(other.requests)))  # fmt: skip
+        return StepReport(
+            sorted(set(self.steps) | set(other.steps)),
+            saved,
+            sorted(set(self.requests) | set(other.requests)),
+        )
 
 
 STAT_KEYS = ("external_hit_tokens", "loaded_pages", "saved_pages", "failed_load_pages")

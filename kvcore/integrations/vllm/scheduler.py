@@ -125,8 +125,13 @@ class SchedulerSide:
         held = min(tracked.confirmed, (prompt - 1) // self.page_size) * self.page_size
         return max(0, held - num_computed_tokens)
 
-    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
-                    num_computed_tokens: int) -> None:  # fmt: skip
+    def after_alloc(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        num_computed_tokens: int,
+    ) -> None:
         """Plan the load of the ``num_external_tokens`` after vLLM's own hit."""
         tracked = self._tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
@@ -241,8 +246,8 @@ class SchedulerSide:
             self._failed(f"allocate of {request.request_id}", exc)
             return None
         hit = alloc.num_cached_tokens // self.page_size
-        tracked = _Tracked(seq, request, list(alloc.pages), len(prompt) // self.page_size,
-                           hit, hit, hit)  # fmt: skip
+        full = len(prompt) // self.page_size
+        tracked = _Tracked(seq, request, list(alloc.pages), full, hit, confirmed=hit, scheduled=hit)
         self._tracked[request.request_id] = tracked
         return tracked
 
@@ -275,6 +280,11 @@ class SchedulerSide:
             return
         self._quiet_until = time.monotonic() + self._retry_s
         self._stale = True
-        log.warning("kvcore: %s failed (%s: %s); treating requests as misses for %.0f s",
-                    what, type(exc).__name__, exc, self._retry_s)  # fmt: skip
+        log.warning(
+            "kvcore: %s failed (%s: %s); treating requests as misses for %.0f s",
+            what,
+            type(exc).__name__,
+            exc,
+            self._retry_s,
+        )
         self._retry_s = min(2 * self._retry_s, MAX_RETRY_S)  # each failure in a row doubles it

@@ -36,9 +36,14 @@ log = logging.getLogger("kvcore.vllm")
 def attach(config: ConnectorConfig, *, map_memory: bool) -> Client:
     """A session on the configured pool; a clear Timeout if no daemon answers."""
     try:
-        return Client.connect(config.endpoint, pool=config.pool, namespace=config.namespace,
-                              timeout_s=config.timeout_s, map_memory=map_memory,
-                              name="vllm")  # fmt: skip
+        return Client.connect(
+            config.endpoint,
+            pool=config.pool,
+            namespace=config.namespace,
+            timeout_s=config.timeout_s,
+            map_memory=map_memory,
+            name="vllm",
+        )
     except Timeout:
         raise Timeout(
             f"no kvcore daemon answers at {config.endpoint} within {config.timeout_s} s: "
@@ -64,9 +69,11 @@ class WorkerSide:
 
         ordered = [caches[name] for name in sorted(caches, key=extract_layer_index)]
         check_layout(self.client.layout, VllmGeometry.of(ordered), self.config.pool)
-        if ordered[0].device != self.client.kv_caches[0].device:
-            log.info("kvcore: pool on %s, vLLM on %s: pages cross devices on each copy",
-                     self.client.kv_caches[0].device, ordered[0].device)  # fmt: skip
+        pool, model = self.client.kv_caches[0].device, ordered[0].device
+        if model != pool:
+            log.info(
+                "kvcore: pool on %s, vLLM on %s: pages cross devices on each copy", pool, model
+            )
         self._blocks = [block_view(cache, layout) for cache in ordered]
 
     def load(self, plan: StepPlan) -> None:
