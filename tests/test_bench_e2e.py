@@ -5,25 +5,46 @@ figures live in the bench (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kvcore.bench import e2e
+from kvcore.bench import e2e, report
 
-TINY = ["--layers", "2", "--hidden-size", "128", "--batch", "2", "--prompt-tokens", "20",
-        "--ragged-batch", "3", "--ragged-min", "9", "--ragged-max", "40", "--new-tokens", "6",
-        "--ttft-tokens", "40", "--repeats", "1", "--layer-calls", "3", "--layer-rounds", "1"]  # fmt: skip
+TINY = shlex.split(
+    "--layers 2 --hidden-size 128 --batch 2 --prompt-tokens 20 --ragged-batch 3"
+    " --ragged-min 9 --ragged-max 40 --new-tokens 6 --ttft-tokens 40 --repeats 1"
+    " --layer-calls 3 --layer-rounds 1"
+)
 
-RATIOS = ["decode_tps_ratio", "hf_paged_decode_tps_ratio", "ragged_decode_tps_ratio",
-          "ragged_hf_paged_decode_tps_ratio", "kvcore_over_hf_paged",
-          "ragged_kvcore_over_hf_paged", "ttft_cached_ratio", "decode_layer_over_sdpa"]  # fmt: skip
-PER_WORKLOAD = ["kvcore_tokens_per_s", "dynamic_cache_tokens_per_s", "hf_paged_tokens_per_s",
-                "kvcore_over_hf_paged", "kvcore_tokens_match", "hf_paged_tokens_match",
-                "kvcore_rows_equal", "hf_paged_rows_equal", "kvcore_rows_equal_hf_paged",
-                "rows_compared", "batch", "prompt_tokens", "new_tokens"]  # fmt: skip
+RATIOS = [
+    "decode_tps_ratio",
+    "hf_paged_decode_tps_ratio",
+    "ragged_decode_tps_ratio",
+    "ragged_hf_paged_decode_tps_ratio",
+    "kvcore_over_hf_paged",
+    "ragged_kvcore_over_hf_paged",
+    "ttft_cached_ratio",
+    "decode_layer_over_sdpa",
+]
+PER_WORKLOAD = [
+    "kvcore_tokens_per_s",
+    "dynamic_cache_tokens_per_s",
+    "hf_paged_tokens_per_s",
+    "kvcore_over_hf_paged",
+    "kvcore_tokens_match",
+    "hf_paged_tokens_match",
+    "kvcore_rows_equal",
+    "hf_paged_rows_equal",
+    "kvcore_rows_equal_hf_paged",
+    "rows_compared",
+    "batch",
+    "prompt_tokens",
+    "new_tokens",
+]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -79,10 +100,16 @@ def test_every_target_is_reported(record: dict[str, Any]) -> None:
 
 
 def test_headline_keeps_the_ratios_and_targets(record: dict[str, Any]) -> None:
-    short = e2e.headline(record)
-    assert {"decode_tps_ratio", "ragged_decode_tps_ratio", "decode_layer_over_sdpa"} <= set(short)
-    assert short["targets"] == record["targets"]
-    assert "layer" not in short and "setup" not in short
+    """What `kvcore bench e2e` prints without --json: the ratios, each target with the
+    record's verdict, neither the layer record nor the setup."""
+    rows = report.rows(record, e2e.HEADLINE)
+    keys = {row[0] for row in rows}
+    assert {"decode_tps_ratio", "ragged_decode_tps_ratio", "decode_layer_over_sdpa"} <= keys
+    verdicts = {row[0]: row[4] for row in rows if row[3]}
+    assert verdicts == {
+        t.key: "met" if record["targets"][t.name] == "met" else "NOT MET" for t in e2e.TARGETS
+    }
+    assert not [key for key in keys if key.startswith(("layer", "setup"))]
 
 
 def test_target_names_and_bounds() -> None:

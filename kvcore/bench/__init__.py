@@ -4,9 +4,9 @@ and ``run(args) -> dict`` (a flat-ish JSON object of figures).
 ``--json`` prints that object; otherwise the module's ``HEADLINE`` figures (a
 tuple of :class:`~kvcore.bench.report.Figure`, or a function of the record
 returning one) are shown with their targets, met or not (kvcore/bench/report.py).
-Ratios are
-measured against a baseline run in the same process, never against a number
-recorded elsewhere.
+Ratios are measured against a baseline run in the same process, never against a
+number recorded elsewhere. Modules not named in :data:`BENCHMARKS` are helpers
+(report, simulate, trace, minimal_cache, generation).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if exc.name == f"kvcore.bench.{name}":
                 continue  # not in this build yet
             raise
-        bench = sub.add_parser(name, help=help_text, description=help_text,
-                               formatter_class=parser.formatter_class)  # fmt: skip
+        bench = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=parser.formatter_class
+        )
         bench.add_argument("--json", action="store_true", help="print one JSON object")
         module.add_arguments(bench)
         bench.set_defaults(_run=module.run)

@@ -4,7 +4,8 @@ Same run, same model (kvcore.demo_model, the demo model), same
 prompts. A daemon is started with a host pool that fits the model (or
 ``--endpoint`` names one whose pool ``--pool`` fits it).
 
-* Decode, two workloads, each run by three caches on the same prompts:
+* Decode, two workloads, each run by three caches on the same prompts
+  (bench/generation.py):
   DynamicCache, KVCoreCache and transformers' own paged cache (continuous
   batching: ``model.generate_batch`` with ``ContinuousBatchingConfig(page_size)``,
   the pool's page size, every prompt in one prefill batch):
@@ -27,13 +28,14 @@ prompts. A daemon is started with a host pool that fits the model (or
   ``--cached-fraction`` (rounded down to whole pages) was committed by an
   earlier request, against cold prompts of the same length, both through the
   kvcore cache; start of generate() to the first step's stamp.
-* Per-layer decode: one backend ``decode(plan, query, kv_cache, scale)`` call
-  (the plan made once, outside the timed loop, as a model makes it once per
-  step for all its layers) against one ``scaled_dot_product_attention`` call
-  over dense K/V, at the demo model's heads and the even workload's batch and
-  mean decode context (``prompt + new_tokens // 2``); the ragged batch's too,
-  its SDPA masked as transformers masks a left-padded batch. Median over
-  ``--layer-rounds`` paired rounds of ``--layer-calls`` calls, microseconds.
+* Per-layer decode (bench/kernels.py's :func:`~kvcore.bench.kernels.layer_decode_times`):
+  one backend ``decode(plan, query, kv_cache, scale)`` call (the plan made once,
+  outside the timed loop, as a model makes it once per step for all its layers)
+  against one ``scaled_dot_product_attention`` call over dense K/V, at the demo
+  model's heads and the even workload's batch and mean decode context
+  (``prompt + new_tokens // 2``); the ragged batch's too, its SDPA masked as
+  transformers masks a left-padded batch. Median over ``--layer-rounds`` paired
+  rounds of ``--layer-calls`` calls, microseconds.
 
 Each repeat runs every measurement back to back (paired: a change in machine
 load hits both sides of a ratio alike); a ratio is the median over repeats of
@@ -47,22 +49,17 @@ kvcore ahead of transformers' paged cache on both workloads.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import statistics
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvcore.bench import report
+from kvcore.bench.generation import hf_paged_generate, rows_equal, timed_generate
 from kvcore.bench.report import Figure
 
 if TYPE_CHECKING:
-    import torch
     from transformers import LlamaForCausalLM
 
-    from kvcore.backend import Backend
     from kvcore.client import Client
     from kvcore.demo_model import TinyLlama
 
@@ -107,8 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--endpoint", help="attach to this daemon instead of starting one")
     parser.add_argument("--pool", default="default", help="pool name (default: default)")
     parser.add_argument("--backend", default="torch", help="kernel backend (default: torch)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                        help="model and cache element type")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model and cache element type",
+    )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     parser.add_argument("--batch", type=int, default=1, help="rows of the even batch (default 1)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="even batch prompt length")
@@ -119,21 +120,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--new-tokens", type=int, default=64, help="tokens generated per decode run"
     )
     parser.add_argument("--ttft-tokens", type=int, default=256, help="TTFT prompt length")
-    parser.add_argument("--cached-fraction", type=float, default=0.75,
-                        help="share of the TTFT prompt already cached (default 0.75)")  # fmt: skip
+    parser.add_argument(
+        "--cached-fraction",
+        type=float,
+        default=0.75,
+        help="share of the TTFT prompt already cached (default 0.75)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="runs per figure (median)")
     parser.add_argument("--layer-calls", type=int, default=200, help="calls per timed round")
     parser.add_argument("--layer-rounds", type=int, default=15, help="rounds per layer figure")
     parser.add_argument("--hidden-size", type=int, help="model width (default: the demo model's)")
     parser.add_argument("--layers", type=int, help="model layers (default: the demo model's)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: steady on a busy machine)")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: steady on a busy machine)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """The full record with ``--json``, else :func:`headline` of it."""
-    record = measure(args)
-    return record  # `kvcore bench e2e` without --json prints HEADLINE of it (bench/report.py)
+    """The full record (without ``--json``, ``kvcore bench`` prints its HEADLINE)."""
+    return measure(args)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,37 +166,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             client.close()
 
 
-def headline(record: dict[str, Any]) -> dict[str, Any]:
-    """The ratios, the tokens/s behind them (dyn: DynamicCache, kv: kvcore, hf:
-    transformers' paged cache), and each target as "met" / "not met"."""
-    even, ragged, layer = record["decode"], record["ragged"], record["layer"]
-    keys = ["decode_tps_ratio", "hf_paged_decode_tps_ratio", "ragged_decode_tps_ratio",
-            "ragged_hf_paged_decode_tps_ratio", "ttft_cached_ratio", "decode_layer_us",
-            "sdpa_layer_us", "decode_layer_over_sdpa"]  # fmt: skip
-    out: dict[str, Any] = {key: record[key] for key in keys}
-    tps = ("dynamic_cache_tokens_per_s", "kvcore_tokens_per_s", "hf_paged_tokens_per_s")
-    for name, figures in (("even", even), ("ragged", ragged)):
-        out[f"{name} tok/s dyn/kv/hf"] = " / ".join(f"{figures[k]:.0f}" for k in tps)
-        out[f"{name} rows = dyn kv/hf/all"] = (
-            f"{figures['kvcore_rows_equal']} / {figures['hf_paged_rows_equal']} / "
-            f"{figures['rows_compared']}"
-        )
-    out["ragged layer us kv/sdpa"] = (
-        f"{layer['ragged_decode_us']:.0f} / {layer['ragged_sdpa_us']:.0f}"
-    )
-    out["targets"] = record["targets"]
-    return out
-
-
-# -- workloads and the three caches -----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Generated:
-    """One generation run: decode tokens/s (all rows, prefill excluded) and new tokens."""
-
-    tokens_per_s: float
-    tokens: list[list[int]]  # [rows][new_tokens]
+# -- the workloads ---------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -232,84 +210,11 @@ class Workload:
         }
 
 
-def _rows_equal(a: list[list[int]], b: list[list[int]]) -> int:
-    """How many rows of ``a`` equal the same row of ``b``."""
-    return sum(x == y for x, y in zip(a, b, strict=True))
-
-
 def spread(low: int, high: int, count: int) -> list[int]:
     """``count`` lengths spread evenly over ``low .. high`` tokens, both ends included."""
     if count == 1:
         return [low]
     return [low + (high - low) * i // (count - 1) for i in range(count)]
-
-
-def timed_generate(
-    model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, cache: object
-) -> Generated:
-    """Greedy generate() over left-padded ``rows`` with ``cache`` (DynamicCache or kvcore)."""
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    from kvcore.demo_model import greedy
-
-    stamps: list[float] = []
-
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            stamps.append(time.perf_counter())
-            return scores
-
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    new = greedy(model, ids, new_tokens, attention_mask=mask, cache=cache,
-                 logits_processor=LogitsProcessorList([Stamp()]))  # fmt: skip
-    tps = len(rows) * (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    return Generated(tps, new.tolist())
-
-
-def hf_paged_generate(
-    model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, page_size: int
-) -> Generated:
-    """Greedy ``model.generate_batch`` (transformers' continuous batching, paged cache of
-    ``page_size`` tokens per page) over unpadded ``rows``. Sized so that every prompt is
-    in the first (prefill) batch and no row waits for pages."""
-    import torch
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    pages = sum(-(-(len(r) + new_tokens) // page_size) for r in rows)
-    config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=pages + len(rows),
-        max_batch_tokens=sum(len(r) for r in rows), max_requests_per_batch=len(rows),
-    )  # fmt: skip
-    generation = GenerationConfig(  # type: ignore[no-untyped-call]
-        do_sample=False, max_new_tokens=new_tokens, pad_token_id=0
-    )
-    with _quiet("ContinuousBatchingLogger"), torch.no_grad():
-        out = model.generate_batch(rows, generation_config=generation,
-                                   continuous_batching_config=config, record_timestamps=True)  # fmt: skip
-    results = list(out.values())
-    failed = [r.error for r in results if r.error is not None]
-    if len(results) != len(rows) or failed:
-        raise RuntimeError(f"generate_batch: {len(results)} of {len(rows)} rows; {failed[:1]}")
-    stamps = [r.timestamps or [] for r in results]
-    first = max(s[0] for s in stamps)  # every row has its first token: decode starts
-    decoded = sum(1 for s in stamps for t in s if t > first)
-    return Generated(decoded / (max(s[-1] for s in stamps) - first),
-                     [list(r.generated_tokens) for r in results])  # fmt: skip
-
-
-@contextlib.contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    """Silence a logger (continuous batching logs advice on psutil at ERROR on every call)."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 # -- the measurement --------------------------------------------------------------------
@@ -333,8 +238,9 @@ def _spec(args: argparse.Namespace) -> TinyLlama:
     return spec
 
 
-def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
-             client: Client) -> dict[str, Any]:  # fmt: skip
+def _measure(
+    args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM, client: Client
+) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from kvcore.demo_model import timed_greedy
@@ -355,9 +261,9 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
         work.dynamic.append(dynamic.tokens_per_s)
         work.kvcore.append(kvcore.tokens_per_s)
         work.hf_paged.append(hf_paged.tokens_per_s)
-        work.kvcore_equal.append(_rows_equal(kvcore.tokens, dynamic.tokens))
-        work.hf_paged_equal.append(_rows_equal(hf_paged.tokens, dynamic.tokens))
-        work.kvcore_equal_hf_paged.append(_rows_equal(kvcore.tokens, hf_paged.tokens))
+        work.kvcore_equal.append(rows_equal(kvcore.tokens, dynamic.tokens))
+        work.hf_paged_equal.append(rows_equal(hf_paged.tokens, dynamic.tokens))
+        work.kvcore_equal_hf_paged.append(rows_equal(kvcore.tokens, hf_paged.tokens))
 
     num_cached = int(args.ttft_tokens * args.cached_fraction) // page_size * page_size
 
@@ -383,9 +289,16 @@ def _measure(args: argparse.Namespace, spec: TinyLlama, model: LlamaForCausalLM,
     return _record(args, spec, client, even, ragged, (cold, warm), layer, num_cached)
 
 
-def _record(args: argparse.Namespace, spec: TinyLlama, client: Client, even: Workload,
-            ragged: Workload, ttft: tuple[list[float], list[float]], layer: dict[str, Any],
-            num_cached: int) -> dict[str, Any]:  # fmt: skip
+def _record(
+    args: argparse.Namespace,
+    spec: TinyLlama,
+    client: Client,
+    even: Workload,
+    ragged: Workload,
+    ttft: tuple[list[float], list[float]],
+    layer: dict[str, Any],
+    num_cached: int,
+) -> dict[str, Any]:
     cold, warm = ttft
     even_record, ragged_record = even.record(args.new_tokens), ragged.record(args.new_tokens)
     record: dict[str, Any] = {
@@ -401,126 +314,64 @@ def _record(args: argparse.Namespace, spec: TinyLlama, client: Client, even: Wor
         "decode_layer_over_sdpa": layer["decode_over_sdpa"],
         "decode": even_record,
         "ragged": ragged_record,
-        "ttft": {"cached_ms": statistics.median(warm) * 1e3,
-                 "cold_ms": statistics.median(cold) * 1e3,
-                 "prompt_tokens": args.ttft_tokens, "cached_tokens": num_cached},
+        "ttft": {
+            "cached_ms": statistics.median(warm) * 1e3,
+            "cold_ms": statistics.median(cold) * 1e3,
+            "prompt_tokens": args.ttft_tokens,
+            "cached_tokens": num_cached,
+        },
         "layer": layer,
-        "setup": {"backend": args.backend, "dtype": args.dtype, "page_size": client.layout.page_size,
-                  "threads": args.threads, "repeats": args.repeats,
-                  "model": f"llama {spec.num_layers} layers, hidden {spec.hidden_size}, "
-                           f"{spec.num_heads} q / {spec.num_kv_heads} kv heads"},
+        "setup": {
+            "backend": args.backend,
+            "dtype": args.dtype,
+            "page_size": client.layout.page_size,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "model": (
+                f"llama {spec.num_layers} layers, hidden {spec.hidden_size}, "
+                f"{spec.num_heads} q / {spec.num_kv_heads} kv heads"
+            ),
+        },
         "pool_hit_rate": client.stats().hit_rate,
-    }  # fmt: skip
+    }
     met = {t.name: t.met(record[t.key]) for t in TARGETS}
     record["targets"] = {name: "met" if ok else "not met" for name, ok in met.items()}
     record["targets_met"] = all(met.values())
     return record
 
 
-# -- one layer's decode against one SDPA call -------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class LayerTimes:
-    """One layer's attention at one decode step: microseconds per call (medians)."""
-
-    decode_us: float  # the backend's decode call
-    sdpa_us: float  # one SDPA call over the same K/V laid out dense
-    decode_over_sdpa: float  # median over paired rounds of the per-round ratio
-
-
-def _layer_record(args: argparse.Namespace, spec: TinyLlama, page_size: int,
-                  even: list[int], ragged: list[int]) -> dict[str, Any]:  # fmt: skip
+def _layer_record(
+    args: argparse.Namespace, spec: TinyLlama, page_size: int, even: list[int], ragged: list[int]
+) -> dict[str, Any]:
+    """One layer's decode against one SDPA call (bench/kernels.py's
+    :func:`~kvcore.bench.kernels.layer_decode_times`) at the mean decode context of
+    each workload: prompt + ``new_tokens // 2``."""
     from kvcore import backend as backends
+    from kvcore.bench.kernels import Shape, layer_decode_times
 
     backend = backends.get(args.backend)
     mid = args.new_tokens // 2  # the mean context of a decode step is prompt + mid
     shapes = {"": [n + mid for n in even], "ragged_": [n + mid for n in ragged]}
-    record: dict[str, Any] = {"api": "decode(plan, ...); plan_decode once, not timed",
-                              "backend": args.backend, "batch": len(even),
-                              "context": even[0] + mid, "ragged_context": shapes["ragged_"]}  # fmt: skip
+    record: dict[str, Any] = {
+        "api": "decode(plan, ...); plan_decode once, not timed",
+        "backend": args.backend,
+        "batch": len(even),
+        "context": even[0] + mid,
+        "ragged_context": shapes["ragged_"],
+    }
     for prefix, lengths in shapes.items():
-        inputs = _LayerInputs.make(spec, args.dtype, page_size, lengths)
-        times = _time_layer(inputs.decode_call(backend), inputs.sdpa,
-                            args.layer_calls, args.layer_rounds)  # fmt: skip
+        shape = Shape(
+            batch=len(lengths),
+            context=max(lengths),
+            num_q_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            page_size=page_size,
+            dtype=args.dtype,
+            prefill_q=1,  # not timed here
+        )
+        times = layer_decode_times(backend, shape, lengths, args.layer_calls, args.layer_rounds)
         record[f"{prefix}decode_us"] = times.decode_us
         record[f"{prefix}sdpa_us"] = times.sdpa_us
         record[f"{prefix}decode_over_sdpa"] = times.decode_over_sdpa
     return record
-
-
-def _time_layer(decode: Callable[[], object], sdpa: Callable[[], object], calls: int,
-                rounds: int) -> LayerTimes:  # fmt: skip
-    """Paired rounds: ``calls`` decode calls, then ``calls`` SDPA calls, ``rounds`` times."""
-    calls = max(1, calls)
-    decode(), sdpa()  # warm up
-    decode_s: list[float] = []  # seconds per call, one entry per round
-    sdpa_s: list[float] = []
-    for _ in range(max(1, rounds)):
-        for fn, samples in ((decode, decode_s), (sdpa, sdpa_s)):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - start) / calls)
-    return LayerTimes(
-        decode_us=statistics.median(decode_s) * 1e6,
-        sdpa_us=statistics.median(sdpa_s) * 1e6,
-        decode_over_sdpa=statistics.median(d / s for d, s in zip(decode_s, sdpa_s, strict=True)),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _LayerInputs:
-    """Random K/V of one layer, paged (pages of a row scattered over the pool) and dense."""
-
-    query: torch.Tensor  # [B, Hq, D]
-    kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D]
-    block_table: torch.Tensor  # [B, max pages] int32
-    seq_lens: torch.Tensor  # [B] int32, tokens
-    dense_k: torch.Tensor  # [B, Hkv, max len, D]
-    dense_v: torch.Tensor
-    mask: torch.Tensor | None  # [B, 1, 1, max len] bool, None when every row is full
-    scale: float
-
-    @classmethod
-    def make(cls, spec: TinyLlama, dtype: str, page_size: int, lengths: list[int]) -> _LayerInputs:
-        import torch
-
-        kind = getattr(torch, dtype)
-        gen = torch.Generator().manual_seed(0)
-        batch, longest = len(lengths), max(lengths)
-        per_row = -(-longest // page_size)
-        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-
-        def randn(*shape: int) -> torch.Tensor:
-            return torch.randn(shape, generator=gen).to(kind)
-
-        lens = torch.tensor(lengths, dtype=torch.int32)
-        valid = torch.arange(longest) < lens[:, None]  # [B, L]
-        return cls(
-            query=randn(batch, hq, d),
-            kv_cache=randn(batch * per_row, 2, page_size, hkv, d),
-            block_table=torch.randperm(batch * per_row, generator=gen)
-            .view(batch, per_row).to(torch.int32),
-            seq_lens=lens,
-            dense_k=randn(batch, hkv, longest, d),
-            dense_v=randn(batch, hkv, longest, d),
-            mask=None if bool(valid.all()) else valid[:, None, None, :],
-            scale=d**-0.5,
-        )  # fmt: skip
-
-    def decode_call(self, backend: Backend) -> Callable[[], object]:
-        """One layer's ``backend.decode`` on these inputs. The step's plan (validation,
-        the one device sync) is made here, once, as a model makes it once per step."""
-        plan = backend.plan_decode(self.kv_cache, self.block_table, self.seq_lens)
-        return lambda: backend.decode(plan, self.query, self.kv_cache, self.scale)
-
-    def sdpa(self) -> torch.Tensor:
-        """One SDPA call for one new token per row: [B, Hq, 1, D] over dense K/V (GQA
-        native), masked past each row's length when the batch is ragged."""
-        import torch.nn.functional as F
-
-        return F.scaled_dot_product_attention(
-            self.query.unsqueeze(2), self.dense_k, self.dense_v, attn_mask=self.mask,
-            scale=self.scale, enable_gqa=True,
-        )  # fmt: skip

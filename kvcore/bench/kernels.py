@@ -20,6 +20,11 @@ Decode: one query per sequence over ``--context`` tokens. Prefill: the last
 (bottom-right causal; dense uses ``causal_lower_right``). Pages of a sequence
 are scattered over the pool in random order, as after real allocation churn.
 
+One layer at one decode step (:func:`layer_decode_times`, on the CPU): one
+backend ``decode`` call against one SDPA call over the same K/V laid out dense,
+in paired rounds, rows of one length or ragged; ``kvcore bench e2e`` reports it
+at the demo model's shapes (its ``layer`` figures).
+
 Defaults: on CUDA the issue's shape (B=64, context 4096, Hq=32, Hkv=8, D=128,
 bf16, page 16) and every installed backend that declares cuda; on a CPU a
 scaled-down shape and the torch backend. Targets on H100/H200-class GPUs:
@@ -33,7 +38,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,14 +69,20 @@ def headline(record: dict[str, Any]) -> list[Figure]:
         for op in ops:
             key = f"backends.{name}.{op}"
             bw = GPU_BW_TARGETS.get(name) if gpu and op == "decode" else None
+            held = gpu and (name, op) in PAGED_OVER_DENSE_OPS
             figures += [
                 Figure(f"{key}.time_ms", f"{name} {op}: ms"),
-                Figure(f"{key}.bw_fraction", f"{name} {op}: bandwidth / copy bandwidth",
-                       None if bw is None else Target(">=", bw)),
-                Figure(f"{key}.paged_over_dense", f"{name} {op}: paged / dense time",
-                       Target("<=", GPU_PAGED_OVER_DENSE)
-                       if gpu and (name, op) in PAGED_OVER_DENSE_OPS else None),
-            ]  # fmt: skip
+                Figure(
+                    f"{key}.bw_fraction",
+                    f"{name} {op}: bandwidth / copy bandwidth",
+                    None if bw is None else Target(">=", bw),
+                ),
+                Figure(
+                    f"{key}.paged_over_dense",
+                    f"{name} {op}: paged / dense time",
+                    Target("<=", GPU_PAGED_OVER_DENSE) if held else None,
+                ),
+            ]
     return figures
 
 
@@ -115,8 +126,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{name}", type=int, default=None, help=f"{help_text} (default: the shape set's)"
         )
-    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                        help="element type (default: the shape set's)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="element type (default: the shape set's)",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls (median)")
 
@@ -193,8 +208,9 @@ def _time_backend(
     """Per op: (kernel seconds, max abs error against dense, plan seconds)."""
     out: dict[str, tuple[float, float, float]] = {}
     decode = backend.plan_decode(data.kv_cache, data.block_table, data.seq_lens)
-    prefill = backend.plan_prefill(data.kv_cache, data.block_table, data.cu_seqlens_q,
-                                   data.seq_lens)  # fmt: skip
+    prefill = backend.plan_prefill(
+        data.kv_cache, data.block_table, data.cu_seqlens_q, data.seq_lens
+    )
     ops: list[
         tuple[str, Callable[[], object], Callable[[], torch.Tensor], Callable[[], torch.Tensor]]
     ] = [
@@ -247,6 +263,51 @@ class _Timer:
         return statistics.median(samples)
 
 
+# -- one layer at one decode step (the layer figures of `kvcore bench e2e`) ---------------
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTimes:
+    """One layer's attention at one decode step: microseconds per call (medians)."""
+
+    decode_us: float  # the backend's decode call
+    sdpa_us: float  # one SDPA call over the same K/V laid out dense
+    decode_over_sdpa: float  # median over paired rounds of the per-round ratio
+
+
+def layer_decode_times(
+    backend: Backend, shape: Shape, lengths: Sequence[int], calls: int, rounds: int
+) -> LayerTimes:
+    """One ``backend.decode`` call on the CPU against one SDPA call over the same K/V
+    laid out dense (masked past each row's length when ``lengths`` differ), in paired
+    rounds: ``calls`` decode calls, then ``calls`` SDPA calls, ``rounds`` times. The
+    step's plan (validation, the one device sync) is made once, untimed, as a model
+    makes it once per step for all its layers."""
+    import torch
+
+    data = _Data.make(shape, torch.device("cpu"), lengths)
+    plan = backend.plan_decode(data.kv_cache, data.block_table, data.seq_lens)
+
+    def decode() -> object:
+        return backend.decode(plan, data.q_decode, data.kv_cache, data.scale)
+
+    calls = max(1, calls)
+    decode(), data.dense_decode()  # warm up
+    decode_s: list[float] = []  # seconds per call, one entry per round
+    sdpa_s: list[float] = []
+    for _ in range(max(1, rounds)):
+        for fn, samples in ((decode, decode_s), (data.dense_decode, sdpa_s)):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - start) / calls)
+    return LayerTimes(
+        decode_us=statistics.median(decode_s) * 1e6,
+        sdpa_us=statistics.median(sdpa_s) * 1e6,
+        decode_over_sdpa=statistics.median(d / s for d, s in zip(decode_s, sdpa_s, strict=True)),
+    )
+
+
 def _copy_bytes(kv_bytes: int) -> int:
     """Size of the copy that measures bandwidth: at least 256 MiB, so caches do not help."""
     return max(256 << 20, kv_bytes)
@@ -263,31 +324,40 @@ def _copy_seconds(timer: _Timer, kv_bytes: int, device: torch.device) -> float:
 
 @dataclass(slots=True)
 class _Data:
-    """Paged and dense copies of the same K/V, and the queries."""
+    """Paged and dense copies of the same K/V, and the queries. Rows are
+    ``shape.context`` tokens long, or as long as ``lengths`` says (decode only:
+    the dense side is then masked past each row's length, as transformers masks a
+    padded batch); a row's pages are scattered over the pool in random order."""
 
     shape: Shape
     kv_cache: torch.Tensor  # [num_pages, 2, page_size, Hkv, D]
     block_table: torch.Tensor  # [B, pages per sequence] int32
-    seq_lens: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     dense_k: torch.Tensor  # [B, Hkv, ctx, D]
     dense_v: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, 1, ctx] bool, a row's tokens; None: every row is full
     q_decode: torch.Tensor  # [B, Hq, D]
     q_prefill: torch.Tensor  # [B * prefill_q, Hq, D]
-    kv_bytes: int  # K and V of every context token
+    kv_bytes: int  # K and V of every row's tokens
 
     @classmethod
-    def make(cls, s: Shape, device: torch.device) -> _Data:
+    def make(cls, s: Shape, device: torch.device, lengths: Sequence[int] = ()) -> _Data:
+        """Random data of shape ``s``; ``lengths``: tokens per row, the longest
+        ``s.context`` (default: every row ``s.context``)."""
         import torch
 
+        lens = list(lengths) or [s.context] * s.batch
+        assert len(lens) == s.batch and max(lens) == s.context, f"{lens} for {s}"
         dtype = getattr(torch, s.dtype)
         per_seq = -(-s.context // s.page_size)
         num_pages = s.batch * per_seq
         gen = torch.Generator(device=device).manual_seed(0)
-        kv = torch.randn(
-            (num_pages, 2, s.page_size, s.num_kv_heads, s.head_dim),
-            generator=gen, device=device, dtype=dtype,
-        )  # fmt: skip
+
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(size, generator=gen, device=device, dtype=dtype)
+
+        kv = randn(num_pages, 2, s.page_size, s.num_kv_heads, s.head_dim)
         perm = torch.randperm(num_pages, generator=gen, device=device)
         table = perm.view(s.batch, per_seq).to(torch.int32)
         tokens = kv[table.long()]  # [B, per_seq, 2, page, Hkv, D]
@@ -295,19 +365,20 @@ class _Data:
             s.batch, 2, s.num_kv_heads, per_seq * s.page_size, s.head_dim
         )[:, :, :, : s.context]
         hq, d = s.num_q_heads, s.head_dim
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        valid = torch.arange(s.context, device=device) < seq_lens[:, None]  # [B, ctx]
         return cls(
             shape=s,
             kv_cache=kv,
             block_table=table,
-            seq_lens=torch.full((s.batch,), s.context, dtype=torch.int32, device=device),
+            seq_lens=seq_lens,
             cu_seqlens_q=torch.arange(s.batch + 1, dtype=torch.int32, device=device) * s.prefill_q,
             dense_k=tokens[:, 0].contiguous(),
             dense_v=tokens[:, 1].contiguous(),
-            q_decode=torch.randn((s.batch, hq, d), generator=gen, device=device, dtype=dtype),
-            q_prefill=torch.randn(
-                (s.batch * s.prefill_q, hq, d), generator=gen, device=device, dtype=dtype
-            ),
-            kv_bytes=2 * s.batch * s.context * s.num_kv_heads * d * kv.element_size(),
+            mask=None if min(lens) == s.context else valid[:, None, None, :],
+            q_decode=randn(s.batch, hq, d),
+            q_prefill=randn(s.batch * s.prefill_q, hq, d),
+            kv_bytes=2 * sum(lens) * s.num_kv_heads * d * kv.element_size(),
         )
 
     @property
@@ -315,12 +386,14 @@ class _Data:
         return float(self.shape.head_dim**-0.5)
 
     def dense_decode(self) -> torch.Tensor:
-        """SDPA over contiguous K/V: [B, Hq, 1, D] -> [B, Hq, D]."""
+        """SDPA over contiguous K/V, masked past a ragged row's length: [B, Hq, 1, D] ->
+        [B, Hq, D]."""
         import torch.nn.functional as F
 
         q = self.q_decode.unsqueeze(2)
-        out = F.scaled_dot_product_attention(q, self.dense_k, self.dense_v, scale=self.scale,
-                                             enable_gqa=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q, self.dense_k, self.dense_v, attn_mask=self.mask, scale=self.scale, enable_gqa=True
+        )
         return out.squeeze(2)
 
     def dense_prefill(self) -> torch.Tensor:
@@ -329,8 +402,10 @@ class _Data:
         from torch.nn.attention.bias import causal_lower_right
 
         s = self.shape
+        assert self.mask is None, "dense_prefill: rows of one length only"
         q = self.q_prefill.view(s.batch, s.prefill_q, s.num_q_heads, s.head_dim).transpose(1, 2)
         mask = causal_lower_right(s.prefill_q, s.context)
-        out = F.scaled_dot_product_attention(q, self.dense_k, self.dense_v, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q, self.dense_k, self.dense_v, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
         return out.transpose(1, 2).reshape(-1, s.num_q_heads, s.head_dim)

@@ -79,13 +79,15 @@ def rows(record: dict[str, Any], figures: Sequence[Figure]) -> list[tuple[str, .
             continue  # not measured in this run (e.g. a ratio of a pool that never filled)
         target = figure.target
         met = None if target is None else target.met(value, record)
-        out.append((
-            figure.key,
-            figure.label,
-            fmt(value),
-            "" if target is None else target.describe(record),
-            "" if target is None else {True: "met", False: "NOT MET", None: "n/a"}[met],
-        ))  # fmt: skip
+        out.append(
+            (
+                figure.key,
+                figure.label,
+                fmt(value),
+                "" if target is None else target.describe(record),
+                "" if target is None else {True: "met", False: "NOT MET", None: "n/a"}[met],
+            )
+        )
     return out
 
 
