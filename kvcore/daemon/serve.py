@@ -38,6 +38,16 @@ log = logging.getLogger("kvcore.daemon")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kvcore serve`, in the order --help lists them. Each flag given
+    overrides its configuration field (:func:`build_config`)."""
+    _where_arguments(parser)
+    _limit_arguments(parser)
+    _access_arguments(parser)
+    _observing_arguments(parser)
+
+
+def _where_arguments(parser: argparse.ArgumentParser) -> None:
+    """The configuration file, the endpoint, the pools and the event stream."""
     parser.add_argument(
         "--config",
         help="TOML file (see docs/quickstart.md); KVCORE_* variables override it, "
@@ -70,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vllm format: ROUTER endpoint that replays buffered event batches "
         "(vLLM's replay_endpoint; default: off)",
     )
+
+
+def _limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Leases, and the bounds on frames, batches, sessions and queues."""
     parser.add_argument(
         "--lease-timeout",
         type=float,
@@ -97,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an expired session whose process cannot be watched (tcp://) "
         "stays fenced (default 300)",
     )
+
+
+def _access_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may connect: CURVE keys, tcp:// without them, ephemeral pools."""
     parser.add_argument(
         "--curve-secret-key-file",
         help="CURVE secret key (tcp://): z85, or a `kvcore keys` .key_secret file; "
@@ -125,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve Prometheus metrics and /health over HTTP on this port "
         "(0: any free port; default: off)",
     )
+
+
+def _observing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The metrics endpoint and the logs."""
     parser.add_argument(
         "--metrics-addr", help="address the metrics port binds (default 127.0.0.1: loopback only)"
     )
