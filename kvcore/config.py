@@ -85,6 +85,7 @@ MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is p
 MAX_BATCH = 1 << 20  # operations
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "KVCORE_"
+
 # --pool keys -> TierConfig fields
 TIER_FLAG_KEYS = {
     "host_tier": "host",
