@@ -53,10 +53,15 @@ class TritonBackend(Backend):
         max_tokens = max(1, plan.max_seq_len)
         sms = decode.INTERPRETER_SMS if self.interpreted else decode.sm_count(spec.device)
         launch = decode.plan_decode(
-            batch=max(1, plan.batch), num_kv_heads=spec.num_kv_heads, group=1,
-            head_dim=spec.head_dim, page_size=spec.page_size, max_tokens=max_tokens,
-            sm_count=sms, interpreted=self.interpreted,
-        )  # fmt: skip
+            batch=max(1, plan.batch),
+            num_kv_heads=spec.num_kv_heads,
+            group=1,
+            head_dim=spec.head_dim,
+            page_size=spec.page_size,
+            max_tokens=max_tokens,
+            sm_count=sms,
+            interpreted=self.interpreted,
+        )
         return DecodeSplits(launch.num_splits, max_tokens)
 
     def _prepare_prefill(self, plan: PrefillPlan, kv_cache: torch.Tensor) -> int:
@@ -74,18 +79,30 @@ class TritonBackend(Backend):
         splits = plan.prepared
         assert isinstance(splits, DecodeSplits), "a triton decode plan carries its splits"
         return decode.decode(
-            query, kv_cache, plan.block_table, plan.seq_lens, scale,
-            interpreted=self.interpreted, num_splits=splits.num_splits,
+            query,
+            kv_cache,
+            plan.block_table,
+            plan.seq_lens,
+            scale,
+            interpreted=self.interpreted,
+            num_splits=splits.num_splits,
             max_tokens=splits.max_tokens,
-        )  # fmt: skip
+        )
 
     def _prefill(
         self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         assert isinstance(plan.prepared, int), "a triton prefill plan carries max_q_len"
-        return prefill.prefill(query, kv_cache, plan.block_table, plan.cu_seqlens_q,
-                               plan.seq_lens, scale, max_q_len=plan.prepared,
-                               interpreted=self.interpreted)  # fmt: skip
+        return prefill.prefill(
+            query,
+            kv_cache,
+            plan.block_table,
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            scale,
+            max_q_len=plan.prepared,
+            interpreted=self.interpreted,
+        )
 
     def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
         cache_ops.copy_pages(kv_cache, plan.src, plan.dst)

@@ -21,11 +21,9 @@ tokens. Two kernels:
 2. ``_decode_merge_kernel``, grid ``(B, Hq)``: ``out = Σ_s 2^(lse_s - M) o_s
    / Σ_s 2^(lse_s - M)`` with ``M = max_s lse_s``.
 
-Token t of sequence b lives in page ``block_table[b, t // PAGE_SIZE]`` at
-offset ``t % PAGE_SIZE``; each token's page is looked up on its own, so page
-sizes need not be powers of two and K/V need not be contiguous across pages.
-Only tokens < seq_len are loaded (masked loads), so unused slots of a page
-(possibly NaN) and unused block-table entries never matter. Offsets are
+Tokens are found through the block table as :mod:`~kvcore_triton.paged` says
+(any page size; only tokens < seq_len are loaded, so unused slots of a page,
+possibly NaN, and unused block-table entries never matter). Offsets are
 int64; block tables int32; everything loaded is converted to fp32 at once
 (the interpreter's bf16 arithmetic is wrong, and fp32 accumulation is what we
 want on a GPU too). Scores are pre-scaled by ``scale * log2(e)`` so the
@@ -42,10 +40,10 @@ reading K and V once, so every choice serves memory bandwidth):
 * ``BLOCK_N x BLOCK_D = 4096`` elements per K/V tile (BLOCK_N 64 at D <= 64,
   32 at D 80..128, 16 at D 256): a multiple or a divisor of every power-of-two
   page size, so a block reads whole pages.
-* Page ids are loaded one block ahead of the K/V they address, so the K/V
-  loads of block i+1 depend only on values of iteration i and Triton's
-  software pipeliner double-buffers them in shared memory (cp.async) while
-  block i computes. ``num_stages = 3`` (id load, K/V load, compute) gives two
+* Page ids are loaded one block ahead of the K/V they address
+  (:func:`kvcore_triton.paged.block_rows`), so the K/V loads of block i+1
+  depend only on values of iteration i and Triton's software pipeliner
+  double-buffers them in shared memory (cp.async) while block i computes. ``num_stages = 3`` (id load, K/V load, compute) gives two
   K/V buffers; with the id load in the same iteration as its K/V loads the
   buffer count stays 1 at any num_stages. Compiled for sm_90 (bf16, D=128,
   group 4, 4 warps; tests/test_triton_compile.py asserts these): 78
@@ -61,8 +59,8 @@ reading K and V once, so every choice serves memory bandwidth):
   ``MAX_SPLITS``. At B=64, Hkv=8 on 132 SMs that is 2 splits of 2048 tokens
   (1024 CTAs over 660 slots); at B=1 it is up to 64 splits, which keeps a
   single long sequence from running on 8 SMs. The split size comes from
-  ``block_table.shape[1] * page_size`` (an upper bound of seq_len), so
-  planning needs no device-to-host sync and the launch is graph-capturable.
+  ``block_table.shape[1] * page_size`` (an upper bound of seq_len) or from the
+  plan's host lengths, so the launch reads no device value.
 * ``num_warps = 4`` (8 warps would halve the CTAs per SM for the same bytes in
   flight).
 * The merge reads ``num_splits x D`` fp32 per head, a few percent of the KV
@@ -74,12 +72,14 @@ virtual SM count, so that small test shapes still run several splits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kvcore.layout import cdiv
+from kvcore_triton import paged
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64  # bounds the merge tile (BLOCK_S) and the scratch buffer
@@ -145,17 +145,16 @@ def _decode_split_kernel(
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
-    # Page ids run one block ahead: block i's K/V addresses come from ids loaded in
-    # iteration i - 1, so the software pipeliner can issue block i+1's K/V loads
-    # while block i computes (with the id load in the same iteration, it cannot).
+    # Page ids run one block ahead of their K/V (paged.py): the first block's here,
+    # each next block's in block_rows. (Through paged.page_ids, this load cost 2
+    # registers at D=64 with int64 strides.)
     page = tl.load(bt_row + (start + offs_n) // PAGE_SIZE, mask=start + offs_n < end, other=0)
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + offs_n
         mask_n = tok < end
-        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
-        ahead = tok + BLOCK_N
-        page = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < end, other=0)
-        kv_offs = row[:, None] + offs_d[None, :]
+        kv_offs, page = paged.block_rows(
+            bt_row, page, tok, end, offs_d, stride_kv_page, stride_kv_tok, PAGE_SIZE, BLOCK_N
+        )
         mask_nd = mask_n[:, None] & mask_d[None, :]
 
         k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0).to(tl.float32)
@@ -277,13 +276,13 @@ def plan_decode(
     block_d = max(16, triton.next_power_of_2(head_dim))
     # Interpreted: 16-token blocks, so tiny test shapes still run several splits.
     block_n = 16 if interpreted else max(16, min(64, TILE_ELEMENTS // block_d))
-    blocks = max(1, math.ceil(max_tokens / block_n))
+    blocks = max(1, cdiv(max_tokens, block_n))
     if num_splits is None:
         ctas_per_sm = CTAS_PER_SM_D256 if block_d >= 256 else CTAS_PER_SM
         num_splits = _fill_waves(batch * num_kv_heads, ctas_per_sm * sm_count)
     num_splits = max(1, min(num_splits, blocks, MAX_SPLITS))
-    tokens_per_split = math.ceil(blocks / num_splits) * block_n
-    num_splits = max(1, math.ceil(max_tokens / tokens_per_split))  # drop splits left empty
+    tokens_per_split = cdiv(blocks, num_splits) * block_n
+    num_splits = max(1, cdiv(max_tokens, tokens_per_split))  # drop splits left empty
     return DecodePlan(
         page_size=page_size,
         head_dim=head_dim,
@@ -302,11 +301,11 @@ def _fill_waves(pairs: int, slots: int) -> int:
     """Splits per (sequence, KV head) for ``pairs`` of them on ``slots`` resident CTAs:
     the fewest that fill one wave, or up to twice that where the last wave is fuller
     (each split's work shrinks as the count grows, so a fuller last wave is time saved)."""
-    least = math.ceil(slots / max(1, pairs))
+    least = cdiv(slots, max(1, pairs))
 
     def fill(splits: int) -> float:  # busy fraction of the slots over all waves
         ctas = pairs * splits
-        return ctas / (math.ceil(ctas / slots) * slots)
+        return ctas / (cdiv(ctas, slots) * slots)
 
     return max(range(least, 2 * least + 1), key=lambda n: (round(fill(n), 3), -n))
 

@@ -20,9 +20,9 @@ packs queries ``j*BLOCK_Q .. j*BLOCK_Q + BLOCK_Q - 1`` of sequence b times the
 so each K/V block is read once per KV head rather than once per query head.
 It runs the online softmax (``m_i``, ``l_i``, ``acc``, exp2 on scores scaled
 to log2 units) over tokens ``0 .. pos(last query of the tile)`` in blocks of
-``BLOCK_N``, masking ``token > pos(row)``. Pages are looked up per token
-(any page size); only tokens < seq_len are loaded, so unused slots never
-matter; offsets are int64.
+``BLOCK_N``, masking ``token > pos(row)``. Pages are looked up per token as
+:mod:`~kvcore_triton.paged` says (any page size); only tokens < seq_len are
+loaded, so unused slots never matter; offsets are int64.
 
 Numerics: on a GPU, fp16/bf16 caches feed ``tl.dot`` their own 16-bit K and V
 and Q as given (in the cache dtype; the scale multiplies S in fp32, so Q is not
@@ -39,8 +39,8 @@ previous block computes. At bf16, D=128, group 4: 96 registers, no spills,
 64 KB of shared memory, 3 buffers (before: TF32 wgmma on fp32-widened
 operands, num_stages 1, 159 registers). 64-token blocks take 148 registers
 and 112 KB (one CTA per SM).
-The grid needs the longest q_len, one device-to-host read of cu_seqlens_q;
-prefill is not a graph-captured step, so the sync is accepted here.
+The grid needs the longest q_len, which the plan holds on the host, so the
+launch reads no device value.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from kvcore.layout import cdiv
+from kvcore_triton import paged
 
 LOG2_E = 1.4426950408889634
 NUM_STAGES = 3  # page-id load, K/V load, compute: two K/V buffers in flight
@@ -124,16 +127,15 @@ def _prefill_kernel(
     k_base = kv_ptr + kv_head.to(tl.int64) * stride_kv_head
     v_base = k_base + stride_kv_kv
     bt_row = block_table_ptr + b.to(tl.int64) * stride_bt_b
-    # Page ids one block ahead of their K/V (see decode.py): the pipeliner can then
-    # prefetch block i+1's K/V into shared memory while block i computes.
+    # Page ids one block ahead of their K/V (paged.py): the first block's here (as in
+    # decode.py), each next block's in block_rows.
     page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=offs_n < kv_end, other=0)
     for t0 in range(0, kv_end, BLOCK_N):
         tok = t0 + offs_n
         mask_n = tok < kv_end
-        row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
-        ahead = tok + BLOCK_N
-        page = tl.load(bt_row + ahead // PAGE_SIZE, mask=ahead < kv_end, other=0)
-        kv_offs = row[:, None] + offs_d[None, :]
+        kv_offs, page = paged.block_rows(
+            bt_row, page, tok, kv_end, offs_d, stride_kv_page, stride_kv_tok, PAGE_SIZE, BLOCK_N
+        )
         mask_nd = mask_n[:, None] & mask_d[None, :]
 
         k = tl.load(k_base + kv_offs, mask=mask_nd, other=0.0)
@@ -238,9 +240,14 @@ def prefill(
     if total_q == 0 or batch == 0 or max_q_len == 0:
         return out
 
-    plan = plan_prefill(group=num_q_heads // num_kv_heads, head_dim=head_dim,
-                        page_size=page_size, dtype=kv_cache.dtype, interpreted=interpreted)  # fmt: skip
-    grid = (triton.cdiv(max_q_len, plan.block_q), batch, num_kv_heads)
+    plan = plan_prefill(
+        group=num_q_heads // num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=kv_cache.dtype,
+        interpreted=interpreted,
+    )
+    grid = (cdiv(max_q_len, plan.block_q), batch, num_kv_heads)
     _prefill_kernel[grid](
         query,
         kv_cache,

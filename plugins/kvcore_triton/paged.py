@@ -1,0 +1,62 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# (Triton device functions: @triton.jit is untyped, and their arguments take no annotations.)
+"""The paged-row walk that decode.py and prefill.py share (``@triton.jit`` device
+functions, inlined into each kernel by Triton).
+
+Token t of sequence b lives in page ``block_table[b, t // PAGE_SIZE]`` at offset
+``t % PAGE_SIZE``; each token's page is looked up on its own, so page sizes need
+not be powers of two and K/V need not be contiguous across pages. Both kernels
+walk a range of tokens in blocks of ``BLOCK_N``::
+
+    page = tl.load(bt_row + (first + offs_n) // PAGE_SIZE, mask=first + offs_n < end, other=0)
+    for t0 in range(first, end, BLOCK_N):
+        tok = t0 + offs_n
+        mask_n = tok < end
+        kv_offs, page = paged.block_rows(bt_row, page, tok, end, offs_d, ...)
+        k = tl.load(k_base + kv_offs, mask=mask_n[:, None] & mask_d[None, :], ...)
+
+Page ids run one block ahead: block i's K/V addresses come from ids loaded in
+iteration i - 1, so the K/V loads of block i + 1 depend only on values of
+iteration i, and Triton's software pipeliner (``num_stages = 3``: id load, K/V
+load, compute) double-buffers them in shared memory while block i computes.
+With the id load in the same iteration as its K/V loads it keeps one buffer at
+any num_stages; tests/test_triton_compile.py asserts the buffers of both kernels.
+
+Offsets are int64 elements from the kv head's base (``kv_ptr + kv_head *
+stride_kv_head``); the D dim is contiguous. Tokens >= ``end`` are masked out:
+their page ids read as 0 and their K/V are never loaded, so unused block-table
+entries and unused slots of a page (possibly NaN) never matter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def page_ids(bt_row, tok, end, PAGE_SIZE: tl.constexpr):
+    """The page ids (int32, shaped like ``tok``) of tokens ``tok`` from the sequence's
+    block-table row ``bt_row``; 0 (never used) for tokens >= ``end``."""
+    return tl.load(bt_row + tok // PAGE_SIZE, mask=tok < end, other=0)
+
+
+@triton.jit
+def block_rows(
+    bt_row,  # the sequence's block-table row (int32 pointer)
+    page,  # [BLOCK_N] int32: the page ids of ``tok``, loaded one iteration earlier
+    tok,  # [BLOCK_N] token indices of this block
+    end,  # tokens: the walk stops before it
+    offs_d,  # [BLOCK_D] arange over the head dim
+    stride_kv_page,
+    stride_kv_tok,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The block's K/V element offsets ``kv_offs`` [BLOCK_N, BLOCK_D] (int64, from the
+    kv head's base; V adds ``stride_kv_kv``) and the next block's page ids, issued
+    here, before the caller's K/V loads of this block, so that those of the next block
+    wait on nothing of their own iteration."""
+    row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
+    next_page = page_ids(bt_row, tok + BLOCK_N, end, PAGE_SIZE)
+    return row[:, None] + offs_d[None, :], next_page
