@@ -4,7 +4,8 @@ The client process is SIGSTOPped past its lease (a debugger, a long pause).
 Its pages are fenced: not reused while it lives. When it resumes it learns
 (its heartbeat gets ``lease_lost``), fences its own mapping, acknowledges, and
 every later call raises LeaseLost; a write through its old block table lands
-in private scratch, never in the next owner's page.
+in private scratch, never in the next owner's page. A fence is bounded in time
+(``fence_timeout_s``), whether or not the daemon can watch the process.
 """
 
 from __future__ import annotations
@@ -146,6 +147,36 @@ def test_an_unwatchable_fenced_session_is_released_after_the_fence_timeout(tmp_p
             assert watcher.stats().held_pages == 1  # fenced: its writes could still land
             time.sleep(1.0)
             assert watcher.stats().held_pages == 0  # the fence timed out
+            watcher.check_integrity()
+        with pytest.raises(NotAttached):
+            quiet.extend(1, 1)  # it is gone, not fenced any more
+        quiet.close()
+
+
+def test_a_watched_fenced_session_is_released_after_the_fence_timeout(tmp_path: Path) -> None:
+    """An ipc:// peer whose process lives (this one) but stays silent: its fence ends after
+    fence_timeout_s too, not only when it exits (issue 18, point 7)."""
+    with DaemonProcess(
+        "--endpoint",
+        f"ipc://{tmp_path / 'd.sock'}",
+        "--lease-timeout",
+        "0.5",
+        "--fence-timeout",
+        "1.5",
+        "--pool",
+        "num_pages=8,num_layers=1",
+    ) as daemon:
+        quiet = Client.connect(daemon.endpoint, heartbeat=False, map_memory=False)
+        quiet.allocate(1, [1, 2, 3])
+        silent_from = time.monotonic()
+        with Client.connect(daemon.endpoint, map_memory=False) as watcher:
+            time.sleep(1.2)
+            assert watcher.stats().held_pages == 1  # fenced: its process lives
+            deadline = silent_from + 2.0 + 5.0  # lease + fence, and room for a loaded machine
+            while watcher.stats().held_pages:
+                assert time.monotonic() < deadline, "a live process's fence never ended"
+                time.sleep(0.05)
+            assert time.monotonic() - silent_from > 1.9, "the fence ended before its timeout"
             watcher.check_integrity()
         with pytest.raises(NotAttached):
             quiet.extend(1, 1)  # it is gone, not fenced any more

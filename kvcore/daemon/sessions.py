@@ -10,19 +10,30 @@ A session is opened by ``attach`` on one pool and goes through three states::
 * **fenced**: the lease ran out but its process may still write its pages (a
   stopped or paused client). Its sequences stay live and held, so no page of
   it is reused; every request of it gets ``lease_lost``. It leaves this state
-  when the process exits (the daemon watches a pidfd of the kernel-reported
-  peer pid), when the client acknowledges (``detach``: it unmapped the pool),
-  or, for a peer whose process cannot be watched (tcp://), after
-  ``fence_timeout_s``.
+  when the process exits (the daemon watches the kernel-reported peer pid:
+  :mod:`.watch`), when the client acknowledges (``detach``: it unmapped the
+  pool), or after ``fence_timeout_s`` of listening time, whether or not its
+  process can be watched: a process that maps a pool can write all of it
+  anyway (docs/security.md), so fencing protects a paused honest client for a
+  bounded time, and no silent process keeps sessions or pages for longer.
 * **draining**: its sequences are freed a bounded number of page references
   per tick (:meth:`SessionTable.reap`), so ending a session with 200,000 forks
   never stalls the daemon; then the session is gone. Its requests get
   ``not_attached``.
 
-Lease time counts only while the daemon could hear the client: the daemon
-calls :meth:`pause` with the time it was deaf (stopped, or busy in one
-request), which pushes every live deadline back, and it reads what is queued
-before it expires anyone.
+Lease and fence time count only while the daemon could hear the client: the
+daemon calls :meth:`pause` with the time it was deaf (stopped, or busy in one
+request), which pushes every live deadline and every fence's end back, and it
+reads what is queued before it expires anyone.
+
+What one client may hold is bounded three ways, sessions in any state counted
+(each is a slot of the table until it is gone): ``max_sessions`` in all,
+``max_sessions_per_process`` per watched peer process (its sessions share one
+pidfd, so the descriptors the daemon holds are at most one per process), and
+``max_sessions_per_tenant`` per tenant (the grant's ``tenant``; the operator, who
+is the daemon's own user or root, is bounded per process only). By default
+an eighth of ``max_sessions`` (rounded down) is kept from any one tenant or
+process, and a process holds at most 64.
 
 Sequence ids are per pool; a sequence belongs to the session that created it
 (allocate, or fork for the child), in any state, and any other session that
@@ -37,17 +48,18 @@ reaps frees the sequences :meth:`reap` hands back.
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import os
 import secrets
-import select
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from kvcore.errors import Forbidden, LeaseLost, NotAttached, QuotaExceeded
+from kvcore.errors import BadRequest, Forbidden, LeaseLost, NotAttached, QuotaExceeded
 
 from .auth import Grant
+from .watch import Watch, Watcher
+
+PROCESS_SESSIONS = 64  # default bound of sessions per peer process (also <= the tenant bound)
 
 
 class State(enum.Enum):
@@ -69,25 +81,64 @@ class Session:
     name: str  # informational
     deadline: float  # time.monotonic() after which the lease is over (seconds)
     last_seen: float  # time.monotonic() of the last request (seconds)
-    pidfd: int | None = None  # a pidfd of the client process, if the daemon can watch it
+    peer: Watch | None = None  # the watch of its process: only for a kernel-reported pid
     state: State = State.LIVE
-    fenced_until: float = 0.0  # fenced without a pidfd: released at this time (seconds)
+    fenced_until: float = 0.0  # fenced: drained at this time.monotonic() (seconds)
     seqs: set[int] = field(default_factory=set)  # the sequences this session owns
 
 
 class SessionTable:
     """Every session, its lease, its state and what it owns."""
 
-    __slots__ = ("_owner", "_sessions", "expired", "fence_s", "fenced", "lease_s", "max_sessions")
+    __slots__ = (
+        "_owner",
+        "_sessions",
+        "_tenants",
+        "_watcher",
+        "expired",
+        "fence_s",
+        "fenced",
+        "lease_s",
+        "max_sessions",
+        "max_sessions_per_process",
+        "max_sessions_per_tenant",
+    )
 
-    def __init__(self, lease_s: float, fence_s: float = 300.0, max_sessions: int = 1024) -> None:
+    def __init__(
+        self,
+        lease_s: float,
+        fence_s: float = 300.0,
+        max_sessions: int = 1024,
+        *,
+        max_sessions_per_process: int | None = None,
+        max_sessions_per_tenant: int | None = None,
+    ) -> None:
+        """Bounds are session counts; ``None`` takes the default (module docstring).
+        BadRequest unless ``1 <= max_sessions_per_process, max_sessions_per_tenant <=
+        max_sessions``."""
         self.lease_s = lease_s  # seconds without a request before a session expires
-        self.fence_s = fence_s  # seconds an unwatchable expired session stays fenced
-        self.max_sessions = max_sessions
+        self.fence_s = fence_s  # seconds of listening time an expired session stays fenced
+        self.max_sessions = max_sessions  # sessions in the table, daemon-wide
+        if max_sessions_per_tenant is None:
+            max_sessions_per_tenant = max_sessions - max_sessions // 8
+        if max_sessions_per_process is None:
+            max_sessions_per_process = min(PROCESS_SESSIONS, max_sessions_per_tenant)
+        self.max_sessions_per_tenant = max_sessions_per_tenant  # per named tenant
+        self.max_sessions_per_process = max_sessions_per_process  # per watched peer process
+        if not (
+            1 <= self.max_sessions_per_process <= max_sessions
+            and 1 <= self.max_sessions_per_tenant <= max_sessions
+        ):
+            raise BadRequest(
+                f"need 1 <= max_sessions_per_process, max_sessions_per_tenant <= max_sessions "
+                f"({max_sessions}); got {max_sessions_per_process}, {max_sessions_per_tenant}"
+            )
         self.expired = 0  # sessions whose lease ran out (counters for stats and tests)
         self.fenced = 0  # of those, sessions fenced because their process lived
         self._sessions: dict[int, Session] = {}
         self._owner: dict[str, dict[int, int]] = {}  # pool -> seq -> session id
+        self._tenants: dict[str, int] = {}  # named tenant -> its sessions, in any state
+        self._watcher = Watcher()  # the processes of ipc:// peers, one pidfd each
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -98,14 +149,26 @@ class SessionTable:
     def open(
         self, pool: str, namespace: str, grant: Grant, pid: int, watch: bool, name: str, now: float
     ) -> Session:
-        """A new live session; QuotaExceeded past ``max_sessions``. With ``watch`` the
-        process ``pid`` (the kernel's peer pid) is watched through a pidfd."""
+        """A new live session; QuotaExceeded past ``max_sessions``, past
+        ``max_sessions_per_process`` of process ``pid`` if ``watch`` (``pid`` is the kernel's
+        peer pid: the process is watched, sharing one pidfd with its other sessions), or
+        past ``max_sessions_per_tenant`` of the grant's tenant (not the operator)."""
         if len(self._sessions) >= self.max_sessions:
             raise QuotaExceeded(f"the daemon serves at most {self.max_sessions} sessions")
-        pidfd = None
-        if watch:
-            with contextlib.suppress(OSError, AttributeError):  # gone already, or no pidfd here
-                pidfd = os.pidfd_open(pid)
+        if watch and self._watcher.held(pid) >= self.max_sessions_per_process:
+            raise QuotaExceeded(
+                f"process {pid} holds {self._watcher.held(pid)} sessions; a process may hold "
+                f"at most {self.max_sessions_per_process} (max_sessions_per_process)"
+            )
+        tenant = grant.tenant
+        if tenant and self._tenants.get(tenant, 0) >= self.max_sessions_per_tenant:
+            raise QuotaExceeded(
+                f"tenant {tenant!r} holds {self._tenants[tenant]} sessions; a tenant may hold "
+                f"at most {self.max_sessions_per_tenant} (max_sessions_per_tenant)"
+            )
+        peer = self._watcher.watch(pid) if watch else None
+        if tenant:
+            self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
         session = Session(
             secrets.randbits(63) | 1,
             pool,
@@ -115,7 +178,7 @@ class SessionTable:
             name,
             now + self.lease_s,
             now,
-            pidfd,
+            peer,
         )
         self._sessions[session.id] = session
         self._owner.setdefault(pool, {})
@@ -169,29 +232,32 @@ class SessionTable:
     # -- time ----------------------------------------------------------------------------
 
     def pause(self, seconds: float) -> None:
-        """The daemon could not hear anyone for ``seconds``: that time is no one's lease."""
+        """The daemon could not hear anyone for ``seconds``: that time is no one's lease,
+        nor counts towards anyone's fence."""
         for session in self._sessions.values():
             if session.state is State.LIVE:
                 session.deadline += seconds
+            elif session.state is State.FENCED:
+                session.fenced_until += seconds
 
     def expire(self, now: float) -> list[Session]:
         """Move live sessions whose lease is over to fenced (process alive or unknown) or
         draining (process gone); fenced ones whose process exited, or whose fence timed
-        out, to draining. The sessions that changed state."""
+        out (watched or not), to draining. The sessions that changed state."""
+        self._watcher.poll()
         changed = []
         for session in self._sessions.values():
+            gone = session.peer is not None and session.peer.exited
             if session.state is State.LIVE and session.deadline < now:
                 self.expired += 1
-                if session.pidfd is not None and _exited(session.pidfd):
+                if gone:
                     self._drain(session)
                 else:
                     session.state = State.FENCED
                     session.fenced_until = now + self.fence_s
                     self.fenced += 1
                 changed.append(session)
-            elif session.state is State.FENCED and (
-                _exited(session.pidfd) if session.pidfd is not None else now >= session.fenced_until
-            ):
+            elif session.state is State.FENCED and (gone or now >= session.fenced_until):
                 self._drain(session)
                 changed.append(session)
         return changed
@@ -216,9 +282,14 @@ class SessionTable:
         done = [s for s in self._sessions.values() if s.state is State.DRAINING and not s.seqs]
         for session in done:
             del self._sessions[session.id]
-            if session.pidfd is not None:
-                os.close(session.pidfd)
-                session.pidfd = None
+            if session.peer is not None:
+                self._watcher.release(session.peer)
+                session.peer = None
+            tenant = session.grant.tenant
+            if tenant:
+                self._tenants[tenant] -= 1
+                if not self._tenants[tenant]:
+                    del self._tenants[tenant]
         return done
 
     def draining(self) -> bool:
@@ -238,18 +309,26 @@ class SessionTable:
         assert not self._owner.get(pool), f"pool {pool!r} closed with owned sequences"
         self._owner.pop(pool, None)
 
+    def on_process(self, pid: int) -> int:
+        """How many sessions (in any state) the live watched process ``pid`` holds."""
+        return self._watcher.held(pid)
+
+    @property
+    def descriptors(self) -> int:
+        """How many pidfds the table holds open (at most one per watched process)."""
+        return self._watcher.descriptors
+
     def close_all(self) -> None:
-        for session in self._sessions.values():
-            if session.pidfd is not None:
-                os.close(session.pidfd)
-                session.pidfd = None
+        """Close every pidfd (the daemon stops; the sessions are not used any more)."""
+        self._watcher.close_all()
 
     def check_integrity(
         self, num_live: Mapping[str, int], is_live: Callable[[str, int], bool]
     ) -> None:
         """Assert the ownership invariant, and that the owned sequences of each pool are
         exactly its live ones (``num_live[pool]`` of them; ``is_live(pool, seq)``): the
-        sequences of fenced and draining sessions are held, never free."""
+        sequences of fenced and draining sessions are held, never free. Every watched
+        process's refcount equals the sessions that name it, and every bound holds."""
         for pool, owners in self._owner.items():
             assert len(owners) == num_live.get(pool, 0), (
                 f"pool {pool!r}: {len(owners)} owned sequences, {num_live.get(pool, 0)} live"
@@ -262,17 +341,19 @@ class SessionTable:
                     f"sequence {seq} not in its session"
                 )
         assert len(self._sessions) <= self.max_sessions, "more sessions than allowed"
+        peers = Counter(s.peer for s in self._sessions.values() if s.peer is not None)
+        self._watcher.check_integrity(peers)
+        assert all(n <= self.max_sessions_per_process for n in peers.values()), (
+            "a process holds more sessions than allowed"
+        )
+        tenants = Counter(s.grant.tenant for s in self._sessions.values() if s.grant.tenant)
+        assert tenants == self._tenants, f"tenant counts {self._tenants}, sessions {tenants}"
+        assert all(n <= self.max_sessions_per_tenant for n in tenants.values()), (
+            "a tenant holds more sessions than allowed"
+        )
         for session in self._sessions.values():
-            assert (
-                session.state is not State.FENCED
-                or session.pidfd is not None
-                or (session.fenced_until > 0)
-            ), f"session {session.id:x} fenced without a way out"
+            assert session.state is not State.FENCED or session.fenced_until > 0, (
+                f"session {session.id:x} fenced without an end"
+            )
             for seq in session.seqs:
                 assert self._owner[session.pool].get(seq) == session.id, f"{seq} lost its owner"
-
-
-def _exited(pidfd: int) -> bool:
-    """True once the process of ``pidfd`` has exited (a pidfd polls readable then)."""
-    ready, _, _ = select.select([pidfd], [], [], 0)
-    return bool(ready)
