@@ -16,6 +16,7 @@ import numpy as np
 
 from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
 from kvcore.errors import Unsupported
+from kvcore.layout import cdiv
 from kvcore_cupy import kernels
 from kvcore_cupy import plan as launch
 
@@ -95,7 +96,7 @@ class CupyBackend(Backend):
         cb = chunk_bytes(kv_cache)
         row_chunks = d * key.element_size() // cb
         total = num_tokens * hkv * row_chunks
-        blocks = min(-(-total // _COPY_THREADS), 32 * self._sms(kv_cache))
+        blocks = min(cdiv(total, _COPY_THREADS), 32 * self._sms(kv_cache))
         sp, skv, stok, shead = _byte_strides(kv_cache)
         with self._on_stream(kv_cache.device):
             _launch(
@@ -192,7 +193,7 @@ class CupyBackend(Backend):
             )
             _launch(
                 fn,
-                (-(-total_q // _WARPS), hkv * tiling.n_chunks, 1),
+                (cdiv(total_q, _WARPS), hkv * tiling.n_chunks, 1),
                 _WARPS * 32,
                 (
                     _ptr(q), _ptr(kv_cache), *_elem_strides(kv_cache),
@@ -213,7 +214,7 @@ class CupyBackend(Backend):
         cb = chunk_bytes(kv_cache)
         row_chunks = d * kv_cache.element_size() // cb
         per_page = 2 * page_size * hkv * row_chunks
-        blocks = min(-(-per_page // _COPY_THREADS), 1024)
+        blocks = min(cdiv(per_page, _COPY_THREADS), 1024)
         sp, skv, stok, shead = _byte_strides(kv_cache)
         fn = self._modules.cache_op(kernels.copy_name("copy_pages", cb))
         with self._on_stream(kv_cache.device):

@@ -64,20 +64,9 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) deco
   const int t0 = split * split_len;
   const int t_end = min(t0 + split_len, seq_len);
 
-  // Not shared with prefill.cu: NVVM's code for this loop depends on where qh is
-  // computed, and each kernel keeps its registers only with its own form
-  // (a common helper cost either kernel up to 13 registers or a spill).
   float q[NG][E];
-#pragma unroll
-  for (int h = 0; h < NG; ++h) {
-    const int qh = kv_head * group + h0 + h;
-    if (h0 + h < group) {
-      kv_load_row<T, D, WIDE>(query + ((i64)b * num_q_heads + qh) * D, c, scale_log2, q[h]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) q[h][e] = 0.f;
-    }
-  }
+  kv_load_group<T, D, NG, WIDE>(query + (i64)b * num_q_heads * D, kv_head, group, h0, c,
+                                scale_log2, q);
 
   const PagedSeq<T> seq = PagedSeq<T>::at(cache, stride_page, stride_kv, stride_tok, stride_head,
                                           block_table, table_stride, page_size, ps_mul, ps_shift,

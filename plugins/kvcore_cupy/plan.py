@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcore.layout import cdiv
 from kvcore_cupy.kernels import GROUP_TILES
 
 #: CTAs per SM a decode launch aims for (a few resident CTAs hide load latency)
@@ -58,7 +59,7 @@ def group_tiling(group: int) -> GroupTiling:
         if tile >= group:
             return GroupTiling(tile, 1)
     tile = GROUP_TILES[-1]
-    return GroupTiling(tile, -(-group // tile))
+    return GroupTiling(tile, cdiv(group, tile))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +86,10 @@ def split_plan(
     a multiple of ``align`` tokens.
     """
     assert max_tokens >= 1 and base_ctas >= 1 and num_sms >= 1 and min_split >= 1 and align >= 1
-    want = -(-CTAS_PER_SM * num_sms // base_ctas)
+    want = cdiv(CTAS_PER_SM * num_sms, base_ctas)
     most = max(1, max_tokens // min_split)
     splits = max(1, min(want, most))
-    split_len = -(-max_tokens // splits)
-    split_len = -(-split_len // align) * align
-    splits = -(-max_tokens // split_len)  # after rounding up, fewer may suffice
+    split_len = cdiv(max_tokens, splits)
+    split_len = cdiv(split_len, align) * align
+    splits = cdiv(max_tokens, split_len)  # after rounding up, fewer may suffice
     return SplitPlan(splits, split_len)

@@ -59,20 +59,9 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) pr
   const int i = qrow - cu_seqlens_q[b];
   const int t_end = seq_lens[b] - q_len + i + 1;  // tokens 0 .. t_end - 1
 
-  // Not shared with decode.cu: NVVM's code for this loop depends on where qh is
-  // computed, and each kernel keeps its registers only with its own form
-  // (a common helper cost either kernel up to 13 registers or a spill).
   float q[NG][E];
-#pragma unroll
-  for (int h = 0; h < NG; ++h) {
-    if (h0 + h < group) {
-      const int qh = kv_head * group + h0 + h;
-      kv_load_row<T, D, WIDE>(query + ((i64)qrow * num_q_heads + qh) * D, c, scale_log2, q[h]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) q[h][e] = 0.f;
-    }
-  }
+  kv_load_group<T, D, NG, WIDE>(query + (i64)qrow * num_q_heads * D, kv_head, group, h0, c,
+                                scale_log2, q);
 
   const PagedSeq<T> seq = PagedSeq<T>::at(cache, stride_page, stride_kv, stride_tok, stride_head,
                                           block_table, table_stride, page_size, ps_mul, ps_shift,
