@@ -30,6 +30,7 @@ from kvcore_torch import TorchBackend
 from kvcore import backend as registry
 from kvcore.backend import Backend
 from kvcore.errors import Unsupported
+from kvcore.layout import cdiv
 from kvcore.testing.pytest_plugin import KernelConformance
 
 I32, I64 = torch.int32, torch.int64
@@ -154,7 +155,7 @@ def _paged(
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """A random cache whose sequences own shuffled pages; unused slots hold NaN.
     Returns (cache, block_table, the 3 pages no sequence holds)."""
-    need = [-(-n // page_size) for n in lens]
+    need = [cdiv(n, page_size) for n in lens]
     num_pages = sum(need) + 3
     cache = torch.full((num_pages, 2, page_size, hkv, d), float("nan"), dtype=dtype)
     order = torch.randperm(num_pages, generator=gen)

@@ -43,8 +43,9 @@ def test_plugin_class_runs_every_property() -> None:
 # -- sanity checks by hand ---------------------------------------------------------
 
 
-def _decode(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-            scale: float) -> torch.Tensor:  # fmt: skip
+def _decode(
+    q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     backend = TorchBackend()
     return backend.decode(backend.plan_decode(cache, table, lens), q, cache, scale)
 
@@ -196,11 +197,27 @@ def test_pytest_plugin_runs_suite_for_a_third_party(tmp_path: Path) -> None:
     )
     env = {**os.environ, "KVCORE_CONFORMANCE_EXAMPLES": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file),
-         "--kvcore-backend", "torch", "--kvcore-profile", "quick",
-         "-W", "error::pytest.PytestDeprecationWarning"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(test_file),
+            "--kvcore-backend",
+            "torch",
+            "--kvcore-profile",
+            "quick",
+            "-W",
+            "error::pytest.PytestDeprecationWarning",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"{len(PROPERTIES)} passed" in run.stdout
 

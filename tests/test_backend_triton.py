@@ -20,6 +20,7 @@ from kvcore_triton import TritonBackend
 from kvcore_triton import decode as triton_decode
 
 from kvcore import backend as registry
+from kvcore.layout import cdiv
 from kvcore.testing.pytest_plugin import KernelConformance
 
 I32, I64 = torch.int32, torch.int64
@@ -84,7 +85,7 @@ def build(
     seq_lens: list[int], page_size: int, kv_heads: int, head_dim: int, dtype: str, seed: int
 ) -> Paged:
     gen = torch.Generator().manual_seed(seed)
-    counts = [-(-n // page_size) for n in seq_lens]
+    counts = [cdiv(n, page_size) for n in seq_lens]
     num_pages = sum(counts) + 3  # spare pages stay NaN
     order = torch.randperm(num_pages, generator=gen)
     kv_cache = torch.full(
@@ -165,8 +166,9 @@ def test_prefill_plan_keeps_16_bit_operands_on_a_gpu() -> None:
     from kvcore_triton.prefill import plan_prefill
 
     def f32_dot(dtype: torch.dtype, interpreted: bool) -> bool:
-        plan = plan_prefill(group=4, head_dim=128, page_size=16, dtype=dtype,
-                            interpreted=interpreted)  # fmt: skip
+        plan = plan_prefill(
+            group=4, head_dim=128, page_size=16, dtype=dtype, interpreted=interpreted
+        )
         return plan.f32_dot
 
     assert not f32_dot(torch.bfloat16, False) and not f32_dot(torch.float16, False)

@@ -17,6 +17,7 @@ from kvcore_torch import TorchBackend
 
 from kvcore.backend import AttentionPlan, Backend
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
+from kvcore.layout import cdiv
 
 I32, I64 = torch.int32, torch.int64
 NUM_PAGES, PAGE, HKV, D = 4, 4, 2, 8
@@ -298,7 +299,7 @@ def _assert_table(kv_cache: Any, table: Any, seq_lens: Any) -> None:
     assert table.dtype == I32 and seq_lens.dtype == I32
     for b, length in enumerate(seq_lens.tolist()):
         assert 1 <= length <= table.shape[1] * ps
-        used = table[b, : -(-length // ps)]
+        used = table[b, : cdiv(length, ps)]
         assert bool(((used >= 0) & (used < n)).all()), "an out-of-range page reached a kernel"
 
 
@@ -328,8 +329,9 @@ def test_one_step_plan_validates_writes_and_copies_too() -> None:
         backend.plan_decode(kv, table, lens, slots=t64(3, 3))
     with pytest.raises(BadRequest, match="dst must not name a page that src"):
         backend.plan_decode(kv, table, lens, copies=(t64(0, 1), t64(1, 2)))
-    plan = backend.plan_prefill(kv, table, t32(0, 2, 5), lens, slots=t64(4, -1, 5, 6, 7),
-                                copies=(t64(0), t64(3)))  # fmt: skip
+    plan = backend.plan_prefill(
+        kv, table, t32(0, 2, 5), lens, slots=t64(4, -1, 5, 6, 7), copies=(t64(0), t64(3))
+    )
     assert plan.write is not None and plan.write.skips and plan.copy is not None
     assert plan.host_seq_lens == (5, 8) and plan.total_q == 5
     k = torch.ones(5, HKV, D)
@@ -368,7 +370,7 @@ def valid_call(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     lens = torch.randint(1, max_pages * ps + 1, (batch,), generator=g)
     table = torch.randint(-3, num_pages + 4, (batch, max_pages), generator=g)  # padding: anything
     for b in range(batch):
-        used = -(-int(lens[b]) // ps)
+        used = cdiv(int(lens[b]), ps)
         table[b, :used] = torch.randint(0, num_pages, (used,), generator=g)
     q_lens = [int(torch.randint(0, int(n) + 1, (), generator=g)) for n in lens]
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=I32)
@@ -454,9 +456,12 @@ def test_meta_tensors_raise_typed_errors() -> None:
     found this)."""
     meta = cache().to("meta")
     with pytest.raises(Unsupported, match="device=meta"):
-        decode(kv_cache=meta, query=torch.zeros(2, 4, D, device="meta"),
-               block_table=t32(0, 1, 2, 3).reshape(2, 2).to("meta"),
-               seq_lens=t32(5, 8).to("meta"))  # fmt: skip
+        decode(
+            kv_cache=meta,
+            query=torch.zeros(2, 4, D, device="meta"),
+            block_table=t32(0, 1, 2, 3).reshape(2, 2).to("meta"),
+            seq_lens=t32(5, 8).to("meta"),
+        )
     with pytest.raises(Unsupported, match="device=meta"):
         write_kv(kv_cache=meta, slots=t64(0, -1, 15).to("meta"))
     with pytest.raises(BadRequest, match="seq_lens is on meta"):

@@ -103,9 +103,18 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str
         unit.write_text(translation_unit(file, names))
         cubin = out_dir / f"{file}.cubin"
         cmd = [
-            NVCC, f"-arch={ARCH}", "-cubin", "-Werror", "all-warnings", "-Xptxas", "-v",
-            *kernels.options(), "-o", str(cubin), str(unit),
-        ]  # fmt: skip
+            NVCC,
+            f"-arch={ARCH}",
+            "-cubin",
+            "-Werror",
+            "all-warnings",
+            "-Xptxas",
+            "-v",
+            *kernels.options(),
+            "-o",
+            str(cubin),
+            str(unit),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         jobs[file] = (proc, cubin)
     results: dict[str, tuple[int, str, bytes]] = {}

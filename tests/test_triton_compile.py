@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from kvcore.layout import cdiv
+
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size (H100/H200)
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -121,8 +123,13 @@ def _jobs() -> Iterator[tuple[str, Any, str, dict[str, int], int, int, str]]:
                     1,
                     "i32",
                 )
-        pplan = prefill.plan_prefill(group=group, head_dim=head_dim, page_size=page,
-                                     dtype=getattr(torch, dtype), interpreted=False)  # fmt: skip
+        pplan = prefill.plan_prefill(
+            group=group,
+            head_dim=head_dim,
+            page_size=page,
+            dtype=getattr(torch, dtype),
+            interpreted=False,
+        )
         yield (
             label,
             prefill._prefill_kernel,
@@ -169,8 +176,13 @@ def _worker(shard: int, num_shards: int) -> None:
             continue
         label, fn, dtype, constexprs, num_warps, num_stages, int_type = job
         name = f"{fn.fn.__module__}.{fn.__name__}"
-        record: dict[str, Any] = {"kernel": name, "config": label, "constexprs": constexprs,
-                                  "dtype": dtype, "num_warps": num_warps}  # fmt: skip
+        record: dict[str, Any] = {
+            "kernel": name,
+            "config": label,
+            "constexprs": constexprs,
+            "dtype": dtype,
+            "num_warps": num_warps,
+        }
         try:
             src = ASTSource(
                 fn=fn,
@@ -208,11 +220,15 @@ def _resources(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
-                                text=True, check=True).stdout  # fmt: skip
+        report = subprocess.run(
+            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     fields = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", report))
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]),
-            "local_bytes": int(fields["LOCAL"])}  # fmt: skip
+    return {
+        "registers": int(fields["REG"]),
+        "stack_bytes": int(fields["STACK"]),
+        "local_bytes": int(fields["LOCAL"]),
+    }
 
 
 def _pipeline_buffers(ttgir: str) -> int:
@@ -226,7 +242,7 @@ def _pipeline_buffers(ttgir: str) -> int:
 def resident_ctas(registers: int, shared_bytes: int, num_warps: int) -> int:
     """CTAs of one kernel an sm_90 SM holds: 64K registers allocated 8 per thread at a
     time, 228 KB of shared memory with 1 KB reserved per CTA, at most 32 CTAs."""
-    by_registers = 65536 // (-(-registers // 8) * 8 * 32 * num_warps)
+    by_registers = 65536 // (cdiv(registers, 8) * 8 * 32 * num_warps)
     by_shared = 228 * 1024 // (shared_bytes + 1024)
     return min(32, by_registers, by_shared)
 

@@ -334,8 +334,9 @@ class Suite:
             case, layout = drawn
             t = kc.build(case, self.device)
             # another layer: the same geometry, other strides, other values (NaN kept)
-            other = kc.empty_cache(Case(**{**_fields(case), "layout": layout}),
-                                   t.kv_cache.shape[0], self.device)  # fmt: skip
+            other = kc.empty_cache(
+                Case(**{**_fields(case), "layout": layout}), t.kv_cache.shape[0], self.device
+            )
             other.copy_(t.kv_cache * 0.5)
             layer = Built(**{**_fields(t), "kv_cache": other})
             plan = self.backend.plan_decode(t.kv_cache, t.block_table, t.seq_lens)
@@ -368,14 +369,24 @@ class Suite:
                 _expect(BadRequest, backend.plan_prefill, (kv, table, t.cu_seqlens_q, t.seq_lens))
             slots = torch.tensor([num_pages * case.page_size], device=self.device)
             _expect(BadRequest, backend.plan_write, (kv, slots))
-            _expect(BadRequest, backend.plan_decode, (kv, t.block_table, t.seq_lens),
-                    "for slots in the step plan", slots=slots)  # fmt: skip
+            _expect(
+                BadRequest,
+                backend.plan_decode,
+                (kv, t.block_table, t.seq_lens),
+                "for slots in the step plan",
+                slots=slots,
+            )
             pages = torch.tensor([num_pages], device=self.device)
             zero = torch.tensor([0], device=self.device)
             _expect(BadRequest, backend.plan_copy, (kv, pages, zero))
             _expect(BadRequest, backend.plan_copy, (kv, zero, pages))
-            _expect(BadRequest, backend.plan_decode, (kv, t.block_table, t.seq_lens),
-                    "for copies in the step plan", copies=(pages, zero))  # fmt: skip
+            _expect(
+                BadRequest,
+                backend.plan_decode,
+                (kv, t.block_table, t.seq_lens),
+                "for copies in the step plan",
+                copies=(pages, zero),
+            )
 
         self._given(bad(), check)
 
