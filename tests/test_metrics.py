@@ -1,21 +1,44 @@
 """The metrics endpoint: a real daemon scraped over HTTP on loopback, its figures held
 against ``stats``; /health follows the loop; errors by code include failed batch ops;
-the daemon's logs (attach, detach, refusals; JSON lines)."""
+the daemon's logs (attach, detach, refusals; JSON lines). The HTTP side's bounds (a
+deadline per connection, a bound on connections, one snapshot per interval) and what
+keeps the figures from other users (a bearer token, a private unix socket, no
+namespace labels)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kvcore_ipc import messages as msg
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import Client
 from kvcore.config import PoolConfig, ServiceConfig
+from kvcore.daemon import metrics
+from kvcore.daemon.metrics import (
+    SCRAPE_WAIT_S,
+    SNAPSHOT_MIN_INTERVAL_S,
+    Exchange,
+    MetricsServer,
+    Snapshot,
+)
+from kvcore.daemon.metrics_http import HttpLimits, read_token
 from kvcore.daemon.serve import Daemon
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest, QuotaExceeded, UnknownSequence
@@ -146,3 +169,222 @@ def test_a_taken_metrics_port_is_refused_by_name(tmp_path: Path) -> None:
             Daemon(taken)
     finally:
         first.close()
+
+
+# --- the HTTP side's bounds, and the options that keep the figures from other users
+# (issue 18 point 1; the daemon-level flood is tests/test_security_metrics.py) ---
+
+SHORT = HttpLimits(max_connections=2, deadline_s=0.5)
+COUNTERS = msg.ServerCounters(
+    epoch=1, version=1, uptime_s=0.0, requests=0, errors=0, dropped_frames=0, expired_sessions=0
+)
+
+
+def _still_open_after(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server kept ``sock`` open for ``seconds`` (it closes it: recv is b'')."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) != b""
+    except TimeoutError:
+        return True
+
+
+@contextlib.contextmanager
+def _served(tmp_path: Path, **options: Any) -> Iterator[tuple[Daemon, MetricsServer]]:
+    """An in-process daemon serving its loop in a thread, and a metrics server of its
+    own started with ``options`` (what the daemon's flags will pass)."""
+    config = ServiceConfig(
+        endpoint=f"ipc://{tmp_path}/k.sock", pools=[PoolConfig(num_layers=1, num_pages=64)]
+    )
+    daemon = Daemon(config)
+    exchange, daemon.handler.timer, server = metrics.start(daemon.handler.snapshot, **options)
+    daemon.metrics = exchange
+    loop = threading.Thread(target=daemon.serve, daemon=True)
+    loop.start()
+    try:
+        yield daemon, server
+    finally:
+        server.close()
+        daemon.stop()
+        loop.join(timeout=10)
+        daemon.close()
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status), reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _unix_get(path: str, target: str) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(f"GET {target} HTTP/1.0\r\nHost: localhost\r\n\r\n".encode())
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_partial_request_is_dropped_at_the_deadline(tmp_path: Path) -> None:
+    """A request line that never ends, and one sent a byte at a time (each byte well
+    within any per-read timeout), are both closed once the connection's deadline passes."""
+    with _served(tmp_path, limits=SHORT) as (_, server):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as idle:
+            idle.sendall(b"GET /metr")
+            started = time.monotonic()
+            assert not _still_open_after(idle, 5.0)
+            assert 0.3 < time.monotonic() - started < 3.0
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as drip:
+            started = time.monotonic()
+            with contextlib.suppress(OSError):  # the server closed it
+                for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n":
+                    drip.send(bytes([byte]))
+                    time.sleep(0.1)
+            assert not _still_open_after(drip, 5.0)
+            assert time.monotonic() - started < 3.0 + 0.1 * 33
+
+
+def test_connections_past_the_bound_are_closed_at_once(tmp_path: Path) -> None:
+    with _served(tmp_path, limits=SHORT) as (_, server):
+        address = ("127.0.0.1", server.port)
+        held = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        try:
+            for s in held:
+                s.sendall(b"GET /metrics")  # both slots taken, until the deadline
+            time.sleep(0.1)
+            with socket.create_connection(address, timeout=5) as extra:
+                extra.settimeout(2)
+                started = time.monotonic()
+                assert extra.recv(1024).startswith(b"HTTP/1.1 503")
+                assert time.monotonic() - started < 0.3
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 3  # the slots come back as their threads end
+        while _get(f"{server.url}/health")[0] != 200:
+            assert time.monotonic() < deadline, "the slots did not come back"
+            time.sleep(0.05)
+
+
+def test_scrapes_take_at_most_one_snapshot_per_interval() -> None:
+    """However many scrapes, the loop takes a snapshot at most every
+    SNAPSHOT_MIN_INTERVAL_S: a scraper cannot make the loop do more work."""
+    taken = 0
+
+    def take() -> Snapshot:
+        nonlocal taken
+        taken += 1
+        return Snapshot(msg.StatsOk(pools=[], sessions=[], counters=COUNTERS), {}, [])
+
+    exchange = Exchange(take)
+    stop = time.monotonic() + 1.0
+
+    def scraper() -> None:
+        while time.monotonic() < stop:
+            exchange.ask(SCRAPE_WAIT_S)
+
+    scrapers = [threading.Thread(target=scraper) for _ in range(4)]
+    for t in scrapers:
+        t.start()
+    while time.monotonic() < stop:  # the loop, ticking every millisecond
+        exchange.turn(time.monotonic())
+        time.sleep(0.001)
+    for t in scrapers:
+        t.join(timeout=SCRAPE_WAIT_S + 1)
+    exchange.turn(time.monotonic())
+    assert 1 <= taken <= 1.0 / SNAPSHOT_MIN_INTERVAL_S + 2
+
+
+def test_a_bearer_token_guards_the_metrics_but_not_health(tmp_path: Path) -> None:
+    token = "t0ken-" + "x" * 20
+    with _served(tmp_path, token=token) as (_, server):
+        status, body = _get(f"{server.url}/metrics")
+        assert status == 401 and "kvcore_" not in body
+        assert _get(f"{server.url}/metrics", {"Authorization": "Bearer wrong"})[0] == 401
+        status, body = _get(f"{server.url}/metrics", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and "kvcore_pool_pages" in body
+        assert _get(f"{server.url}/health")[0] == 200
+
+
+def test_a_token_file_must_be_private_and_long_enough(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s3cret-" * 4 + "\n")
+    path.chmod(0o644)
+    with pytest.raises(BadRequest, match="readable by others"):
+        read_token(str(path))
+    path.chmod(0o600)
+    assert read_token(str(path)) == "s3cret-" * 4
+    path.write_text("short")
+    with pytest.raises(BadRequest, match="at least 16 characters"):
+        read_token(str(path))
+
+
+def test_without_namespace_labels_no_figure_names_a_namespace(tmp_path: Path) -> None:
+    with (
+        _served(tmp_path, namespace_labels=False) as (daemon, server),
+        Client.connect(daemon.server.endpoint, namespace="tenant-secret", map_memory=False),
+    ):
+        status, body = _get(f"{server.url}/metrics")
+    assert status == 200
+    assert "tenant-secret" not in body and "namespace=" not in body
+    m = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+    assert m["kvcore_sessions", (("pool", "default"),)] == 1
+
+
+def test_a_unix_socket_is_private_and_replaces_a_dead_ones(tmp_path: Path) -> None:
+    path = str(tmp_path / "metrics.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(path)  # a killed daemon's socket: no one listens
+    with _served(tmp_path, unix_path=path) as (_, server):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert server.banner().startswith(f"unix:{path} (curl --unix-socket {path} ")
+        reply = _unix_get(path, "/metrics")
+        assert reply.startswith(b"HTTP/1.0 200") and b"kvcore_pool_pages" in reply
+        assert _unix_get(path, "/health").startswith(b"HTTP/1.0 200")
+        with pytest.raises(BadRequest, match="in use"):
+            metrics.start(lambda: None, unix_path=path)  # type: ignore[arg-type,return-value]
+    assert not os.path.exists(path)  # removed on close
+
+
+AS_NOBODY = """
+import os, socket, sys
+os.setgid(65534)
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
+s.connect(sys.argv[1])
+try:
+    s.sendall(b"GET /metrics HTTP/1.0\\r\\n\\r\\n")
+    print(len(s.recv(65536)))
+except (BrokenPipeError, ConnectionResetError):
+    print(0)
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to connect as another uid")
+def test_the_unix_socket_serves_no_other_uid(tmp_path: Path) -> None:
+    """Even past the file mode (widened here by hand), a peer of another uid is closed
+    without a reply: the kernel's SO_PEERCRED decides."""
+    base = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        base.chmod(0o711)  # others may pass through, not list or write
+        path = str(base / "metrics.sock")
+        with _served(tmp_path, unix_path=path):
+            os.chmod(path, 0o666)
+            out = subprocess.run(
+                [sys.executable, "-c", AS_NOBODY, path], capture_output=True, text=True, timeout=30
+            )
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.strip() == "0"  # closed, nothing sent
+            assert _unix_get(path, "/health").startswith(b"HTTP/1.0 200")  # its owner is served
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -6,30 +6,31 @@ Two kinds of figures, so that the request path pays (almost) nothing:
   query and hit tokens, evictions, lease expiries, errors by code): a scrape
   asks the daemon's loop for a :class:`Snapshot` through an :class:`Exchange`;
   the loop copies it at its next tick (between requests, so no Manager is read
-  mid-change) and the HTTP thread renders it. Nothing is updated per request.
+  mid-change) and the HTTP thread renders it. Nothing is updated per request,
+  and the loop takes at most one snapshot per ``SNAPSHOT_MIN_INTERVAL_S``
+  however often it is scraped (scrapes in between share the last one).
 * **Latency** per operation: :class:`RequestTimer`, a histogram the handler
   feeds only when metrics are on (two ``perf_counter`` calls per request).
 
 ``GET /health`` answers 200 while the loop turns (its last tick less than
 ``stale_after_s`` ago) and 503 when it is stuck; every other path is the
-Prometheus exposition. Names are in the ``kvcore_`` namespace with their unit
-in the name (``_pages``, ``_tokens``, ``_seconds``); counters end in
-``_total``. The registry is this module's own, never prometheus_client's
-global one. The server thread binds loopback unless told otherwise.
-
-The pools' lower tiers add their families (kvcore.daemon.tiering). Not yet
-exported (docs/deploy.md): event subscribers and dropped events (a PUB socket
-counts neither).
+Prometheus exposition (its families: kvcore.daemon.metrics_families). The
+registry is this module's own, never prometheus_client's global one. The server
+thread binds loopback unless told otherwise, or a unix socket instead; it may
+require a bearer token and drop the namespace labels (the HTTP side and its
+bounds: kvcore.daemon.metrics_http). Not yet exported (docs/deploy.md): event
+subscribers and dropped events (a PUB socket counts neither).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from kvcore_ipc import messages as msg
 from prometheus_client import (
@@ -38,17 +39,17 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvcore.errors import BadRequest
-
-from .tiering import tier_metric_families
+from . import metrics_http
+from .metrics_families import snapshot_families
+from .metrics_http import DEFAULT_LIMITS, HttpLimits
 
 # Request latencies: the daemon answers in tens of microseconds; a big batch takes ms.
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 0.25, 1.0)
 SCRAPE_WAIT_S = 2.0  # a scrape waits this long for the loop, then renders the last snapshot
+SNAPSHOT_MIN_INTERVAL_S = 0.25  # a snapshot younger than this answers a scrape: no new one
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,15 +72,22 @@ class Snapshot:
 class Exchange:
     """A scrape asks for a snapshot; the loop answers at its next :meth:`turn`.
 
-    Invariant: ``last_turn`` is the monotonic time of the loop's latest tick;
-    only the loop thread calls :meth:`turn`, only HTTP threads call :meth:`ask`.
+    Invariant: ``last_turn`` is the monotonic time of the loop's latest tick and
+    ``taken_at`` that of :attr:`snapshot` (-inf before the first); only the loop thread
+    calls :meth:`turn`, only HTTP threads call :meth:`ask`. The loop takes a snapshot
+    only when asked, and at most one per ``min_interval_s`` (seconds): scrapes cost it
+    nothing more, however many there are.
     """
 
-    def __init__(self, take: Callable[[], Snapshot]) -> None:
+    def __init__(
+        self, take: Callable[[], Snapshot], min_interval_s: float = SNAPSHOT_MIN_INTERVAL_S
+    ) -> None:
         self._take = take
         self._cond = threading.Condition()
         self._want = False
+        self.min_interval_s = min_interval_s
         self.snapshot: Snapshot | None = None
+        self.taken_at = float("-inf")
         self.last_turn = time.monotonic()
 
     def turn(self, now: float) -> None:
@@ -88,12 +96,15 @@ class Exchange:
         if self._want:
             snapshot = self._take()
             with self._cond:
-                self.snapshot, self._want = snapshot, False
+                self.snapshot, self.taken_at, self._want = snapshot, now, False
                 self._cond.notify_all()
 
     def ask(self, timeout_s: float) -> Snapshot | None:
-        """A fresh snapshot, or the last one if the loop does not turn within ``timeout_s``."""
+        """A snapshot at most ``min_interval_s`` old: the last one if it is that young, else
+        a fresh one, or the last one if the loop does not turn within ``timeout_s``."""
         with self._cond:
+            if time.monotonic() - self.taken_at < self.min_interval_s:
+                return self.snapshot
             self._want = True
             self._cond.wait_for(lambda: not self._want, timeout_s)
             return self.snapshot
@@ -122,10 +133,12 @@ class RequestTimer:
 
 
 class SnapshotCollector(Collector):
-    """Renders the loop's snapshot as metric families at scrape time."""
+    """Renders the loop's snapshot as metric families at scrape time (in the HTTP
+    thread); ``namespace_labels`` as :func:`snapshot_families` takes it."""
 
-    def __init__(self, exchange: Exchange) -> None:
+    def __init__(self, exchange: Exchange, *, namespace_labels: bool = True) -> None:
         self._exchange = exchange
+        self._namespace_labels = namespace_labels
 
     def collect(self) -> Iterable[Metric]:
         snapshot = self._exchange.ask(SCRAPE_WAIT_S)
@@ -136,122 +149,17 @@ class SnapshotCollector(Collector):
         age.add_metric([], time.monotonic() - self._exchange.last_turn)
         yield age
         if snapshot is not None:
-            yield from _families(snapshot)
-
-
-def _families(snap: Snapshot) -> Iterator[Metric]:
-    c = snap.stats.counters
-    info = GaugeMetricFamily(
-        "kvcore_daemon_info",
-        "The daemon's protocol version and epoch (hex)",
-        labels=["version", "epoch"],
-    )
-    info.add_metric([str(c.version), f"{c.epoch:x}"], 1)
-    yield info
-    yield GaugeMetricFamily(
-        "kvcore_uptime_seconds", "Seconds since the daemon started", value=c.uptime_s
-    )
-    yield CounterMetricFamily("kvcore_requests", "Requests answered", value=c.requests)
-    errors = CounterMetricFamily(
-        "kvcore_errors",
-        "Requests answered with an error, and failed ops inside batches, by error code",
-        labels=["code"],
-    )
-    for code, count in sorted(snap.errors.items()):
-        errors.add_metric([code], count)
-    yield errors
-    yield CounterMetricFamily(
-        "kvcore_dropped_frames",
-        "Frames of a shape the daemon cannot answer, dropped",
-        value=c.dropped_frames,
-    )
-    yield CounterMetricFamily(
-        "kvcore_lease_expiries", "Sessions whose lease ran out", value=c.expired_sessions
-    )
-    yield from _pool_families(snap.stats.pools)
-    yield from tier_metric_families(snap.stats.pools)  # the pools' lower tiers
-    sessions = GaugeMetricFamily(
-        "kvcore_sessions", "Live sessions, by pool and namespace", labels=["pool", "namespace"]
-    )
-    counts: dict[tuple[str, str], int] = {}
-    for s in snap.stats.sessions:
-        counts[s.pool, s.namespace] = counts.get((s.pool, s.namespace), 0) + 1
-    for (pool, namespace), count in sorted(counts.items()):
-        sessions.add_metric([pool, namespace], count)
-    yield sessions
-    ns_pages = GaugeMetricFamily(
-        "kvcore_namespace_pages",
-        "Page references held by a namespace's sequences (what quotas count)",
-        labels=["pool", "namespace"],
-    )
-    ns_seqs = GaugeMetricFamily(
-        "kvcore_namespace_sequences", "Live sequences of a namespace", labels=["pool", "namespace"]
-    )
-    for u in snap.namespaces:
-        ns_pages.add_metric([u.pool, u.namespace], u.pages)
-        ns_seqs.add_metric([u.pool, u.namespace], u.sequences)
-    yield ns_pages
-    yield ns_seqs
-
-
-def _pool_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
-    labels = ["pool"]
-    pages = GaugeMetricFamily(
-        "kvcore_pool_pages",
-        "Pages of a pool by state: free, evictable "
-        "(cached, unreferenced), held (referenced by sequences)",
-        labels=["pool", "state"],
-    )
-    capacity = GaugeMetricFamily("kvcore_pool_capacity_pages", "Pages in the pool", labels=labels)
-    cached = GaugeMetricFamily(
-        "kvcore_pool_cached_pages", "Pages in the prefix index", labels=labels
-    )
-    usage = GaugeMetricFamily(
-        "kvcore_pool_usage_ratio",
-        "Held pages / pages (as vLLM's kv_cache_usage counts: evictable pages are free to take)",
-        labels=labels,
-    )
-    seqs = GaugeMetricFamily("kvcore_pool_sequences", "Live sequences", labels=labels)
-    queries = CounterMetricFamily(
-        "kvcore_prefix_cache_queries_tokens",
-        "Prompt tokens looked up by successful allocations (vLLM's prefix_cache_queries)",
-        labels=labels,
-    )
-    hits = CounterMetricFamily(
-        "kvcore_prefix_cache_hits_tokens",
-        "Of those, tokens served from the prefix cache (vLLM's prefix_cache_hits)",
-        labels=labels,
-    )
-    evictions = CounterMetricFamily(
-        "kvcore_evictions_pages", "Cached pages evicted to make room", labels=labels
-    )
-    for p in pools:
-        for state, count in (
-            ("free", p.free_pages),
-            ("evictable", p.evictable_pages),
-            ("held", p.held_pages),
-        ):
-            pages.add_metric([p.name, state], count)
-        capacity.add_metric([p.name], p.total_pages)
-        cached.add_metric([p.name], p.cached_pages)
-        usage.add_metric([p.name], p.held_pages / p.total_pages if p.total_pages else 0.0)
-        seqs.add_metric([p.name], p.num_sequences)
-        queries.add_metric([p.name], p.query_tokens)
-        hits.add_metric([p.name], p.hit_tokens)
-        evictions.add_metric([p.name], p.evictions)
-    yield from (pages, capacity, cached, usage, seqs, queries, hits, evictions)
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+            yield from snapshot_families(snapshot, namespace_labels=self._namespace_labels)
 
 
 class MetricsServer:
     """The HTTP endpoint (a thread): ``/health`` and the Prometheus exposition.
 
-    ``port`` 0 picks a free port (:attr:`port` says which). ``stale_after_s``: how
-    old the loop's last turn may be before ``/health`` answers 503.
+    On ``addr:port`` (``port`` 0 picks a free port: :attr:`port` says which) or, given
+    ``unix_path``, on that unix socket instead (mode 0600, the daemon's uid and root
+    only). With ``token`` every path but ``/health`` needs ``Authorization: Bearer
+    <token>``. ``stale_after_s``: how old the loop's last turn may be before ``/health``
+    answers 503. ``limits`` bound what clients may take (kvcore.daemon.metrics_http).
     """
 
     def __init__(
@@ -259,9 +167,12 @@ class MetricsServer:
         exchange: Exchange,
         registry: CollectorRegistry,
         *,
-        port: int,
+        port: int = 0,
         addr: str = "127.0.0.1",
+        unix_path: str | None = None,
+        token: str | None = None,
         stale_after_s: float = 5.0,
+        limits: HttpLimits = DEFAULT_LIMITS,
     ) -> None:
         self.exchange = exchange
         self.stale_after_s = stale_after_s
@@ -272,12 +183,18 @@ class MetricsServer:
                 return self._health(start_response)
             return metrics_app(environ, start_response)
 
-        try:
-            self._server = make_server(addr, port, app, ThreadingWSGIServer, _QuietHandler)
-        except OSError as exc:  # taken, or an address this host does not have
-            raise BadRequest(f"--metrics-port {port} on {addr}: {exc.strerror or exc}") from None
-        self.addr = addr
-        self.port: int = self._server.server_port
+        served: metrics_http.App = app
+        if token is not None:
+            served = metrics_http.require_bearer(app, token, open_paths=frozenset({"/health"}))
+        self.unix_path = unix_path
+        if unix_path is not None:
+            self._server: metrics_http.BoundedServer = metrics_http.serve_unix(
+                app, unix_path, limits
+            )
+            self.addr, self.port = "localhost", 0
+        else:
+            self._server = metrics_http.serve_tcp(served, addr, port, limits)
+            self.addr, self.port = addr, self._server.server_port
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvcore-metrics", daemon=True
         )
@@ -293,24 +210,52 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
+        """The base URL (``http://localhost`` on a unix socket: the host is not used)."""
         host = f"[{self.addr}]" if ":" in self.addr else self.addr
-        return f"http://{host}:{self.port}"
+        return f"http://{host}" if self.unix_path else f"http://{host}:{self.port}"
+
+    def banner(self) -> str:
+        """Where to scrape, for the daemon's banner line ``  metrics: ...``."""
+        if self.unix_path is None:
+            return f"{self.url}/metrics, health: {self.url}/health"
+        curl = f"curl --unix-socket {self.unix_path}"
+        return f"unix:{self.unix_path} ({curl} {self.url}/metrics), health: {self.url}/health"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        if self.unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.unix_path)
 
 
 def start(
-    take: Callable[[], Snapshot], *, port: int, addr: str = "127.0.0.1", stale_after_s: float = 5.0
+    take: Callable[[], Snapshot],
+    *,
+    port: int = 0,
+    addr: str = "127.0.0.1",
+    unix_path: str | None = None,
+    token: str | None = None,
+    namespace_labels: bool = True,
+    stale_after_s: float = 5.0,
+    limits: HttpLimits = DEFAULT_LIMITS,
 ) -> tuple[Exchange, RequestTimer, MetricsServer]:
     """A registry of its own with the snapshot collector and the latency histogram,
-    served on ``addr:port``."""
+    served on ``addr:port`` or ``unix_path`` (see :class:`MetricsServer`)."""
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created: see uptime
     registry = CollectorRegistry(auto_describe=False)
     exchange = Exchange(take)
-    registry.register(SnapshotCollector(exchange))
+    registry.register(SnapshotCollector(exchange, namespace_labels=namespace_labels))
     timer = RequestTimer(registry)
-    server = MetricsServer(exchange, registry, port=port, addr=addr, stale_after_s=stale_after_s)
+    server = MetricsServer(
+        exchange,
+        registry,
+        port=port,
+        addr=addr,
+        unix_path=unix_path,
+        token=token,
+        stale_after_s=stale_after_s,
+        limits=limits,
+    )
     return exchange, timer, server
