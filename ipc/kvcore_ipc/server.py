@@ -124,12 +124,14 @@ class EndpointLock:
 
 
 class RouterServer:
-    """Serve ``handler(request bytes) -> reply bytes`` on a ROUTER socket, one at a time."""
+    """A bound ROUTER socket that :meth:`serve` answers one request at a time.
+
+    The socket is bound at construction and the handler is given to :meth:`serve`, so
+    whoever builds the handler can hand it this server's counters first."""
 
     def __init__(
         self,
         endpoint: str,
-        handler: Handler,
         *,
         curve_secret_key: bytes | None = None,
         insecure: bool = False,
@@ -145,7 +147,6 @@ class RouterServer:
             )
         self.endpoint = endpoint
         self.dropped_frames = 0
-        self._handler = handler
         self._stop = False
         self._context = context or zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -165,10 +166,10 @@ class RouterServer:
         events: int = self._socket.getsockopt(zmq.EVENTS)  # type: ignore[assignment]
         return bool(events & zmq.POLLIN)
 
-    def serve(self, tick: Callable[[], None], tick_ms: int = 50) -> None:
-        """Answer requests until :meth:`stop`; call ``tick()`` at least every ``tick_ms``."""
+    def serve(self, handler: Handler, tick: Callable[[], None], tick_ms: int = 50) -> None:
+        """Answer each request with ``handler`` until :meth:`stop`; call ``tick()`` at least
+        every ``tick_ms``."""
         sock = self._socket
-        handler = self._handler
         sock.setsockopt(zmq.RCVTIMEO, tick_ms)  # a blocking recv, as lean as a raw echo loop
         while not self._stop:
             try:

@@ -90,7 +90,7 @@ class Daemon:
             raise
 
     def _build(self, config: ServiceConfig, endpoint: str, secret: bytes | None) -> None:
-        """Publisher, pools, handler, server, metrics: each built once, from the ones before."""
+        """Publisher, pools, server (bound), handler, metrics: each built once, from the ones before."""
         check_shm(config)
         if secret is not None:
             self.authority.start_zap()
@@ -100,20 +100,8 @@ class Daemon:
         self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
         self._closing.callback(self.pools.close_all)  # publishes the removals: before the publisher
         self._open_pools(config)
-        self.handler = Handler(
-            self.pools,
-            self.sessions,
-            ServerCodec(config.max_frame_bytes, config.max_batch),
-            authority=self.authority,
-            ledger=self.ledger,
-            max_request_tokens=config.max_request_tokens,
-            allow_ephemeral=config.allow_ephemeral,
-            events_endpoint=self.publisher.endpoint if self.publisher else "",
-        )
-        self.handler.ipc = endpoint.startswith("ipc://")
         self.server = RouterServer(
             endpoint,
-            self.handler.handle,
             curve_secret_key=secret,
             insecure=config.insecure,
             hard_limit_bytes=4 * config.max_frame_bytes,
@@ -122,7 +110,18 @@ class Daemon:
             zap_domain=REQUEST_DOMAIN if secret else "",
         )
         self._closing.callback(self.server.close)
-        self.handler.server = self.server  # frame counters; the server calls the handler
+        self.handler = Handler(
+            self.pools,
+            self.sessions,
+            ServerCodec(config.max_frame_bytes, config.max_batch),
+            authority=self.authority,
+            ledger=self.ledger,
+            server=self.server,
+            ipc=endpoint.startswith("ipc://"),
+            max_request_tokens=config.max_request_tokens,
+            allow_ephemeral=config.allow_ephemeral,
+            events_endpoint=self.publisher.endpoint if self.publisher else "",
+        )
         if config.metrics_port is not None:
             self.metrics, self.handler.timer, self.metrics_server = metrics.start(
                 self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr
@@ -167,7 +166,7 @@ class Daemon:
             self.pools.publish()
 
     def serve(self) -> None:
-        self.server.serve(self.tick)
+        self.server.serve(self.handler.handle, self.tick)
 
     def stop(self) -> None:
         """Return from :meth:`serve` after the current request (signal-handler safe)."""

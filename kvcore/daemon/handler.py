@@ -74,6 +74,8 @@ class Handler:
         *,
         authority: Authority,
         ledger: Ledger,
+        server: RouterServer | None = None,
+        ipc: bool = False,
         max_request_tokens: int,
         allow_ephemeral: bool,
         events_endpoint: str,
@@ -92,8 +94,8 @@ class Handler:
         self.errors = 0  # error replies and failed ops inside batches
         self.errors_by_code: dict[str, int] = {}  # the same, by error code (metrics)
         self.timer: RequestTimer | None = None  # latency per op; set when metrics are on
-        self.server: RouterServer | None = None  # set once the socket is bound (frame counters)
-        self.ipc = False  # the socket is ipc:// (peers have kernel credentials); set by the Daemon
+        self.server = server  # the socket this handler answers (its frame counters)
+        self.ipc = ipc  # the socket is ipc:// (peers have kernel credentials)
 
     def handle(self, frame: bytes, raw: zmq.Frame | None = None) -> bytes:
         """Answer one request frame (``raw``: the received frame, which knows the peer)."""
