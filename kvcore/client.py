@@ -42,7 +42,6 @@ from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore import ops
-from kvcore.config import check_socket_path, default_endpoint
 from kvcore.errors import (
     BadRequest,
     InternalError,
@@ -58,6 +57,7 @@ from kvcore.errors import (
 from kvcore.layout import KVLayout
 from kvcore.manager import DEFAULT_NAMESPACE, Stats
 from kvcore.ops import Operation, Queued
+from kvcore.paths import check_socket_path, default_endpoint
 
 if TYPE_CHECKING:
     import torch
@@ -358,7 +358,7 @@ def no_daemon(endpoint: str) -> str:
 
 def _check_endpoint(endpoint: str, trusted: set[int]) -> set[int]:
     """The uids whose segments this client maps: ``trusted``, and the owner of the ipc://
-    socket once it passed :func:`kvcore.config.check_socket_path`."""
+    socket once it passed :func:`kvcore.paths.check_socket_path`."""
     if not endpoint.startswith("ipc://"):
         return trusted
     path = endpoint[len("ipc://") :]

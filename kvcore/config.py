@@ -72,12 +72,6 @@ import msgspec
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-
-# Re-exported for the importers of their old home (the client, `kvcore stats`, the vLLM
-# connector's metadata, tests); they live in kvcore.paths.
-from kvcore.paths import check_runtime_dir as check_runtime_dir
-from kvcore.paths import check_socket_path as check_socket_path
-from kvcore.paths import default_endpoint as default_endpoint
 from kvcore.sizes import parse_size
 
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints

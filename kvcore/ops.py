@@ -39,6 +39,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, over
 from kvcore_ipc import messages as msg
 from msgspec import Struct
 
+from kvcore.layout import cdiv
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit
 
 P = ParamSpec("P")
@@ -205,7 +206,7 @@ def _grows_none(request: Any, books: Books) -> None:
 def _copied(request: msg.Fork, books: Books) -> int:
     """A fork copies the parent's block table: its pages, priced as full pages of tokens."""
     held = books.held(request.parent) or 0
-    return -(-held // books.page_size) * books.page_size
+    return cdiv(held, books.page_size) * books.page_size
 
 
 def _forked(request: msg.Fork, books: Books) -> tuple[int, int] | None:

@@ -46,8 +46,8 @@ def main(args: argparse.Namespace) -> int:
     from kvcore_ipc.channel import ChannelTimeout
 
     from kvcore.client import no_daemon
-    from kvcore.config import default_endpoint
     from kvcore.errors import KVCoreError
+    from kvcore.paths import default_endpoint
 
     endpoint = args.endpoint or default_endpoint()
     try:

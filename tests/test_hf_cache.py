@@ -19,6 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvcore.demo_model import greedy
 from kvcore.integrations.transformers import KVCoreCache
+from kvcore.layout import cdiv
 
 NEW = 16
 
@@ -254,7 +255,7 @@ def test_a_round_trip_reserves_ahead_for_the_whole_batch(
             cache.rows._grow = counted  # type: ignore[method-assign]
             out = greedy(model, ids, 41, attention_mask=mask, cache=cache)
             for row in cache.rows.rows:
-                assert len(row.pages) <= -(-len(row.tokens) // 16) + 1, (row.pages, row.tokens)
+                assert len(row.pages) <= cdiv(len(row.tokens), 16) + 1, (row.pages, row.tokens)
         assert held(client) == (0, 0)
     # the first decode step, then every 16 steps (row 0's length at each round trip)
     assert trips == [16, 32, 48], trips

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvcore import Client
-from kvcore.config import check_runtime_dir
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import UntrustedEndpoint
+from kvcore.paths import check_runtime_dir
 
 POOL = ("--pool", "num_pages=4,num_layers=1")
 OTHER_UID = 4242  # a uid no one on this machine uses

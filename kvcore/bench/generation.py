@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvcore.layout import cdiv
+
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
@@ -74,7 +76,7 @@ def hf_paged_generate(
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    pages = sum(-(-(len(r) + new_tokens) // page_size) for r in rows)
+    pages = sum(cdiv(len(r) + new_tokens, page_size) for r in rows)
     config = ContinuousBatchingConfig(
         page_size=page_size,
         num_blocks=pages + len(rows),

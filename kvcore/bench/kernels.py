@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcore.bench.report import Figure, Target
+from kvcore.layout import cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -350,7 +351,7 @@ class _Data:
         lens = list(lengths) or [s.context] * s.batch
         assert len(lens) == s.batch and max(lens) == s.context, f"{lens} for {s}"
         dtype = getattr(torch, s.dtype)
-        per_seq = -(-s.context // s.page_size)
+        per_seq = cdiv(s.context, s.page_size)
         num_pages = s.batch * per_seq
         gen = torch.Generator(device=device).manual_seed(0)
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.bench.report import Figure, Target
+from kvcore.layout import cdiv
 
 SINGLE_TARGET = 1.5
 BATCHED_TARGET = 0.1
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             single_s: list[float] = []
             batch_s: list[float] = []
             rounds = max(1, args.iterations // args.block)
-            per_round = -(-args.batches // rounds)
+            per_round = cdiv(args.batches, rounds)
             for _ in range(rounds):
                 _timed(echo_once, args.block, echo_s)
                 _timed(op_once, args.block, single_s)

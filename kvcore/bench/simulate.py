@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from kvcore.bench.trace import Request, Trace
 from kvcore.errors import BadRequest, OutOfPages
-from kvcore.layout import KVLayout
+from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Allocation, PrefixHit, Stats
 
 
@@ -99,7 +99,7 @@ class ContiguousPool:
         return 0  # a reservation is checked and made in one step
 
     def held(self) -> tuple[int, int]:
-        return self.reserved, -(-self.reserved // self.tokens_per_page)
+        return self.reserved, cdiv(self.reserved, self.tokens_per_page)
 
     @property
     def page_size(self) -> int:

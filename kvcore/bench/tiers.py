@@ -32,7 +32,7 @@ from typing import Any
 from kvcore.bench.report import Figure, Target
 from kvcore.bench.trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.daemon.tiering import TieredManager
-from kvcore.layout import KVLayout
+from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Manager
 from kvcore.prefix import PrefixKey, chain_keys, encode_tokens, root_key
 from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages, tier_keys
@@ -101,7 +101,7 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
     distinct: set[PrefixKey] = set()
     for prompt in prompts:
         distinct.update(chain_keys(root_key("default"), encode_tokens(prompt), page_size))
-    longest = max(-(-len(p) // page_size) for p in prompts)
+    longest = max(cdiv(len(p), page_size) for p in prompts)
     pool_pages = max(int(len(distinct) / args.working_set), longest + 1)
     layout = KVLayout(page_size=page_size, num_pages=pool_pages, **SIM_LAYOUT)  # type: ignore[arg-type]
     host_pages = max(int(pool_pages * args.host_factor), 1)

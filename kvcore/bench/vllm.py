@@ -35,6 +35,7 @@ from typing import Any
 
 from kvcore.bench.report import Figure, Target
 from kvcore.demo_model import TinyLlama
+from kvcore.layout import cdiv
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
 MODEL = TinyLlama(
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.new_tokens,
     )
     prompt_len = prefix_len + suffix_len
-    pages = 3 * n * (-(-prompt_len // PAGE_SIZE)) + 64  # A's and B's allocations + the cache
+    pages = 3 * n * cdiv(prompt_len, PAGE_SIZE) + 64  # A's and B's allocations + the cache
     sizing = {
         "kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * _block_bytes(),
         "max_num_seqs": n,

@@ -31,6 +31,7 @@ from kvcore_ipc import messages as msg
 
 from kvcore.config import PoolConfig
 from kvcore.errors import BadRequest, QuotaExceeded
+from kvcore.layout import cdiv
 from kvcore.ops import Books, Operation
 
 
@@ -69,7 +70,7 @@ class _PoolBook:
     namespaces: dict[str, Usage] = field(default_factory=dict)
 
     def pages(self, seq: int) -> int:
-        return -(-self.tokens[seq] // self.page_size)
+        return cdiv(self.tokens[seq], self.page_size)
 
     def held(self, seq: int) -> int | None:
         return self.tokens.get(seq)
@@ -116,7 +117,7 @@ class Ledger:
         if grown is None:
             return
         seq, tokens = grown
-        pages = -(-tokens // book.page_size) - (0 if creates else book.pages(seq))
+        pages = cdiv(tokens, book.page_size) - (0 if creates else book.pages(seq))
         self._room(book, session, namespace, pages, int(creates))
 
     def _room(self, book: _PoolBook, session: int, namespace: str, pages: int, seqs: int) -> None:

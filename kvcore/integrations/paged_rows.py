@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import BadRequest, BatchFailed, KVCoreError
+from kvcore.layout import cdiv
 from kvcore.manager import Allocation, Extension
 
 if TYPE_CHECKING:
@@ -334,7 +335,7 @@ class PagedRows:
 
 
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return cdiv(n, multiple) * multiple
 
 
 def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int]:
