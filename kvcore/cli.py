@@ -67,16 +67,18 @@ def version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.splitlines()[0],
-                                     formatter_class=HelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="kvcore", description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"kvcore {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = _load(module_name)
         if module is None:
             continue
-        command = sub.add_parser(name, help=help_text, description=help_text,
-                                 formatter_class=HelpFormatter)  # fmt: skip
+        command = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         module.add_arguments(command)
         command.set_defaults(_main=module.main)
     return parser

@@ -39,16 +39,20 @@ class DaemonProcess:
         """A daemon on an ipc:// socket in a fresh temporary directory, which is removed
         when the daemon stops (the demo and benchmarks: no clash with a user's daemon)."""
         tmpdir = tempfile.mkdtemp(prefix="kvcore-")
-        daemon = cls("--endpoint", f"ipc://{tmpdir}/kvcore.sock", *args, env=env,
-                     timeout_s=timeout_s)  # fmt: skip
+        daemon = cls(
+            "--endpoint", f"ipc://{tmpdir}/kvcore.sock", *args, env=env, timeout_s=timeout_s
+        )
         daemon._tmpdir = tmpdir
         return daemon
 
     def start(self) -> DaemonProcess:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcore.daemon", *self.args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=self.env,
-        )  # fmt: skip
+            [sys.executable, "-m", "kvcore.daemon", *self.args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+        )
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
         if not ready.wait(self.timeout_s) or not self.endpoint:

@@ -26,21 +26,29 @@ _pools = itertools.count()
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp: Path = tmp_path_factory.mktemp("conformance")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral",
-                       "--pool", "num_pages=1") as d:  # fmt: skip
+    with DaemonProcess(
+        "--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral", "--pool", "num_pages=1"
+    ) as d:
         yield d
 
 
 def test_client_conforms_to_the_manager_model(daemon: DaemonProcess) -> None:
     def fresh(layout: KVLayout) -> Client:
-        return Client.connect(daemon.endpoint, pool=f"conformance-{next(_pools)}", layout=layout,
-                              ephemeral=True, map_memory=False, heartbeat=False)  # fmt: skip
+        return Client.connect(
+            daemon.endpoint,
+            pool=f"conformance-{next(_pools)}",
+            layout=layout,
+            ephemeral=True,
+            map_memory=False,
+            heartbeat=False,
+        )
 
     machine = make_state_machine(fresh)
     machine.TestCase.settings = settings(
-        settings.default, max_examples=max(settings.default.max_examples, 200),
+        settings.default,
+        max_examples=max(settings.default.max_examples, 200),
         stateful_step_count=30,
-    )  # fmt: skip
+    )
     machine.TestCase().runTest()
     with Client.connect(daemon.endpoint, map_memory=False) as probe:
         stats = probe.daemon_stats()
