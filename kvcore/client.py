@@ -15,7 +15,7 @@ is empty). A Client is not thread-safe: one engine thread drives it.
 
 A client that was silent for longer than the lease (stopped, paused) while
 alive finds its session fenced: the daemon keeps its pages (nobody else gets
-them) and answers ``lease_lost``. Whichever thread learns it first (the
+them) for at most ``fence_timeout_s`` and answers ``lease_lost``. Whichever thread learns it first (the
 heartbeat, at the latest a moment after the process resumes) fences the
 client: the pool mapping is replaced by private scratch pages, so no kernel
 still holding ``kv_caches`` can write the daemon's pages; then it tells the

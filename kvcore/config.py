@@ -197,13 +197,17 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     events_replay: str = ""  # vllm format: ROUTER endpoint replaying buffered batches; "" = off
     lease_timeout_s: float = 10.0
     # A session that expired while its process lives is fenced (its pages kept, not reused)
-    # until the process exits or the client acknowledges; a peer whose process the daemon
-    # cannot watch (tcp://) is released after this many seconds instead.
+    # until the process exits, the client acknowledges, or this many seconds pass, whether
+    # or not the process can be watched.
     fence_timeout_s: float = 300.0
     max_frame_bytes: int = 8 << 20
     max_batch: int = 4096
     max_request_tokens: int = 1 << 20  # tokens one request may carry, summed over a batch
     max_sessions: int = 1024
+    # Sessions one ipc:// client process may hold; None: min(64, max_sessions_per_tenant).
+    max_sessions_per_process: int | None = None
+    # Sessions one [[tenants]] entry may hold; None: max_sessions less an eighth of it.
+    max_sessions_per_tenant: int | None = None
     max_queued_bytes: int = 64 << 20  # bytes queued per connection before ZeroMQ pushes back
     events_buffer_bytes: int = 16 << 20  # bytes buffered per event subscriber, then dropped
     insecure: bool = False  # allow tcp:// without CURVE
@@ -217,6 +221,26 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_format: str = "text"  # "text" or "json" (one object per line, for log shippers)
     pools: list[PoolConfig] = msgspec.field(default_factory=lambda: [PoolConfig()])
     tenants: list[TenantConfig] = msgspec.field(default_factory=list)
+
+    def _validate_tenants(self) -> None:
+        """Each tenant is named, once, and each uid and key belongs to one tenant: a
+        credential in two entries would get whichever grant was read last."""
+        names: set[str] = set()
+        owner: dict[int | str, str] = {}
+        for tenant in self.tenants:
+            if not tenant.name or tenant.name in names:
+                raise BadRequest(f"tenant names must be non-empty and unique: {tenant.name!r}")
+            names.add(tenant.name)
+            if any(len(key) != 40 for key in tenant.keys):
+                raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
+            for credential in (*tenant.uids, *tenant.keys):
+                if credential in owner:
+                    raise BadRequest(
+                        f"tenants {owner[credential]!r} and {tenant.name!r} both name "
+                        f"{'uid' if isinstance(credential, int) else 'key'} {credential}: "
+                        "a credential belongs to one tenant"
+                    )
+                owner[credential] = tenant.name
 
     def validate(self) -> None:
         if not self.pools:
@@ -249,9 +273,13 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise BadRequest(f"pool {pool.name!r}: quotas are counts >= 0 (0 = none)")
         if self.socket_mode & ~0o666 or (self.socket_mode & 0o066 and not self.tenants):
             raise BadRequest("socket_mode: at most 0o666, and wider than 0o600 only with tenants")
-        for tenant in self.tenants:
-            if any(len(key) != 40 for key in tenant.keys):
-                raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
+        self._validate_tenants()
+        for bound in (self.max_sessions_per_process, self.max_sessions_per_tenant):
+            if bound is not None and not 1 <= bound <= self.max_sessions:
+                raise BadRequest(
+                    "max_sessions_per_process and max_sessions_per_tenant are session "
+                    f"counts from 1 to max_sessions ({self.max_sessions}), not {bound}"
+                )
         limits = (
             self.max_request_tokens,
             self.max_sessions,

@@ -42,11 +42,36 @@ from kvcore.sizes import parse_size
         {"socket_mode": 0o666},  # wider than 0600 only with tenants
         {"socket_mode": 0o1777, "tenants": [TenantConfig(name="t")]},
         {"tenants": [TenantConfig(name="t", keys=["short"])]},
+        {"tenants": [TenantConfig(name="")]},  # "" is the operator's grant
+        {"tenants": [TenantConfig(name="t"), TenantConfig(name="t")]},
+        {"max_sessions_per_process": 0},
+        {"max_sessions": 8, "max_sessions_per_tenant": 9},
     ],
 )
 def test_bad_service_settings_are_rejected(bad: dict[str, object]) -> None:
     with pytest.raises(BadRequest):
         ServiceConfig(**bad).validate()  # type: ignore[arg-type]
+
+
+def test_one_credential_in_two_tenants_is_refused_naming_both() -> None:
+    """Two entries for one uid (or key): the later one used to win silently."""
+    key = "x" * 40
+    for first, second in (
+        (TenantConfig(name="alice", uids=[1000]), TenantConfig(name="bob", uids=[1000])),
+        (TenantConfig(name="alice", keys=[key]), TenantConfig(name="bob", keys=[key])),
+    ):
+        with pytest.raises(BadRequest, match="tenants 'alice' and 'bob' both name"):
+            ServiceConfig(tenants=[first, second]).validate()
+
+
+def test_session_bounds_come_from_the_file_and_the_flags(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    toml = tmp_path / "kvcore.toml"
+    toml.write_text("max_sessions_per_tenant = 7\n")
+    args = parser.parse_args(["--config", str(toml), "--max-sessions-per-process", "3"])
+    config = build_config(args)
+    assert (config.max_sessions_per_process, config.max_sessions_per_tenant) == (3, 7)
 
 
 def test_pool_spec_parses_ascii_digits_only() -> None:

@@ -73,7 +73,11 @@ class Daemon:
         secret = _server_key(config)
         self.swept = sweep(segment_prefix(endpoint))  # what a killed daemon of this endpoint left
         self.sessions = SessionTable(
-            config.lease_timeout_s, config.fence_timeout_s, config.max_sessions
+            config.lease_timeout_s,
+            config.fence_timeout_s,
+            config.max_sessions,
+            max_sessions_per_process=config.max_sessions_per_process,
+            max_sessions_per_tenant=config.max_sessions_per_tenant,
         )
         self.ledger = Ledger()
         self.publisher: Publisher | None = None

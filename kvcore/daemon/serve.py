@@ -100,6 +100,16 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-sessions", type=int, help="sessions at once (default 1024)")
     parser.add_argument(
+        "--max-sessions-per-process",
+        type=int,
+        help="sessions one client process may hold (ipc://; default min(64, the tenant bound))",
+    )
+    parser.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        help="sessions one tenant may hold (default max-sessions less an eighth)",
+    )
+    parser.add_argument(
         "--max-queued-bytes",
         type=int,
         help="bytes of requests queued per connection before the daemon stops reading it "
@@ -108,8 +118,8 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--fence-timeout",
         type=float,
-        help="seconds an expired session whose process cannot be watched (tcp://) "
-        "stays fenced (default 300)",
+        help="seconds an expired session stays fenced before its pages are freed, "
+        "whether or not its process can be watched (default 300)",
     )
 
 
@@ -176,6 +186,8 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         "authorized_keys_dir": args.authorized_keys_dir,
         "max_request_tokens": args.max_request_tokens,
         "max_sessions": args.max_sessions,
+        "max_sessions_per_process": args.max_sessions_per_process,
+        "max_sessions_per_tenant": args.max_sessions_per_tenant,
         "fence_timeout_s": args.fence_timeout,
         "max_queued_bytes": args.max_queued_bytes,
         "metrics_port": args.metrics_port,
