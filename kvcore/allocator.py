@@ -52,12 +52,6 @@ class PageAllocator:
         """Pages :meth:`take` can hand out now: free + evictable."""
         return len(self._free) + len(self._evictable)
 
-    def refcount(self, page: PageId) -> int:
-        return self.refcounts[page]
-
-    def is_evictable(self, page: PageId) -> bool:
-        return page in self._evictable
-
     def take(self, num: int, evict: Callable[[PageId], None]) -> list[PageId]:
         """``num`` pages at refcount 1: free pages first (FIFO), then LRU evictions.
 

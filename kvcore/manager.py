@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
@@ -54,7 +55,7 @@ DEFAULT_NAMESPACE = "default"
 MAX_SEQ_ID = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocation:
     """Result of :meth:`Manager.allocate`.
 
@@ -66,7 +67,7 @@ class Allocation:
     num_cached_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Extension:
     """Result of :meth:`Manager.extend`.
 
@@ -79,7 +80,7 @@ class Extension:
     copies: list[tuple[int, int]]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixHit:
     """Result of :meth:`Manager.lookup`: what :meth:`Manager.allocate` of the same
     tokens would reuse now.
@@ -93,6 +94,26 @@ class PrefixHit:
 
     num_cached_tokens: int
     num_evictable_pages: int
+
+
+@dataclass(slots=True)
+class PrefixPlan:
+    """Result of :meth:`Manager.plan`: what the pool holds of a prompt's prefix chain
+    now, for a caller that keeps pages below the pool (kvcore.daemon.tiering)::
+
+        keys   k0 .. k(h-1) | kh .. k(m-1)        m = (num_tokens - 1) // page_size
+               hit: indexed   the rest: kh is not   (a hit never covers the last token)
+
+    ``num_hit`` (pages) = h, the leading pages allocate would pin; ``room``
+    (pages) = free + evictable pages less the evictable hit pages: what allocate
+    or :meth:`Manager.adopt` may take beside the hit; ``num_new`` (pages) = the
+    fresh pages allocate of these tokens would take (it fits iff num_new <= room).
+    """
+
+    keys: list[PrefixKey]
+    num_hit: int
+    room: int
+    num_new: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +144,36 @@ class _Sequence:
     keys: list[PrefixKey] = field(default_factory=list)  # keys of pages[:len(keys)]
 
 
+class PageManager(Protocol):
+    """What serves one pool's operations, with :class:`Manager`'s signatures and
+    promises: the Manager, or a wrapper that holds one (kvcore.daemon.tiering's
+    TieredManager). The operation table (kvcore.ops) and the daemon call only these."""
+
+    layout: KVLayout
+
+    def allocate(
+        self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
+    ) -> Allocation: ...
+    def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
+    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int: ...
+    def fork(self, parent_id: int, child_id: int) -> list[int]: ...
+    def free(self, seq_id: int) -> None: ...
+    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit: ...
+    def block_table(self, seq_id: int) -> list[int]: ...
+    def num_tokens(self, seq_id: int) -> int: ...
+    def __contains__(self, seq_id: object) -> bool: ...
+    def stats(self) -> Stats: ...
+    def take_events(self) -> list[PageEvent]: ...
+    def prefix_snapshot(self) -> list[PageStored]: ...
+    def check_integrity(self) -> None: ...
+
+
 class Manager:
     """The page-pool state machine for one :class:`KVLayout`. Not thread-safe.
 
-    Hot paths (one ``extend`` per generated token, one ``commit`` per filled
-    page) take a fast path that does the same checks inline: the common case
-    is a known sequence whose last page has room and is its own.
+    Hot paths: one ``extend`` per generated token (the common case, a known
+    sequence whose last page has room and is its own, returns before any page
+    is touched) and one ``commit`` per filled page (hashes only the new page).
     """
 
     def __init__(self, layout: KVLayout, *, record_evictions: bool = False) -> None:
@@ -162,15 +207,13 @@ class Manager:
         """Start sequence ``seq_id`` holding ``tokens``: reuse the longest committed
         prefix of whole pages in ``namespace`` (never covering the last token) and
         add fresh pages for the rest. OutOfPages if they do not fit."""
-        self._check_new(seq_id)
+        self.check_new(seq_id)
         root = self._root(namespace)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(root, token_bytes)
         num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
-        refcounts = self._refcounts
-        pinned = [refcounts[page] for page in hit_pages].count(0)  # evictable hit pages
-        self._check_room(num_new, pinned)
+        self._check_room(num_new, self._room(hit_pages))
         self._pages.retain(hit_pages)
         pages = hit_pages + self._pages.take(num_new, self._evict)
         self._seqs[seq_id] = _Sequence(namespace, root, pages, num_tokens, keys)
@@ -184,10 +227,8 @@ class Manager:
 
         If the sequence's last page is partly filled and shared (refcount > 1),
         the sequence gets a private copy first (copy-on-write)."""
-        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
-        if seq is None:
-            seq = self._get(seq_id)
-        if (type(num_tokens) is not int and not _is_int(num_tokens)) or num_tokens < 0:
+        seq = self._get(seq_id)
+        if not isinstance(num_tokens, int) or num_tokens.__class__ is bool or num_tokens < 0:
             raise BadRequest(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         pages = seq.pages
         total = seq.num_tokens + num_tokens
@@ -195,11 +236,8 @@ class Manager:
             num_tokens == 0 or self._refcounts[pages[-1]] == 1
         ):
             seq.num_tokens = total  # the tokens fit the last page, which is this sequence's own
-            result = _new(Extension)  # Extension([], []) without the frozen setattr calls
-            _set_new_pages(result, [])
-            _set_copies(result, [])
-            return result
-        return self._grow(seq, num_tokens, -(-total // self._page_size) - len(pages))
+            return Extension([], [])
+        return self._grow(seq, num_tokens, self.layout.pages_for(total) - len(pages))
 
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
         """Publish every full page of ``seq_id`` not yet published; returns how many of
@@ -222,14 +260,13 @@ class Manager:
         (another sequence committed the same prefix first) stays private.
         BadRequest if the tokens contradict a page's key.
         """
-        seq = self._seqs.get(seq_id) if type(seq_id) is int else None
-        if seq is None:
-            seq = self._get(seq_id)
+        seq = self._get(seq_id)
         page_size = self._page_size
         keys = seq.keys
         first = len(keys)  # pages to publish: [first, end)
         if (
-            (type(start) is not int and not _is_int(start))
+            not isinstance(start, int)
+            or start.__class__ is bool
             or not 0 <= start <= first * page_size
             or start % page_size
         ):
@@ -288,7 +325,7 @@ class Manager:
         each). Never allocates, so never runs out of pages. Returns the child's
         block table."""
         parent = self._get(parent_id)
-        self._check_new(child_id)
+        self.check_new(child_id)
         self._pages.retain(parent.pages)
         self._seqs[child_id] = _Sequence(
             parent.namespace, parent.root, list(parent.pages), parent.num_tokens, list(parent.keys)
@@ -299,10 +336,8 @@ class Manager:
         """End ``seq_id``: each page loses a reference; a page at zero stays cached
         (evictable) if it is indexed, else returns to the free queue. Pages are
         released tail first, so a chain's tail is evicted before its head."""
-        seq = self._seqs.pop(seq_id) if type(seq_id) is int and seq_id in self._seqs else None
-        if seq is None:
-            seq = self._get(seq_id)  # an int subclass, or UnknownSequence
-            del self._seqs[seq_id]
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
         self._pages.release(reversed(seq.pages), self._key_by_page)
 
     def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
@@ -313,6 +348,30 @@ class Manager:
         refcounts = self._refcounts
         evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
         return PrefixHit(len(pages) * self._page_size, evictable)
+
+    # -- for a caller that keeps pages below the pool (kvcore.daemon.tiering) ---
+
+    def check_new(self, seq_id: int) -> None:
+        """Raise what allocate or fork of the new sequence ``seq_id`` raises first:
+        BadRequest unless it is an int in [0, 2**64), SequenceExists if it is live."""
+        if not isinstance(seq_id, int) or seq_id.__class__ is bool or not 0 <= seq_id <= MAX_SEQ_ID:
+            raise BadRequest(f"sequence ids are ints in [0, 2**64), got {seq_id!r}")
+        if seq_id in self._seqs:
+            raise SequenceExists(f"sequence {seq_id} is live")
+
+    def plan(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixPlan:
+        """The keys of ``tokens``' full pages that a hit may cover, how many lead
+        indexed in ``namespace``, and the room beside them (:class:`PrefixPlan`).
+        Read-only, like :meth:`lookup`; hashes every page a hit may cover."""
+        root = self._root(namespace)
+        token_bytes = encode_tokens(tokens)
+        num_tokens = len(token_bytes) // 4
+        keys, hit_pages = self._match(root, token_bytes)
+        limit = _hit_limit(num_tokens, self._page_size)
+        rest = token_bytes[: limit * 4 * self._page_size]
+        keys += chain_keys(keys[-1] if keys else root, rest, self._page_size, len(keys))
+        num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
+        return PrefixPlan(keys, len(hit_pages), self._room(hit_pages), num_new)
 
     def adopt(
         self,
@@ -339,26 +398,28 @@ class Manager:
         """
         root = self._root(namespace)
         token_bytes = encode_tokens(tokens)
-        if type(num_pages) is not int or num_pages < 0:
+        if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
             raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
         keys, hit_pages = self._match(root, token_bytes)
-        max_pages = max(len(token_bytes) // 4 - 1, 0) // self._page_size
+        max_pages = _hit_limit(len(token_bytes) // 4, self._page_size)
         if len(hit_pages) + num_pages > max_pages:
-            raise BadRequest(f"adopt of {num_pages} pages after {len(hit_pages)} hits "
-                             f"covers the last token ({max_pages} pages may hit)")  # fmt: skip
+            raise BadRequest(
+                f"adopt of {num_pages} pages after {len(hit_pages)} hits "
+                f"covers the last token ({max_pages} pages may hit)"
+            )
         stride = 4 * self._page_size
         first = len(hit_pages)
         parent = keys[-1] if keys else root
         new: list[PrefixKey] = []
-        for key in chain_keys(parent, token_bytes[: (first + num_pages) * stride],
-                              self._page_size, first):  # fmt: skip
+        for key in chain_keys(
+            parent, token_bytes[: (first + num_pages) * stride], self._page_size, first
+        ):
             if key in self._entries:
                 break
             new.append(key)
         if not new:
             return []
-        pinned = [self._refcounts[page] for page in hit_pages].count(0)
-        self._check_room(len(new), pinned)
+        self._check_room(len(new), self._room(hit_pages))
         self._pages.retain(hit_pages)  # so that the take below cannot evict them
         pages = self._pages.take(len(new), self._evict)
         chain_bytes = token_bytes[first * stride : (first + len(new)) * stride]
@@ -449,7 +510,7 @@ class Manager:
             and seq.num_tokens % self._page_size != 0
             and self._refcounts[last] > 1
         )
-        self._check_room(num_new + cow)
+        self._check_room(num_new + cow, self._pages.num_available)
         fresh = self._pages.take(num_new + cow, self._evict)
         copies: list[tuple[int, int]] = []
         if cow:
@@ -460,7 +521,7 @@ class Manager:
             copies.append((last, dst))
         pages.extend(fresh)
         seq.num_tokens += num_tokens
-        return _extension(list(fresh), copies)
+        return Extension(list(fresh), copies)
 
     def _match(self, root: PrefixKey, token_bytes: bytes) -> tuple[list[PrefixKey], list[PageId]]:
         """Keys and pages of the longest indexed run of leading full pages, leaving
@@ -470,7 +531,7 @@ class Manager:
         a system prefix reuse its keys."""
         page_size = self._page_size
         stride = 4 * page_size
-        max_pages = max(len(token_bytes) // 4 - 1, 0) // page_size
+        max_pages = _hit_limit(len(token_bytes) // 4, page_size)
         memo = self._match_memo
         if memo is not None and memo[0] == root and memo[1] == token_bytes:
             known = memo[2]  # keys of this prompt's first pages, at most max_pages
@@ -506,10 +567,16 @@ class Manager:
             parent = key
         return known[: len(pages)], pages
 
-    def _check_room(self, num_pages: int, pinned_evictable: int = 0) -> None:
-        available = self._pages.num_available - pinned_evictable
-        if num_pages > available:
-            raise OutOfPages(f"need {num_pages} pages, {available} free or evictable")
+    def _room(self, hit_pages: list[PageId]) -> int:
+        """Pages take() may hand out beside ``hit_pages``, which the caller pins first:
+        free + evictable, less the evictable hit pages."""
+        refcounts = self._refcounts
+        return self._pages.num_available - [refcounts[page] for page in hit_pages].count(0)
+
+    @staticmethod
+    def _check_room(num_pages: int, room: int) -> None:
+        if num_pages > room:
+            raise OutOfPages(f"need {num_pages} pages, {room} free or evictable")
 
     def _evict(self, page: PageId) -> None:
         if self._evicted is not None:
@@ -519,42 +586,27 @@ class Manager:
         self._evictions += 1
 
     def _get(self, seq_id: int) -> _Sequence:
-        seq = self._seqs.get(seq_id) if _is_int(seq_id) else None
+        """The live sequence ``seq_id``; UnknownSequence for anything else, a bool or a
+        float equal to a live id included (they hash alike).
+
+        Ids and counts are ints and not bools, tested as ``isinstance(x, int) and
+        x.__class__ is not bool`` throughout (bool cannot be subclassed, so this is
+        ``not isinstance(x, bool)``, without a second call on the per-token path)."""
+        is_int = isinstance(seq_id, int) and seq_id.__class__ is not bool
+        seq = self._seqs.get(seq_id) if is_int else None
         if seq is None:
             raise UnknownSequence(f"no live sequence {seq_id!r}")
         return seq
 
-    def _check_new(self, seq_id: int) -> None:
-        if not _is_int(seq_id) or not 0 <= seq_id <= MAX_SEQ_ID:
-            raise BadRequest(f"sequence ids are ints in [0, 2**64), got {seq_id!r}")
-        if seq_id in self._seqs:
-            raise SequenceExists(f"sequence {seq_id} is live")
-
     def _root(self, namespace: str) -> PrefixKey:
-        memo = self._root_memo
-        if type(namespace) is str and namespace == memo[0]:
-            return memo[1]
         if not isinstance(namespace, str):
             raise BadRequest(f"namespace must be a str, got {namespace!r}")
-        root = root_key(namespace)
-        self._root_memo = (namespace, root)
-        return root
+        memo = self._root_memo
+        if namespace != memo[0]:
+            memo = self._root_memo = (namespace, root_key(namespace))
+        return memo[1]
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# Extension is a frozen slots dataclass: its __init__ pays object.__setattr__ per
-# field. extend (once per generated token) fills the slots directly instead.
-_new = object.__new__
-_set_new_pages = vars(Extension)["new_pages"].__set__
-_set_copies = vars(Extension)["copies"].__set__
-
-
-def _extension(new_pages: list[int], copies: list[tuple[int, int]]) -> Extension:
-    """``Extension(new_pages, copies)``, built as the fast path of extend builds it."""
-    result: Extension = _new(Extension)
-    _set_new_pages(result, new_pages)
-    _set_copies(result, copies)
-    return result
+def _hit_limit(num_tokens: int, page_size: int) -> int:
+    """Pages a prefix hit of ``num_tokens`` tokens may cover: never the last token."""
+    return max(num_tokens - 1, 0) // page_size

@@ -30,8 +30,9 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import NewType
+
+import msgspec
 
 from kvcore.allocator import PageId
 from kvcore.errors import BadRequest
@@ -117,9 +118,10 @@ def page_keys(parent: PrefixKey, token_bytes: bytes, page_size: int) -> list[Pre
     return keys
 
 
-@dataclass(frozen=True, slots=True)
-class PageStored:
-    """A page became visible to prefix lookups (it was committed).
+class PageStored(msgspec.Struct, frozen=True):
+    """A page became visible to prefix lookups (it was committed). The index keeps
+    the same object as the page's entry, so it is immutable (and a frozen Struct is
+    built in C: one per committed page).
 
     ``tokens`` (the page's page_size tokens, u32 LE bytes) and ``namespace`` are
     what a consumer that hashes tokens itself needs (vLLM-format events); index
@@ -133,8 +135,7 @@ class PageStored:
     medium: str = ""  # "": committed by an engine; else the lower tier it was promoted from
 
 
-@dataclass(frozen=True, slots=True)
-class PageRemoved:
+class PageRemoved(msgspec.Struct, frozen=True):
     """A page left the index (it was evicted); its key no longer hits in the pool.
     ``medium``: "" if its bytes were dropped, else the lower tier now holding them."""
 
@@ -144,16 +145,6 @@ class PageRemoved:
 
 
 PageEvent = PageStored | PageRemoved
-
-# PageStored is a frozen slots dataclass: its __init__ pays object.__setattr__ per
-# field. The index (one entry per committed page) fills the slots directly instead.
-_new = object.__new__
-_set_key = vars(PageStored)["key"].__set__
-_set_parent_key = vars(PageStored)["parent_key"].__set__
-_set_page = vars(PageStored)["page"].__set__
-_set_tokens = vars(PageStored)["tokens"].__set__
-_set_namespace = vars(PageStored)["namespace"].__set__
-_set_medium = vars(PageStored)["medium"].__set__
 
 
 class PrefixIndex:
@@ -174,10 +165,6 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._stored)
 
-    def get(self, key: PrefixKey) -> PageId | None:
-        entry = self._stored.get(key)
-        return None if entry is None else entry.page
-
     @property
     def entries(self) -> Mapping[PrefixKey, PageStored]:
         """key -> its entry (page, parent key): read-only, for hot loops."""
@@ -187,12 +174,6 @@ class PrefixIndex:
     def key_by_page(self) -> Mapping[PageId, PrefixKey]:
         """page -> key of every indexed page: read-only, for hot loops."""
         return self._key_of
-
-    def key_of(self, page: PageId) -> PrefixKey | None:
-        return self._key_of.get(page)
-
-    def is_indexed(self, page: PageId) -> bool:
-        return page in self._key_of
 
     def insert_chain(
         self,
@@ -216,13 +197,8 @@ class PrefixIndex:
             page = pages[i]
             if key not in stored:
                 assert page not in key_of, f"page {page} is indexed under another key"
-                entry = _new(PageStored)  # PageStored(key, parent_key, page)
-                _set_key(entry, key)
-                _set_parent_key(entry, parent_key)
-                _set_page(entry, page)
-                _set_tokens(entry, token_bytes[i * stride : (i + 1) * stride])
-                _set_namespace(entry, namespace)
-                _set_medium(entry, medium)
+                tokens = token_bytes[i * stride : (i + 1) * stride]
+                entry = PageStored(key, parent_key, page, tokens, namespace, medium)
                 stored[key] = entry
                 key_of[page] = key
                 events.append(entry)

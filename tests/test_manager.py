@@ -165,6 +165,14 @@ def test_failures_are_typed_and_atomic() -> None:
         (BadRequest, lambda: m.commit(1, [], start=-4)),
         (BadRequest, lambda: m.commit(1, list(range(3)), start=4)),  # past num_tokens
         (BadRequest, lambda: m.lookup([1], namespace=7)),  # type: ignore[arg-type]
+        (BadRequest, lambda: m.plan([1], namespace=7)),  # type: ignore[arg-type]
+        (UnknownSequence, lambda: m.extend(True, 1)),  # hashes like the live sequence 1
+        (UnknownSequence, lambda: m.free(1.0)),  # type: ignore[arg-type]
+        (BadRequest, lambda: m.extend(1, True)),
+        (BadRequest, lambda: m.commit(1, [], start=False)),
+        (SequenceExists, lambda: m.check_new(1)),
+        (BadRequest, lambda: m.check_new(True)),
+        (BadRequest, lambda: m.adopt(list(range(6)), 1)),  # would cover the last token
     ]
     for error, call in cases:
         with pytest.raises(error) as info:
@@ -372,4 +380,40 @@ def test_commit_that_contradicts_a_prefix_hit_or_an_earlier_commit_is_refused() 
     with pytest.raises(BadRequest, match="other tokens"):
         m.commit(1, [*prompt[:8], 0, 0, 0, 0], start=0)  # re-sends page 2 with other tokens
     assert m.take_events() != [] and m.commit(1, prompt[20:], start=20) == 5
+    m.check_integrity()
+
+
+def test_plan_names_the_keys_a_hit_may_cover_and_the_room_beside_it() -> None:
+    m = make(num_pages=8)
+    prompt = list(range(17))  # four full pages and one token: a hit covers at most four
+    m.allocate(1, prompt[:8])
+    m.commit(1, prompt[:8])
+    m.free(1)  # pages 0 and 1 of the chain cached (evictable), 6 free
+    m.take_events()
+    before = snapshot(m)
+    plan = m.plan(prompt)
+    assert plan.keys == list(chain_keys(root_key("default"), encode_tokens(prompt[:16]), PAGE))
+    assert (plan.num_hit, plan.room, plan.num_new) == (2, 8 - 2, 5 - 2)
+    assert plan.num_hit * PAGE == cached(m, prompt)
+    assert snapshot(m) == before and m.take_events() == []  # read-only
+    assert m.plan(prompt[:4]).keys == []  # one page of tokens: its last token is not covered
+
+
+def test_adopt_indexes_the_pages_after_the_hit_as_cached() -> None:
+    m = make(num_pages=8)
+    prompt = list(range(17))
+    m.allocate(1, prompt[:4])
+    m.commit(1, prompt[:4])
+    m.free(1)
+    m.take_events()
+    pages = m.adopt(prompt, 2, medium="host")  # pages 1 and 2 of the chain, from below
+    assert len(pages) == 2 and cached(m, prompt) == 3 * PAGE
+    assert [(type(e), e.medium) for e in m.take_events()] == [(PageStored, "host")] * 2
+    s = m.stats()
+    assert (s.held_pages, s.evictable_pages, s.num_sequences) == (0, 3, 0)
+    assert m.adopt(prompt, 0) == [] and m.take_events() == []
+    m.allocate(2, prompt[:12] + [0])  # holds the chain's first three pages
+    m.commit(2, prompt[:12])
+    with pytest.raises(BadRequest):
+        m.adopt(prompt, 2)  # three hits and two more would cover the last token
     m.check_integrity()
