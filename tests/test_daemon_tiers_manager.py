@@ -108,6 +108,30 @@ def test_a_spilled_page_comes_back_from_the_host_tier(tmp_path: Path) -> None:
     manager.check_integrity()
 
 
+def test_a_lookup_brings_pages_up_and_changes_no_sequence() -> None:
+    memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
+    manager = TieredManager(LAYOUT, LAYOUT.layer_views(memory), TierStack(HostTier(LAYOUT, 16)))
+    first = [1, 2, 3, 4, 5]
+    manager.allocate(0, first)
+    manager.commit(0, first)
+    manager.free(0)
+    for i in range(3):  # push the first prompt's pages out of the pool
+        manager.allocate(10 + i, [100 + i] * 5)
+        manager.commit(10 + i, [100 + i] * 5)
+        manager.free(10 + i)
+    live = manager.allocate(20, [7])  # one live sequence, holding one page
+    manager.take_events()
+    before = manager.stats()
+    assert manager.lookup(first).num_cached_tokens == 4  # promoted from the host tier
+    after = manager.stats()
+    assert manager.block_table(20) == live.pages and manager.num_tokens(20) == 1
+    assert (after.held_pages, after.num_sequences) == (before.held_pages, 1)
+    assert (after.query_tokens, after.hit_tokens) == (before.query_tokens, before.hit_tokens)
+    promoted = [e for e in manager.take_events() if isinstance(e, PageStored)]
+    assert [e.medium for e in promoted] == ["host", "host"]
+    manager.check_integrity()
+
+
 def test_metrics_name_each_tier_of_each_pool() -> None:
     from kvcore_ipc import messages as msg
 

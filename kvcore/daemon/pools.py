@@ -32,7 +32,7 @@ from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore.errors import BadRequest, UnknownPool
 from kvcore.layout import KVLayout
-from kvcore.manager import Manager
+from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PageEvent, PageStored
 from kvcore.tiers.config import TierConfig
 
@@ -50,7 +50,7 @@ class Pool:
 
     name: str
     device: str  # "cpu" or "cuda:N"
-    manager: Manager
+    manager: PageManager  # a Manager, or a TieredManager holding one
     region: HostRegion | CudaRegion
     ephemeral: bool = False  # created by an attach; closed when its last session leaves
 
@@ -113,7 +113,7 @@ class PoolTable:
                 region.share_with_group(group)
         else:
             region = CudaRegion.create(layout.total_bytes, device)
-        manager = Manager(layout)
+        manager: PageManager = Manager(layout)
         if tiers is not None and tiers.enabled:
             try:
                 stack = open_stack(layout, tiers, name)

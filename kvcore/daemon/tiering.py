@@ -1,20 +1,23 @@
 """TieredManager: a pool's Manager with lower tiers below it (docs/concepts.md, "Tiers").
 
-The Manager stays I/O-free; this subclass does the I/O around its operations,
-on the daemon's thread, before the reply, so ``op.serve(pool.manager, ...)``
-in the handler is unchanged::
+The Manager stays I/O-free; this wrapper holds one and does the I/O around its
+operations, on the daemon's thread, before the reply. It serves the same
+operations (:class:`~kvcore.manager.PageManager`), so ``op.serve(pool.manager,
+...)`` in the handler is unchanged, and drives the Manager only through its
+public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
 
-    allocate / lookup     pool match k0..k(m-1), then TierStack.locate(k(m)..)
+    allocate / lookup     Manager.plan: keys k0..k(m-1), the pool's hits k0..k(h-1), room
         runs found below:  host | disk | remote      (disk/remote read and verified first)
         Manager.adopt      fresh pages indexed for those keys, one call per run;
                            pages it evicted are copied out (gather) before anything
                            is written into them
         promote            host: HostTier.promote (one copy per byte); disk/remote: scatter
         spill              the evicted pages' bytes -> host (-> disk): TierStack.spill
-        then the Manager's own allocate, whose hit now covers the promoted pages
+        then the Manager's own allocate or lookup, whose hit now covers the promoted pages
     extend                 the Manager's extend, then spill what it evicted
-    commit                 the Manager's commit, then a copy of the newly indexed pages
-                           queued for the remote store (published by its thread)
+    commit                 the Manager's commit, then a copy of the pages it indexed (its
+                           PageStored events) queued for the remote store (published by
+                           the store's thread)
     close                  the host tier's entries and the pool's cached pages written
                            down to the disk tier (a new daemon on it serves them)
 
@@ -23,6 +26,12 @@ page evicted by a reply is in a lower tier before the engine can overwrite it.
 A tier that misses (evicted since, corrupt, store down or slow) shortens the
 run: counted in its TierStats, never an error to the engine. Units: pages
 unless named bytes.
+
+Lookup is not read-only here: a lookup on a tiered pool may bring pages up from
+the lower tiers (adopting pool pages for them, which may evict and spill others,
+with their events), as allocate does, so that it answers what an allocate would
+hit. It changes which pages are cached, never any sequence, and raises nothing
+an untiered lookup would not.
 
 Events: the stored event of a promoted page carries the medium it came from;
 the removed event of a spilled page carries the medium now holding it.
@@ -38,8 +47,8 @@ from kvcore_ipc import messages as msg
 from kvcore.allocator import PageId
 from kvcore.errors import OutOfPages
 from kvcore.layout import KVLayout
-from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit
-from kvcore.prefix import PageEvent, PageRemoved, PrefixKey, chain_keys, encode_tokens
+from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit, Stats
+from kvcore.prefix import PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
 from kvcore.tiers.config import TierConfig
@@ -58,23 +67,29 @@ def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
     disk = DiskTier(layout, config.disk, config.disk_bytes()) if config.disk else None
     remote = None
     if config.remote_master:
-        remote = RemoteTier(layout, RemoteConfig(
-            config.remote_master, config.remote_metadata,
-            local_hostname=config.remote_local_hostname, timeout_s=config.remote_timeout_s,
-        ))  # fmt: skip
+        remote_config = RemoteConfig(
+            config.remote_master,
+            config.remote_metadata,
+            local_hostname=config.remote_local_hostname,
+            timeout_s=config.remote_timeout_s,
+        )
+        remote = RemoteTier(layout, remote_config)
     return TierStack(host, disk, remote)
 
 
-class TieredManager(Manager):
-    """A Manager whose evictions spill to ``tiers`` and whose hits continue into them.
+class TieredManager:
+    """A Manager (``manager``) whose evictions spill to ``tiers`` and whose hits
+    continue into them; the Manager's operations and promises otherwise (a failed
+    operation changed nothing), lookup aside (module docstring).
 
     ``views`` are the pool's layer views (``[num_pages, 2, page_size, H, D]`` each,
     over the pool's memory); only this class reads or writes them, and only on the
-    daemon's thread. Not thread-safe.
+    daemon's thread. ``manager`` is driven by this class alone. Not thread-safe.
     """
 
     def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], tiers: TierStack) -> None:
-        super().__init__(layout, record_evictions=True)
+        self.layout = layout
+        self.manager = Manager(layout, record_evictions=True)
         self.tiers = tiers
         self._views = list(views)
         self._fingerprint = layout_fingerprint(layout)
@@ -82,55 +97,89 @@ class TieredManager(Manager):
             "host" if tiers.host is not None else "disk" if tiers.disk is not None else ""
         )
         self._moved: dict[PrefixKey, str] = {}  # spilled since the last take_events: medium
+        self._events: list[PageEvent] = []  # taken from the Manager by commit, not yet handed on
 
     # -- operations that may promote or evict -------------------------------------------
 
     def allocate(
         self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
     ) -> Allocation:
-        self._check_new(seq_id)  # bad input fails before any I/O
+        """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
+        the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
+        self.manager.check_new(seq_id)  # bad input fails before any I/O
         self._promote(tokens, namespace, for_allocate=True)
         try:
-            return super().allocate(seq_id, tokens, namespace=namespace)
+            return self.manager.allocate(seq_id, tokens, namespace=namespace)
         finally:
             self._spill()
 
     def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
         """:meth:`Manager.lookup`, after promoting what the tiers hold of the rest of
-        the chain (as far as free and evictable pages allow)."""
+        the chain (as far as free and evictable pages allow): not read-only, it may
+        change which pages are cached (never a sequence); see the module docstring."""
         self._promote(tokens, namespace, for_allocate=False)
         self._spill()
-        return super().lookup(tokens, namespace=namespace)
+        return self.manager.lookup(tokens, namespace=namespace)
 
     def extend(self, seq_id: int, num_tokens: int) -> Extension:
         try:
-            return super().extend(seq_id, num_tokens)
+            return self.manager.extend(seq_id, num_tokens)
         finally:
             self._spill()
 
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int:
+        """:meth:`Manager.commit`; with a remote tier, the pages it indexed are copied
+        out and queued for the store (the reply does not wait for the store)."""
+        end = self.manager.commit(seq_id, tokens, start=start)
         remote = self.tiers.remote
-        seq = self._seqs.get(seq_id) if remote is not None and seq_id in self else None
-        before = len(seq.keys) if seq is not None else 0
-        end = super().commit(seq_id, tokens, start=start)
-        if remote is not None and seq is not None and end > before:
-            published = self._key_by_page
-            new = [(key, page) for key, page in zip(seq.keys[before:end], seq.pages[before:end],
-                                                    strict=True) if published.get(page) == key]  # fmt: skip
+        if remote is not None:
+            # Every commit takes the Manager's events, so its committed PageStored
+            # events (medium "") are exactly the pages this commit indexed.
+            events = self.manager.take_events()
+            self._events += events
+            new = [e for e in events if isinstance(e, PageStored) and not e.medium]
             if new:
-                pages = gather_pages(self._views, [page for _, page in new], device="cpu")
-                remote.put_many(tier_keys(self._fingerprint, [key for key, _ in new]), pages)
+                pages = gather_pages(self._views, [e.page for e in new], device="cpu")
+                remote.put_many(tier_keys(self._fingerprint, [e.key for e in new]), pages)
         return end
 
+    # -- the Manager's, unchanged (never allocate, so never evict) ------------------------
+
+    def fork(self, parent_id: int, child_id: int) -> list[int]:
+        return self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        self.manager.free(seq_id)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.manager.block_table(seq_id)
+
+    def num_tokens(self, seq_id: int) -> int:
+        return self.manager.num_tokens(seq_id)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self.manager
+
+    def stats(self) -> Stats:
+        return self.manager.stats()
+
+    def prefix_snapshot(self) -> list[PageStored]:
+        return self.manager.prefix_snapshot()
+
+    # -- events, tiers, integrity -----------------------------------------------------------
+
     def take_events(self) -> list[PageEvent]:
-        events = super().take_events()
+        """The Manager's events since the last call, oldest first, a spilled page's
+        PageRemoved naming the medium now holding it."""
+        events, self._events = self._events + self.manager.take_events(), []
         moved = self._moved
         if moved:
             events = [
                 PageRemoved(event.key, event.page, moved[event.key])
-                if isinstance(event, PageRemoved) and event.key in moved else event
+                if isinstance(event, PageRemoved) and event.key in moved
+                else event
                 for event in events
-            ]  # fmt: skip
+            ]
             moved.clear()
         return events
 
@@ -147,7 +196,7 @@ class TieredManager(Manager):
             self.tiers.close()
 
     def check_integrity(self) -> None:
-        super().check_integrity()
+        self.manager.check_integrity()
         for tier in (self.tiers.host, self.tiers.disk, self.tiers.remote):
             if tier is not None:
                 tier.check_integrity()
@@ -156,24 +205,15 @@ class TieredManager(Manager):
 
     def _promote(self, tokens: Sequence[int], namespace: str, *, for_allocate: bool) -> None:
         """Bring the pages of ``tokens``' chain that the tiers hold, after the pool's own
-        hits, into adopted pool pages. OutOfPages (for an allocate that cannot fit
-        anyway) before any I/O; otherwise never raises for a tier's miss."""
-        root = self._root(namespace)
-        token_bytes = encode_tokens(tokens)
-        keys, hits = self._match(root, token_bytes)
-        page_size = self._page_size
-        max_pages = max(len(token_bytes) // 4 - 1, 0) // page_size
-        pinned = [self._refcounts[page] for page in hits].count(0)
-        room = self._pages.num_available - pinned
-        if for_allocate and self.layout.pages_for(len(token_bytes) // 4) - len(hits) > room:
-            raise OutOfPages(f"need {self.layout.pages_for(len(token_bytes) // 4) - len(hits)} "
-                             f"pages, {room} free or evictable")  # fmt: skip
-        if len(hits) >= max_pages or room <= 0:
+        hits, into adopted pool pages, as many as the room beside the hits allows.
+        OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
+        never raises for a tier's miss."""
+        plan = self.manager.plan(tokens, namespace=namespace)
+        if for_allocate and plan.num_new > plan.room:
+            raise OutOfPages(f"need {plan.num_new} pages, {plan.room} free or evictable")
+        rest = plan.keys[plan.num_hit : plan.num_hit + plan.room]
+        if not rest:
             return
-        stride = 4 * page_size
-        want = min(max_pages, len(hits) + room)
-        rest = list(chain_keys(keys[-1] if keys else root, token_bytes[: want * stride],
-                               page_size, len(hits)))  # fmt: skip
         tkeys = tier_keys(self._fingerprint, rest)
         runs = self.tiers.locate(tkeys)
         if not runs:
@@ -187,13 +227,14 @@ class TieredManager(Manager):
                 data = run.tier.get_many(tkeys[run.start : run.start + run.count])
                 count = len(data)
             if count:
-                pages = self.adopt(tokens, count, namespace=namespace, medium=run.tier.medium)
+                medium = run.tier.medium
+                pages = self.manager.adopt(tokens, count, namespace=namespace, medium=medium)
                 fetched.append((pages, data, done))
                 count = len(pages)
             done += count
             if count < run.count:
                 break
-        evicted = self.take_evicted()  # pages adopt took from the LRU: copy them out first
+        evicted = self.manager.take_evicted()  # adopt took them from the LRU: copy out first
         spilled = self._gather(evicted)
         for pages, data, start in fetched:
             if data is None:
@@ -215,7 +256,7 @@ class TieredManager(Manager):
             keys = host.keys()
             for at in range(0, len(keys), chunk):
                 disk.put_many(keys[at : at + chunk], host.get_many(keys[at : at + chunk]))
-        entries = self.prefix_snapshot()
+        entries = self.manager.prefix_snapshot()
         for at in range(0, len(entries), chunk):
             part = entries[at : at + chunk]
             pages = gather_pages(self._views, [e.page for e in part], device="cpu")
@@ -223,7 +264,7 @@ class TieredManager(Manager):
 
     def _spill(self) -> None:
         """Copy what the last Manager operation evicted into the tiers (before the reply)."""
-        evicted = self.take_evicted()
+        evicted = self.manager.take_evicted()
         if evicted:
             self._put_down(evicted, self._gather(evicted))
 
@@ -250,8 +291,8 @@ def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["pool", "medium"]
-    held = GaugeMetricFamily("kvcore_tier_pages", "Pages held in a lower tier of a pool "
-                             "(remote: pages this daemon published)", labels=labels)  # fmt: skip
+    held_text = "Pages held in a lower tier of a pool (remote: pages this daemon published)"
+    held = GaugeMetricFamily("kvcore_tier_pages", held_text, labels=labels)
     counters = {
         name: CounterMetricFamily(f"kvcore_tier_{name}", text, labels=labels)
         for name, text in (
@@ -264,15 +305,22 @@ def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
             ("out_bytes", "Payload bytes read back out of a lower tier"),
             ("timeouts", "Store calls abandoned at their bound (remote)"),
         )
-    }  # fmt: skip
+    }
     for pool in pools:
         for t in pool.tiers:
             key = [pool.name, t.medium]
             held.add_metric(key, t.pages)
-            for name, value in (("hits_pages", t.hits), ("misses_pages", t.misses),
-                                ("corrupt_pages", t.corrupt), ("stored_pages", t.stored),
-                                ("evicted_pages", t.evicted), ("in_bytes", t.bytes_in),
-                                ("out_bytes", t.bytes_out), ("timeouts", t.timeouts)):  # fmt: skip
+            values = {
+                "hits_pages": t.hits,
+                "misses_pages": t.misses,
+                "corrupt_pages": t.corrupt,
+                "stored_pages": t.stored,
+                "evicted_pages": t.evicted,
+                "in_bytes": t.bytes_in,
+                "out_bytes": t.bytes_out,
+                "timeouts": t.timeouts,
+            }
+            for name, value in values.items():
                 counters[name].add_metric(key, value)
     yield held
     yield from counters.values()
