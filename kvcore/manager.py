@@ -342,7 +342,10 @@ class Manager:
 
     def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
         """What allocate of ``tokens`` in ``namespace`` would serve from the cache now
-        (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events."""
+        (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events.
+        A daemon pool with lower tiers first brings pages up from them, as allocate
+        does (kvcore.daemon.tiering): that changes which pages are cached and queues
+        their events, never any sequence (docs/concepts.md, "Tiers")."""
         root = self._root(namespace)
         _, pages = self._match(root, encode_tokens(tokens))
         refcounts = self._refcounts
