@@ -64,8 +64,8 @@ def tiers(client: Client) -> dict[str, TierStats]:
 @pytest.fixture(scope="module")
 def host_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp = tmp_path_factory.mktemp("host")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--events", "auto",
-                       "--pool", f"{POOL},host_tier={64 * PAGE_BYTES}") as d:  # fmt: skip
+    endpoint, pool = f"ipc://{tmp / 'd.sock'}", f"{POOL},host_tier={64 * PAGE_BYTES}"
+    with DaemonProcess("--endpoint", endpoint, "--events", "auto", "--pool", pool) as d:
         yield d
 
 
@@ -107,8 +107,8 @@ def test_namespaces_stay_apart_below_the_pool(host_daemon: DaemonProcess) -> Non
 
 
 def disk_daemon(tmp: Path, disk: Path) -> DaemonProcess:
-    return DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}",
-                         "--pool", f"{POOL},disk_tier={disk},disk_tier_size={256 * PAGE_BYTES}")  # fmt: skip
+    pool = f"{POOL},disk_tier={disk},disk_tier_size={256 * PAGE_BYTES}"
+    return DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", pool)
 
 
 def test_disk_tier_survives_a_restart_and_a_corrupt_entry_is_a_miss(tmp_path: Path) -> None:

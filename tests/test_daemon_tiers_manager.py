@@ -138,13 +138,30 @@ def test_metrics_name_each_tier_of_each_pool() -> None:
     from kvcore.daemon.tiering import tier_metric_families
 
     layout = msg.PoolLayout(**LAYOUT.to_dict())
-    pool = msg.PoolStats(name="p", device="cpu", layout=layout, total_pages=6, free_pages=6,
-                         evictable_pages=0, held_pages=0, cached_pages=0, num_sequences=0,
-                         query_tokens=0, hit_tokens=0, evictions=0, num_sessions=0,
-                         tiers=[msg.TierStats(medium="host", pages=3, hits=5, corrupt=0),
-                                msg.TierStats(medium="disk", pages=7, corrupt=2)])  # fmt: skip
-    samples = {(s.name, s.labels["medium"]): s.value
-               for family in tier_metric_families([pool]) for s in family.samples}  # fmt: skip
+    pool = msg.PoolStats(
+        name="p",
+        device="cpu",
+        layout=layout,
+        total_pages=6,
+        free_pages=6,
+        evictable_pages=0,
+        held_pages=0,
+        cached_pages=0,
+        num_sequences=0,
+        query_tokens=0,
+        hit_tokens=0,
+        evictions=0,
+        num_sessions=0,
+        tiers=[
+            msg.TierStats(medium="host", pages=3, hits=5, corrupt=0),
+            msg.TierStats(medium="disk", pages=7, corrupt=2),
+        ],
+    )
+    samples = {
+        (s.name, s.labels["medium"]): s.value
+        for family in tier_metric_families([pool])
+        for s in family.samples
+    }
     assert samples[("kvcore_tier_pages", "host")] == 3
     assert samples[("kvcore_tier_pages", "disk")] == 7
     assert samples[("kvcore_tier_hits_pages_total", "host")] == 5

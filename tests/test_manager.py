@@ -225,9 +225,13 @@ def test_layout_sizes_and_budget() -> None:
     assert layout.page_bytes_per_layer == 2 * 16 * 8 * 128 * 2
     assert layout.total_bytes == 32 * 100 * layout.page_bytes_per_layer
     fit = KVLayout.for_budget(
-        10 * layout.page_bytes + 1, num_layers=32, num_kv_heads=8, head_dim=128,
-        page_size=16, dtype="bfloat16",
-    )  # fmt: skip
+        10 * layout.page_bytes + 1,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype="bfloat16",
+    )
     assert fit.num_pages == 10
     with pytest.raises(BadRequest):
         KVLayout.for_budget(
@@ -412,7 +416,7 @@ def test_adopt_indexes_the_pages_after_the_hit_as_cached() -> None:
     s = m.stats()
     assert (s.held_pages, s.evictable_pages, s.num_sequences) == (0, 3, 0)
     assert m.adopt(prompt, 0) == [] and m.take_events() == []
-    m.allocate(2, prompt[:12] + [0])  # holds the chain's first three pages
+    m.allocate(2, [*prompt[:12], 0])  # holds the chain's first three pages
     m.commit(2, prompt[:12])
     with pytest.raises(BadRequest):
         m.adopt(prompt, 2)  # three hits and two more would cover the last token

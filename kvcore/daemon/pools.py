@@ -93,9 +93,15 @@ class PoolTable:
         return pool
 
     def open(
-        self, name: str, device: str, layout: KVLayout, *, ephemeral: bool = False,
-        group: str = "", tiers: TierConfig | None = None,
-    ) -> Pool:  # fmt: skip
+        self,
+        name: str,
+        device: str,
+        layout: KVLayout,
+        *,
+        ephemeral: bool = False,
+        group: str = "",
+        tiers: TierConfig | None = None,
+    ) -> Pool:
         """Create the pool's memory and Manager. BadRequest if the name is taken. A host
         segment is mode 0600 (the daemon's user), or 0660 of ``group`` if given (tenants
         of other uids in that group can map it). With ``tiers`` that declare any tier,
