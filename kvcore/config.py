@@ -217,6 +217,9 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_ephemeral: bool = False  # attach may create private pools (tests, development)
     metrics_port: int | None = None  # HTTP port of /metrics and /health; None = off, 0 = any free
     metrics_addr: str = "127.0.0.1"  # the address it binds (loopback unless told otherwise)
+    metrics_socket: str = ""  # serve metrics on this unix socket (0600) instead of a port
+    metrics_token_file: str = ""  # a bearer token (mode 0600 file) every scrape must send
+    metrics_namespace_labels: bool = True  # False: no per-namespace series (names stay private)
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     log_format: str = "text"  # "text" or "json" (one object per line, for log shippers)
     pools: list[PoolConfig] = msgspec.field(default_factory=lambda: [PoolConfig()])
@@ -233,7 +236,8 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             names.add(tenant.name)
             if any(len(key) != 40 for key in tenant.keys):
                 raise BadRequest(f"tenant {tenant.name!r}: keys are z85 public keys (40 chars)")
-            for credential in (*tenant.uids, *tenant.keys):
+            credentials: list[int | str] = [*tenant.uids, *tenant.keys]
+            for credential in credentials:
                 if credential in owner:
                     raise BadRequest(
                         f"tenants {owner[credential]!r} and {tenant.name!r} both name "
@@ -256,6 +260,8 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(
                 f"metrics_port is a TCP port (0: any free one), not {self.metrics_port}"
             )
+        if self.metrics_port is not None and self.metrics_socket:
+            raise BadRequest("metrics_port and metrics_socket: choose one")
         if self.events_replay and self.events_format != "vllm":
             raise BadRequest("events_replay serves the vllm events format only")
         names = [pool.name for pool in self.pools]

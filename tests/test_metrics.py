@@ -197,7 +197,7 @@ def _served(tmp_path: Path, **options: Any) -> Iterator[tuple[Daemon, MetricsSer
         endpoint=f"ipc://{tmp_path}/k.sock", pools=[PoolConfig(num_layers=1, num_pages=64)]
     )
     daemon = Daemon(config)
-    exchange, daemon.handler.timer, server = metrics.start(daemon.handler.snapshot, **options)
+    exchange, daemon.handler.timer, server = metrics.start(**options)
     daemon.metrics = exchange
     loop = threading.Thread(target=daemon.serve, daemon=True)
     loop.start()
@@ -281,7 +281,7 @@ def test_scrapes_take_at_most_one_snapshot_per_interval() -> None:
         taken += 1
         return Snapshot(msg.StatsOk(pools=[], sessions=[], counters=COUNTERS), {}, [])
 
-    exchange = Exchange(take)
+    exchange = Exchange()
     stop = time.monotonic() + 1.0
 
     def scraper() -> None:
@@ -292,11 +292,11 @@ def test_scrapes_take_at_most_one_snapshot_per_interval() -> None:
     for t in scrapers:
         t.start()
     while time.monotonic() < stop:  # the loop, ticking every millisecond
-        exchange.turn(time.monotonic())
+        exchange.turn(time.monotonic(), take)
         time.sleep(0.001)
     for t in scrapers:
         t.join(timeout=SCRAPE_WAIT_S + 1)
-    exchange.turn(time.monotonic())
+    exchange.turn(time.monotonic(), take)
     assert 1 <= taken <= 1.0 / SNAPSHOT_MIN_INTERVAL_S + 2
 
 
@@ -351,7 +351,7 @@ def test_a_unix_socket_is_private_and_replaces_a_dead_ones(tmp_path: Path) -> No
         assert reply.startswith(b"HTTP/1.0 200") and b"kvcore_pool_pages" in reply
         assert _unix_get(path, "/health").startswith(b"HTTP/1.0 200")
         with pytest.raises(BadRequest, match="in use"):
-            metrics.start(lambda: None, unix_path=path)  # type: ignore[arg-type,return-value]
+            metrics.start(unix_path=path)
     assert not os.path.exists(path)  # removed on close
 
 
@@ -388,3 +388,27 @@ def test_the_unix_socket_serves_no_other_uid(tmp_path: Path) -> None:
             assert _unix_get(path, "/health").startswith(b"HTTP/1.0 200")  # its owner is served
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_flags_serve_metrics_on_a_private_socket_with_a_token_and_no_namespaces(
+    tmp_path: Path,
+) -> None:
+    """--metrics-socket, --metrics-token-file and --no-metrics-namespace-labels reach the
+    daemon: the banner names the socket, a scrape needs the token, no namespace leaks."""
+    sock, token = tmp_path / "metrics.sock", tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    flags = ("--metrics-socket", str(sock), "--metrics-token-file", str(token))
+    with DaemonProcess.private("--pool", POOL, *flags, "--no-metrics-namespace-labels") as daemon:
+        assert f"metrics: unix:{sock}" in daemon.output
+        with Client.connect(daemon.endpoint, namespace="secret-tenant-name") as client:
+            client.allocate(1, list(range(20)))
+            assert _unix_get(str(sock), "/metrics").startswith(b"HTTP/1.0 401")
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sock))
+                s.sendall(
+                    f"GET /metrics HTTP/1.0\r\nAuthorization: Bearer {'t' * 32}\r\n\r\n".encode()
+                )
+                reply = b"".join(iter(lambda: s.recv(65536), b""))
+        assert reply.startswith(b"HTTP/1.0 200") and b"kvcore_pool_pages" in reply
+        assert b"secret-tenant-name" not in reply

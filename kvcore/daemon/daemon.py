@@ -41,6 +41,7 @@ from kvcore.paths import check_socket_path, default_endpoint, runtime_dir
 from . import metrics
 from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key
 from .handler import Handler
+from .metrics_http import read_token
 from .pools import MAX_EVENT_MESSAGE_BYTES, PoolTable
 from .quotas import Ledger, Limits
 from .sessions import SessionTable
@@ -94,7 +95,8 @@ class Daemon:
             raise
 
     def _build(self, config: ServiceConfig, endpoint: str, secret: bytes | None) -> None:
-        """Publisher, pools, server (bound), handler, metrics: each built once, from the ones before."""
+        """Publisher, pools, server (bound), metrics, handler: each built once, from the
+        ones before (the handler gets the server's counters and the metrics' timer)."""
         check_shm(config)
         if secret is not None:
             self.authority.start_zap()
@@ -114,6 +116,7 @@ class Daemon:
             zap_domain=REQUEST_DOMAIN if secret else "",
         )
         self._closing.callback(self.server.close)
+        timer = self._start_metrics(config)
         self.handler = Handler(
             self.pools,
             self.sessions,
@@ -121,16 +124,28 @@ class Daemon:
             authority=self.authority,
             ledger=self.ledger,
             server=self.server,
+            timer=timer,
             ipc=endpoint.startswith("ipc://"),
             max_request_tokens=config.max_request_tokens,
             allow_ephemeral=config.allow_ephemeral,
             events_endpoint=self.publisher.endpoint if self.publisher else "",
         )
-        if config.metrics_port is not None:
-            self.metrics, self.handler.timer, self.metrics_server = metrics.start(
-                self.handler.snapshot, port=config.metrics_port, addr=config.metrics_addr
-            )
-            self._closing.callback(self.metrics_server.close)
+
+    def _start_metrics(self, config: ServiceConfig) -> metrics.RequestTimer | None:
+        """The metrics endpoint, if configured (its snapshots are taken by :meth:`tick`);
+        the latency timer the handler records into."""
+        if config.metrics_port is None and not config.metrics_socket:
+            return None
+        token = read_token(config.metrics_token_file) if config.metrics_token_file else None
+        self.metrics, timer, self.metrics_server = metrics.start(
+            port=config.metrics_port or 0,
+            addr=config.metrics_addr,
+            unix_path=config.metrics_socket or None,
+            token=token,
+            namespace_labels=config.metrics_namespace_labels,
+        )
+        self._closing.callback(self.metrics_server.close)
+        return timer
 
     def _open_pools(self, config: ServiceConfig) -> None:
         """Each configured pool: its memory and Manager, and its quotas in the ledger."""
@@ -156,7 +171,7 @@ class Daemon:
         self.pools.publish()
         now = time.monotonic()
         if self.metrics is not None:
-            self.metrics.turn(now)
+            self.metrics.turn(now, self.handler.snapshot)
         if self._last_tick and now - self._last_tick > DEAF_S:
             self.sessions.pause(now - self._last_tick)
         self._last_tick = now

@@ -75,6 +75,7 @@ class Handler:
         authority: Authority,
         ledger: Ledger,
         server: RouterServer | None = None,
+        timer: RequestTimer | None = None,
         ipc: bool = False,
         max_request_tokens: int,
         allow_ephemeral: bool,
@@ -93,7 +94,7 @@ class Handler:
         self.requests = 0
         self.errors = 0  # error replies and failed ops inside batches
         self.errors_by_code: dict[str, int] = {}  # the same, by error code (metrics)
-        self.timer: RequestTimer | None = None  # latency per op; set when metrics are on
+        self.timer = timer  # latency per op, when metrics are on
         self.server = server  # the socket this handler answers (its frame counters)
         self.ipc = ipc  # the socket is ipc:// (peers have kernel credentials)
 

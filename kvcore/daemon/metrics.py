@@ -79,10 +79,7 @@ class Exchange:
     nothing more, however many there are.
     """
 
-    def __init__(
-        self, take: Callable[[], Snapshot], min_interval_s: float = SNAPSHOT_MIN_INTERVAL_S
-    ) -> None:
-        self._take = take
+    def __init__(self, min_interval_s: float = SNAPSHOT_MIN_INTERVAL_S) -> None:
         self._cond = threading.Condition()
         self._want = False
         self.min_interval_s = min_interval_s
@@ -90,11 +87,11 @@ class Exchange:
         self.taken_at = float("-inf")
         self.last_turn = time.monotonic()
 
-    def turn(self, now: float) -> None:
-        """The loop's tick: stamp the time; take a snapshot if a scrape waits for one."""
+    def turn(self, now: float, take: Callable[[], Snapshot]) -> None:
+        """The loop's tick: stamp the time; ``take()`` a snapshot if a scrape waits for one."""
         self.last_turn = now
         if self._want:
-            snapshot = self._take()
+            snapshot = take()
             with self._cond:
                 self.snapshot, self.taken_at, self._want = snapshot, now, False
                 self._cond.notify_all()
@@ -189,7 +186,7 @@ class MetricsServer:
         self.unix_path = unix_path
         if unix_path is not None:
             self._server: metrics_http.BoundedServer = metrics_http.serve_unix(
-                app, unix_path, limits
+                served, unix_path, limits
             )
             self.addr, self.port = "localhost", 0
         else:
@@ -231,7 +228,6 @@ class MetricsServer:
 
 
 def start(
-    take: Callable[[], Snapshot],
     *,
     port: int = 0,
     addr: str = "127.0.0.1",
@@ -245,7 +241,7 @@ def start(
     served on ``addr:port`` or ``unix_path`` (see :class:`MetricsServer`)."""
     disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created: see uptime
     registry = CollectorRegistry(auto_describe=False)
-    exchange = Exchange(take)
+    exchange = Exchange()
     registry.register(SnapshotCollector(exchange, namespace_labels=namespace_labels))
     timer = RequestTimer(registry)
     server = MetricsServer(

@@ -32,6 +32,7 @@ from kvcore.config import LOG_LEVELS, ServiceConfig, apply_env, load_toml, parse
 from kvcore.errors import KVCoreError
 from kvcore.paths import check_socket_path, default_endpoint
 
+from . import fdlimit
 from .daemon import Daemon, events_endpoint, ipc_paths
 
 log = logging.getLogger("kvcore.daemon")
@@ -161,6 +162,24 @@ def _observing_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-addr", help="address the metrics port binds (default 127.0.0.1: loopback only)"
     )
     parser.add_argument(
+        "--metrics-socket",
+        metavar="PATH",
+        help="serve metrics on this unix socket (mode 0600, the daemon's user and root only) "
+        "instead of a port (default: off)",
+    )
+    parser.add_argument(
+        "--metrics-token-file",
+        metavar="FILE",
+        help="every scrape but /health must send this bearer token (a mode 0600 file; "
+        "default: none)",
+    )
+    parser.add_argument(
+        "--metrics-namespace-labels",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="per-namespace series, which name every namespace (default: on)",
+    )
+    parser.add_argument(
         "--log-level", choices=LOG_LEVELS, help="the least severe records logged (default INFO)"
     )
     parser.add_argument(
@@ -192,6 +211,9 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         "max_queued_bytes": args.max_queued_bytes,
         "metrics_port": args.metrics_port,
         "metrics_addr": args.metrics_addr,
+        "metrics_socket": args.metrics_socket,
+        "metrics_token_file": args.metrics_token_file,
+        "metrics_namespace_labels": args.metrics_namespace_labels,
         "log_level": args.log_level,
         "log_format": args.log_format,
     }
@@ -249,6 +271,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         setup_logging(config.log_level, config.log_format)  # the file's or environment's
+        fdlimit.raise_soft_limit()  # descriptors in reserve for ZeroMQ
         log.debug("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
         endpoint = config.endpoint or default_endpoint()  # checks the runtime directory
         for path in ipc_paths(endpoint, config.events):  # before a lock file is made there
@@ -300,8 +323,5 @@ def _banner(daemon: Daemon) -> None:
     for name in daemon.swept:
         print(f"  removed {name}, left by a killed daemon of this endpoint")
     if daemon.metrics_server is not None:
-        print(
-            f"  metrics: {daemon.metrics_server.url}/metrics, health: "
-            f"{daemon.metrics_server.url}/health"
-        )
+        print(f"  metrics: {daemon.metrics_server.banner()}")
     print(f"  events: {daemon.handler.events_endpoint or 'off'}", flush=True)
