@@ -40,7 +40,7 @@ from kvcore_ipc import messages as msg
 from msgspec import Struct
 
 from kvcore.layout import cdiv
-from kvcore.manager import Allocation, Extension, Manager, PrefixHit
+from kvcore.manager import Allocation, Extension, Manager, PageManager, PrefixHit
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class Operation(Generic[P, T]):
     method: Callable[Concatenate[Manager, P], T]
     request: type[msg.BatchOp]
     encode: Callable[P, msg.BatchOp]
-    serve: Callable[[Manager, Any, str], Struct]
+    serve: Callable[[PageManager, Any, str], Struct]
     decode: Callable[[Any], T]
     owns: tuple[str, ...] = ()  # request fields naming sequences the session must own
     creates: str | None = None  # request field naming the sequence the op creates
@@ -316,7 +316,7 @@ def _extension(e: Extension) -> tuple[list[int], list[tuple[int, int]]]:
     return e.new_pages, e.copies
 
 
-def _free(manager: Manager, seq_id: int) -> msg.Empty:
+def _free(manager: PageManager, seq_id: int) -> msg.Empty:
     manager.free(seq_id)
     return msg.Empty()
 

@@ -33,7 +33,7 @@ from kvcore.bench.report import Figure, Target
 from kvcore.bench.trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout, cdiv
-from kvcore.manager import Manager
+from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PrefixKey, chain_keys, encode_tokens, root_key
 from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages, tier_keys
 from kvcore.tiers.codec import HEADER_BYTES
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-metadata", default=None, help="http://host:port/metadata")
 
 
-def _replay(manager: Manager, requests: list[list[int]]) -> int:
+def _replay(manager: PageManager, requests: list[list[int]]) -> int:
     """Serve each prompt as an engine does (allocate, commit its full pages, free);
     returns the prompt tokens served from the cache."""
     hit = 0
