@@ -246,6 +246,24 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     )
                 owner[credential] = tenant.name
 
+    def _validate_event_sockets(self) -> None:
+        """Event sockets keep the request socket's rule: tcp:// is encrypted (CURVE) or
+        explicitly ``insecure``. Stored events carry token ids, and the replay socket hands
+        out every buffered batch: a plain tcp:// one shows any local user (or, off
+        loopback, anyone) every tenant's prompts. vLLM's subscribers speak no CURVE, so
+        the vllm format is plain on tcp:// and needs ``insecure`` even beside a CURVE key."""
+        if self.events_replay and self.events_format != "vllm":
+            raise BadRequest("events_replay serves the vllm events format only")
+        curve = bool(self.curve_secret_key_file) and self.events_format == "kvcore"
+        for name, endpoint in (("events", self.events), ("events_replay", self.events_replay)):
+            if endpoint.startswith("tcp://") and not (curve or self.insecure):
+                raise BadRequest(
+                    f"{name} {endpoint}: a plain tcp:// event socket shows every tenant's "
+                    "token ids to anyone who reaches it; use ipc:// (or --events auto), "
+                    + ("CURVE (--curve-secret-key-file), " if name == "events" else "")
+                    + "or --insecure"
+                )
+
     def validate(self) -> None:
         if not self.pools:
             raise BadRequest("no pools configured")
@@ -262,8 +280,7 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if self.metrics_port is not None and self.metrics_socket:
             raise BadRequest("metrics_port and metrics_socket: choose one")
-        if self.events_replay and self.events_format != "vllm":
-            raise BadRequest("events_replay serves the vllm events format only")
+        self._validate_event_sockets()
         names = [pool.name for pool in self.pools]
         if len(set(names)) != len(names):
             raise BadRequest(f"pool names repeat: {names}")

@@ -39,7 +39,9 @@ POOL = f"name=default,num_layers=1,num_kv_heads=1,head_dim=8,page_size={PAGE},dt
 @pytest.fixture(scope="module")
 def stack() -> Iterator[tuple[DaemonProcess, Indexer]]:
     events = f"tcp://127.0.0.1:{free_port()}"
-    with DaemonProcess.private("--pool", POOL, "--events", events, "--events-format", "vllm") as d:
+    with DaemonProcess.private(
+        "--pool", POOL, "--events", events, "--events-format", "vllm", "--insecure"
+    ) as d:
         indexer = Indexer(events, PAGE)
         try:
             with Client.connect(d.endpoint, map_memory=False) as client:

@@ -36,7 +36,7 @@ import msgspec
 import zmq
 
 from kvcore_ipc.messages import EventBatch, PageRemovedEvent, PageStoredEvent
-from kvcore_ipc.sockets import close_unlinking
+from kvcore_ipc.sockets import bind_private, close_unlinking
 
 DEFAULT_NAMESPACE = "default"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -152,8 +152,7 @@ class VllmEventPublisher:
         self._pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(endpoint)
-        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint: str = bind_private(self._pub, endpoint)  # ipc://: 0600 from the start
         self.page_size = page_size
         self.medium = medium
         self.mediums = dict(mediums or {})
@@ -170,8 +169,7 @@ class VllmEventPublisher:
         if replay_endpoint is not None:
             self._replay = zmq.Context.instance().socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = bind_private(self._replay, replay_endpoint)
             self._thread = threading.Thread(
                 target=self._serve_replay, name="kvcore-vllm-replay", daemon=True
             )

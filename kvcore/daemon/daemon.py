@@ -68,7 +68,7 @@ class Daemon:
         self.config = config
         self.epoch = secrets.randbits(63) | 1
         endpoint = config.endpoint or default_endpoint()
-        for path in ipc_paths(endpoint, config.events):
+        for path in ipc_paths(endpoint, config.events, config.events_replay):
             check_socket_path(path, {os.getuid()}, creating=True)
         self.authority = Authority(config.tenants, keys_dir=config.authorized_keys_dir)
         secret = _server_key(config)
@@ -213,9 +213,9 @@ def events_endpoint(events: str, endpoint: str) -> str:
     return f"ipc://{runtime_dir() / f'events-{digest}.sock'}"
 
 
-def ipc_paths(endpoint: str, events: str) -> list[str]:
-    """The filesystem paths of the request and event sockets that are ipc://."""
-    paths = [endpoint, events_endpoint(events, endpoint) if events else ""]
+def ipc_paths(endpoint: str, events: str, replay: str = "") -> list[str]:
+    """The filesystem paths of the request, event and replay sockets that are ipc://."""
+    paths = [endpoint, events_endpoint(events, endpoint) if events else "", replay]
     return [p[len("ipc://") :] for p in paths if p.startswith("ipc://")]
 
 
@@ -275,12 +275,8 @@ def event_publisher(config: ServiceConfig, endpoint: str, secret: bytes | None) 
 def vllm_publisher(config: ServiceConfig, endpoint: str) -> VllmEventPublisher:
     """The vLLM-format publisher (spec/vllm-events.md): ``medium`` GPU for cuda pools,
     CPU for host pools; a new daemon start is announced with AllBlocksCleared.
-    ipc:// only or CURVE-less tcp:// (vLLM's subscribers speak no CURVE)."""
-    if config.curve_secret_key_file and not endpoint.startswith("ipc://"):
-        raise BadRequest(
-            "--events-format vllm over tcp:// would be unencrypted; use an ipc:// "
-            "--events endpoint (vLLM's subscribers speak no CURVE)"
-        )
+    Plain on tcp:// (vLLM's subscribers speak no CURVE), which the configuration allows
+    only with ``insecure`` (ServiceConfig._validate_event_sockets)."""
     mediums = {p.name: "CPU" if p.device == "cpu" else "GPU" for p in config.pools}
     publisher = VllmEventPublisher(
         endpoint,

@@ -274,12 +274,13 @@ def main(args: argparse.Namespace) -> int:
         fdlimit.raise_soft_limit()  # descriptors in reserve for ZeroMQ
         log.debug("effective configuration: %s", json.dumps(msgspec.to_builtins(config)))
         endpoint = config.endpoint or default_endpoint()  # checks the runtime directory
-        for path in ipc_paths(endpoint, config.events):  # before a lock file is made there
+        # every ipc:// socket path is checked before a lock file is made there
+        for path in ipc_paths(endpoint, config.events, config.events_replay):
             check_socket_path(path, {os.getuid()}, creating=True)
         locks.append(_lock(endpoint))
-        events = events_endpoint(config.events, endpoint)
-        if events.startswith("ipc://"):
-            locks.append(EndpointLock(events))
+        for events in (events_endpoint(config.events, endpoint), config.events_replay):
+            if events.startswith("ipc://"):
+                locks.append(EndpointLock(events))
         daemon = Daemon(config)
     except (KVCoreError, OSError, ValueError, zmq.ZMQError) as exc:
         for lock in locks:
