@@ -20,6 +20,7 @@ views (``snapshot``, the event stream) need a grant of every namespace.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from kvcore_ipc.server import Peer
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvcore.config import TenantConfig
-from kvcore.errors import Forbidden
+from kvcore.errors import Forbidden, UntrustedEndpoint
 
 REQUEST_DOMAIN = "kvcore"
 EVENTS_DOMAIN = "kvcore-events"
@@ -84,7 +85,7 @@ class Authority:
         self._open = not tenants  # rule 3
         self._keys: set[str] = set(self._by_key)  # keys admitted by ZAP
         if keys_dir:
-            self._keys |= {k.decode() for k in zmq.auth.load_certificates(keys_dir)}
+            self._keys |= load_authorized_keys(keys_dir)
         self._zap: ThreadAuthenticator | None = None
 
     def grant(self, peer: Peer) -> Grant:
@@ -154,3 +155,43 @@ def read_secret_key(path: str) -> bytes:
     if secret is None:
         raise ValueError(f"{path} holds no secret key")
     return secret
+
+
+def load_authorized_keys(directory: str) -> set[str]:
+    """The z85 public keys of the ``*.key`` files in ``directory``, which only the daemon's
+    user (or root) may have written: a key planted there would attach with the grant
+    given to keys. UntrustedEndpoint, naming the path, unless the directory, every
+    directory above it, and each key file belong to the daemon's uid or root, none is a
+    symlink, and none is writable by group or others (an ancestor may be, if sticky, like
+    /tmp: nobody else can rename what is below it)."""
+    trusted = {os.getuid(), 0}
+    path = Path(directory).absolute()
+    _check_trusted(path, os.lstat(path), trusted, sticky_ok=False)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise UntrustedEndpoint(f"authorized keys {path} is not a directory")
+    for parent in path.parents:
+        _check_trusted(parent, os.stat(parent), trusted, sticky_ok=True)
+    keys: set[str] = set()
+    for entry in sorted(path.glob("*.key")):
+        st = os.lstat(entry)
+        _check_trusted(entry, st, trusted, sticky_ok=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedEndpoint(f"authorized key {entry} is not a regular file")
+        public, _ = zmq.auth.load_certificate(entry)
+        keys.add(public.decode())
+    return keys
+
+
+def _check_trusted(path: Path, st: os.stat_result, uids: set[int], *, sticky_ok: bool) -> None:
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "is a symlink"
+    elif st.st_uid not in uids:
+        why = f"is owned by uid {st.st_uid}"
+    elif st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        why = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if why is not None:
+        raise UntrustedEndpoint(
+            f"authorized keys: {path} {why}: another user could plant a client key; "
+            "keep the directory and its keys yours (or root's), mode 0700 / 0600"
+        )
