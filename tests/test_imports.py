@@ -38,11 +38,9 @@ def test_the_tiers_package_loads_no_tier_implementation() -> None:
 
 def test_the_tiers_names_still_load_on_use() -> None:
     from kvcore import tiers
-    from kvcore.config import TierConfig
-    from kvcore.tiers.config import TierConfig as OldHome
     from kvcore.tiers.disk import DiskTier
 
-    assert tiers.DiskTier is DiskTier and OldHome is TierConfig
+    assert tiers.DiskTier is DiskTier
     for name in tiers.__all__:
         assert getattr(tiers, name) is not None
     with pytest.raises(AttributeError):

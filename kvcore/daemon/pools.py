@@ -11,7 +11,7 @@ every page still in its prefix index. One published message carries at most
 continuing), so the bytes buffered for a slow subscriber are bounded by its
 high-water mark in messages.
 
-A pool whose configuration declares lower tiers (kvcore.tiers.config) is served
+A pool whose configuration declares lower tiers (kvcore.config.TierConfig) is served
 by a :class:`~.tiering.TieredManager` over its memory: the handler calls it like
 any Manager; :meth:`Pool.tier_stats` gives its counters per medium.
 
@@ -30,11 +30,11 @@ from kvcore_ipc import messages as msg
 from kvcore_ipc.events import Publisher
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
+from kvcore.config import TierConfig
 from kvcore.errors import BadRequest, UnknownPool
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PageEvent, PageStored
-from kvcore.tiers.config import TierConfig
 
 from .tiering import TieredManager, open_stack
 

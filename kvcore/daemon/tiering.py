@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING
 from kvcore_ipc import messages as msg
 
 from kvcore.allocator import PageId
+from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
 from kvcore.layout import KVLayout
 from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit, Stats
 from kvcore.prefix import PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
-from kvcore.tiers.config import TierConfig
 from kvcore.tiers.transfer import gather_pages, scatter_pages
 
 if TYPE_CHECKING:
