@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
@@ -50,89 +49,29 @@ from kvcore.prefix import (
     page_keys,
     root_key,
 )
+from kvcore.results import (
+    DEFAULT_NAMESPACE,
+    Allocation,
+    Extension,
+    PageManager,
+    PrefixHit,
+    PrefixPlan,
+    Stats,
+)
 
-DEFAULT_NAMESPACE = "default"
 MAX_SEQ_ID = (1 << 64) - 1
 
-
-@dataclass(slots=True)
-class Allocation:
-    """Result of :meth:`Manager.allocate`.
-
-    ``pages`` is the new block table; its first ``num_cached_tokens // page_size``
-    pages already hold the prompt's K/V (a prefix hit) and must not be written.
-    """
-
-    pages: list[int]
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
-class Extension:
-    """Result of :meth:`Manager.extend`.
-
-    Run every ``(src, dst)`` page copy of ``copies`` (backend ``copy_pages``)
-    before writing: the block table had ``src`` where it now has ``dst``
-    (copy-on-write of a shared last page). ``new_pages`` were appended.
-    """
-
-    new_pages: list[int]
-    copies: list[tuple[int, int]]
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    """Result of :meth:`Manager.lookup`: what :meth:`Manager.allocate` of the same
-    tokens would reuse now.
-
-    ``num_cached_tokens`` (tokens) = hit pages x page_size; ``num_evictable_pages``
-    (pages) of those hit pages are unreferenced now, so allocate would pin them out
-    of the LRU. An allocate of ``n`` tokens therefore fits iff::
-
-        pages_for(n) - hit_pages <= free + evictable - num_evictable_pages
-    """
-
-    num_cached_tokens: int
-    num_evictable_pages: int
-
-
-@dataclass(slots=True)
-class PrefixPlan:
-    """Result of :meth:`Manager.plan`: what the pool holds of a prompt's prefix chain
-    now, for a caller that keeps pages below the pool (kvcore.daemon.tiering)::
-
-        keys   k0 .. k(h-1) | kh .. k(m-1)        m = (num_tokens - 1) // page_size
-               hit: indexed   the rest: kh is not   (a hit never covers the last token)
-
-    ``num_hit`` (pages) = h, the leading pages allocate would pin; ``room``
-    (pages) = free + evictable pages less the evictable hit pages: what allocate
-    or :meth:`Manager.adopt` may take beside the hit; ``num_new`` (pages) = the
-    fresh pages allocate of these tokens would take (it fits iff num_new <= room).
-    """
-
-    keys: list[PrefixKey]
-    num_hit: int
-    room: int
-    num_new: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stats:
-    """A snapshot of one pool; page counts in pages, hits and queries in tokens."""
-
-    total_pages: int
-    free_pages: int
-    evictable_pages: int
-    held_pages: int
-    cached_pages: int  # pages in the prefix index, held or evictable
-    num_sequences: int
-    query_tokens: int  # prompt tokens of successful allocate calls
-    hit_tokens: int  # of those, tokens served from the prefix cache
-    evictions: int  # cached pages reclaimed for new allocations
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+__all__ = [
+    "DEFAULT_NAMESPACE",
+    "MAX_SEQ_ID",
+    "Allocation",
+    "Extension",
+    "Manager",
+    "PageManager",
+    "PrefixHit",
+    "PrefixPlan",
+    "Stats",
+]
 
 
 @dataclass(slots=True)
@@ -142,30 +81,6 @@ class _Sequence:
     pages: list[PageId]  # block table; only grows, except copy-on-write of the last page
     num_tokens: int
     keys: list[PrefixKey] = field(default_factory=list)  # keys of pages[:len(keys)]
-
-
-class PageManager(Protocol):
-    """What serves one pool's operations, with :class:`Manager`'s signatures and
-    promises: the Manager, or a wrapper that holds one (kvcore.daemon.tiering's
-    TieredManager). The operation table (kvcore.ops) and the daemon call only these."""
-
-    layout: KVLayout
-
-    def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
-    ) -> Allocation: ...
-    def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
-    def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = 0) -> int: ...
-    def fork(self, parent_id: int, child_id: int) -> list[int]: ...
-    def free(self, seq_id: int) -> None: ...
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit: ...
-    def block_table(self, seq_id: int) -> list[int]: ...
-    def num_tokens(self, seq_id: int) -> int: ...
-    def __contains__(self, seq_id: object) -> bool: ...
-    def stats(self) -> Stats: ...
-    def take_events(self) -> list[PageEvent]: ...
-    def prefix_snapshot(self) -> list[PageStored]: ...
-    def check_integrity(self) -> None: ...
 
 
 class Manager:
@@ -286,10 +201,20 @@ class Manager:
             return first
         # Only the new pages' tokens are encoded, so a commit per page stays O(page).
         offset = first * page_size - start
+        self._publish(seq, seq_id, tokens[offset : offset + (end - first) * page_size])
+        return end
+
+    def _publish(self, seq: _Sequence, seq_id: int, tokens: Sequence[int]) -> None:
+        """Index the full pages of ``tokens``, the tokens of ``seq``'s first pages not
+        yet published (from page ``len(seq.keys)``, a whole number of pages), and append
+        their keys to ``seq.keys``. BadRequest, changing nothing, if a page is already
+        indexed under another key."""
+        keys = seq.keys
+        first = len(keys)
         parent = keys[-1] if keys else seq.root
-        token_bytes = encode_tokens(tokens[offset : offset + (end - first) * page_size])
-        new = page_keys(parent, token_bytes, page_size)
-        pages = seq.pages[first:end]
+        token_bytes = encode_tokens(tokens)
+        new = page_keys(parent, token_bytes, self._page_size)
+        pages = seq.pages[first : first + len(new)]
         published = self._key_by_page
         for i in range(len(new)):
             known = published.get(pages[i])
@@ -300,7 +225,6 @@ class Manager:
                 )
         self._index.insert_chain(parent, new, pages, token_bytes, seq.namespace)
         keys += new
-        return end
 
     def _check_resent(
         self, seq: _Sequence, seq_id: int, tokens: Sequence[int], start: int, end: int
