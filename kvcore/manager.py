@@ -27,6 +27,11 @@ checked by :meth:`check_integrity` after every step of the conformance state mac
 * every block table has exactly ceil(num_tokens / page_size) pages;
 * the memos (the last namespace's root, the last prompt's page keys) hold what
   hashing would compute now.
+
+The file is one class over ~400 lines on purpose: every method keeps these
+invariants over the same private state, so they read together. The result types
+and the :class:`~kvcore.results.PageManager` protocol live in kvcore.results
+(re-exported here).
 """
 
 from __future__ import annotations
