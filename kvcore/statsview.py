@@ -69,8 +69,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def render(endpoint: str, stats: dict[str, Any]) -> None:
+    """Print the daemon's counters, then its pools, tiers (if any) and sessions."""
     from rich.console import Console
-    from rich.table import Table
 
     c = stats["counters"]
     console = Console(width=max(Console().width, 120))
@@ -79,7 +79,18 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
         f"up {c['uptime_s']:.0f} s, {c['requests']} requests, {c['errors']} errors, "
         f"{c['dropped_frames']} dropped frames, {c['expired_sessions']} expired sessions"
     )
-    pools = Table(title="pools (pages; layout = layers x kv heads x head dim, page size in tokens)")
+    console.print(pool_table(stats["pools"]))
+    tiers = tier_table(stats["pools"])
+    if tiers is not None:
+        console.print(tiers)
+    console.print(session_table(stats["sessions"]))
+
+
+def pool_table(pools: list[dict[str, Any]]) -> Any:
+    """One row per pool: its layout, page counts (pages), sequences, sessions and hit rate."""
+    from rich.table import Table
+
+    table = Table(title="pools (pages; layout = layers x kv heads x head dim, page size in tokens)")
     for column in (
         "pool",
         "device",
@@ -94,17 +105,17 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
         "hit rate",
         "evictions",
     ):
-        pools.add_column(
+        table.add_column(
             column, justify="left" if column in ("pool", "device", "layout") else "right"
         )
-    for p in stats["pools"]:
+    for p in pools:
         lay = p["layout"]
         shape = (
             f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
             f"p{lay['page_size']} {lay['dtype']}"
         )
         hit_rate = p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0
-        pools.add_row(
+        table.add_row(
             p["name"],
             p["device"],
             shape,
@@ -118,15 +129,18 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
             f"{hit_rate:.1%}",
             str(p["evictions"]),
         )
-    console.print(pools)
-    tiers = tier_table(stats["pools"])
-    if tiers is not None:
-        console.print(tiers)
-    sessions = Table(title="sessions")
+    return table
+
+
+def session_table(sessions: list[dict[str, Any]]) -> Any:
+    """One row per attached session: its pool, namespace, process and idle time (ms)."""
+    from rich.table import Table
+
+    table = Table(title="sessions")
     for column in ("pool", "namespace", "pid", "name", "sequences", "idle ms"):
-        sessions.add_column(column)
-    for s in stats["sessions"]:
-        sessions.add_row(
+        table.add_column(column)
+    for s in sessions:
+        table.add_row(
             s["pool"],
             s["namespace"],
             str(s["pid"]),
@@ -134,7 +148,7 @@ def render(endpoint: str, stats: dict[str, Any]) -> None:
             str(s["num_sequences"]),
             str(s["idle_ms"]),
         )
-    console.print(sessions)
+    return table
 
 
 def tier_table(pools: list[dict[str, Any]]) -> Any:
