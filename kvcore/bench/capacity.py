@@ -171,58 +171,97 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for trace in (plain, shared):
         check_fits(trace, layout, args.max_new_tokens)
     opts = {"max_new_tokens": args.max_new_tokens, "watermark": args.watermark}
-    report: dict[str, Any] = {}
+    variants, fixed_prefix_stats = _replay_variants(plain, shared, layout, opts)
+    big = no_eviction_layout(shared, layout)
+    no_evict = {policy: replay(shared, big, policy, **opts)[1] for policy in POLICIES[1:]}
+    for summary in no_evict.values():
+        assert summary["evictions"] == 0 and summary["preemptions"] == 0, "the big pool evicted"
+    return {
+        **_capacity_figures(variants["plain"], no_evict),
+        **_hit_figures(shared, layout, variants["shared_prefix"], no_evict, fixed_prefix_stats),
+        **_shared_prefix_figures(variants["shared_prefix"]),
+        "config": _config(args, layout, big, plain, shared),
+        "plain": variants["plain"],
+        "shared_prefix": variants["shared_prefix"],
+        "no_eviction": no_evict,
+    }
+
+
+def _replay_variants(
+    plain: Trace, shared: Trace, layout: KVLayout, opts: dict[str, Any]
+) -> tuple[dict[str, dict[str, Any]], RunStats]:
+    """Every policy's summary on each trace at the fixed budget (the prefix cache has
+    nothing to share on "plain"), and the run stats of paged_prefix on the shared one."""
     variants: dict[str, dict[str, Any]] = {}
     fixed_prefix_stats: RunStats | None = None
     runs = (("plain", plain, POLICIES[:2]), ("shared_prefix", shared, POLICIES))
-    for name, trace, policies in runs:  # the prefix cache has nothing to share on "plain"
+    for name, trace, policies in runs:
         variants[name] = {}
         for policy in policies:
             stats, variants[name][policy] = replay(trace, layout, policy, **opts)
             if name == "shared_prefix" and policy == "paged_prefix":
                 fixed_prefix_stats = stats
     assert fixed_prefix_stats is not None
-    big = no_eviction_layout(shared, layout)
-    no_evict = {policy: replay(shared, big, policy, **opts)[1] for policy in POLICIES[1:]}
-    for summary in no_evict.values():
-        assert summary["evictions"] == 0 and summary["preemptions"] == 0, "the big pool evicted"
+    return variants, fixed_prefix_stats
 
+
+def _capacity_figures(plain: dict[str, Any], no_evict: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Concurrency and utilization on the plain trace; pages the prefix cache saves."""
+    paged, contiguous = plain["paged"], plain["contiguous"]
+    held = {policy: no_evict[policy]["mean_pages_held_all_steps"] for policy in no_evict}
+    return {
+        "concurrency_ratio": _ratio(paged["mean_concurrency"], contiguous["mean_concurrency"]),
+        "utilization_paged": paged["utilization"],
+        "pages_saved_fraction": 1.0 - held["paged_prefix"] / held["paged"],
+    }
+
+
+def _hit_figures(
+    shared: Trace,
+    layout: KVLayout,
+    fixed: dict[str, Any],
+    no_evict: dict[str, dict[str, Any]],
+    fixed_prefix_stats: RunStats,
+) -> dict[str, Any]:
+    """Hit rates (tokens) without eviction and at the fixed budget, each beside the
+    optimum on the same schedule of first admissions."""
     prompt_tokens = shared.prompt_tokens
+    page_size = layout.page_size
     arrivals = {r.rid: r.arrival_step for r in shared.requests}
-    optimal = sum(optimal_hit_tokens(shared.requests, arrivals, layout.page_size).values())
-    optimal_fixed = sum(
-        optimal_hit_tokens(
-            shared.requests, fixed_prefix_stats.first_admitted, layout.page_size
-        ).values()
-    )
-    p_plain, c_plain = variants["plain"]["paged"], variants["plain"]["contiguous"]
-    report["concurrency_ratio"] = _ratio(p_plain["mean_concurrency"], c_plain["mean_concurrency"])
-    report["utilization_paged"] = p_plain["utilization"]
-    report["pages_saved_fraction"] = 1.0 - (
-        no_evict["paged_prefix"]["mean_pages_held_all_steps"]
-        / no_evict["paged"]["mean_pages_held_all_steps"]
-    )
-    report["hit_rate"] = no_evict["paged_prefix"]["hit_rate"]
-    report["hit_rate_optimal"] = optimal / prompt_tokens
-    report["hit_tokens"] = no_evict["paged_prefix"]["hit_tokens"]
-    report["hit_tokens_optimal"] = optimal
-    report["prompt_tokens"] = prompt_tokens
-    report["hit_rate_fixed_budget"] = variants["shared_prefix"]["paged_prefix"]["hit_rate"]
-    report["hit_rate_optimal_fixed_schedule"] = optimal_fixed / prompt_tokens
-    s_paged, s_prefix = (
-        variants["shared_prefix"]["paged"],
-        variants["shared_prefix"]["paged_prefix"],
-    )
-    s_contig = variants["shared_prefix"]["contiguous"]
-    report["shared_prefix_concurrency_ratio"] = _ratio(
-        s_paged["mean_concurrency"], s_contig["mean_concurrency"]
-    )
-    report["shared_prefix_prefix_vs_paged_concurrency"] = _ratio(
-        s_prefix["mean_concurrency"], s_paged["mean_concurrency"]
-    )
-    per_seq = _ratio(s_prefix["pages_per_sequence"], s_paged["pages_per_sequence"])
-    report["pages_saved_per_sequence_fixed_budget"] = None if per_seq is None else 1.0 - per_seq
-    report["config"] = {
+    optimal = sum(optimal_hit_tokens(shared.requests, arrivals, page_size).values())
+    admitted = fixed_prefix_stats.first_admitted
+    optimal_fixed = sum(optimal_hit_tokens(shared.requests, admitted, page_size).values())
+    return {
+        "hit_rate": no_evict["paged_prefix"]["hit_rate"],
+        "hit_rate_optimal": optimal / prompt_tokens,
+        "hit_tokens": no_evict["paged_prefix"]["hit_tokens"],
+        "hit_tokens_optimal": optimal,
+        "prompt_tokens": prompt_tokens,
+        "hit_rate_fixed_budget": fixed["paged_prefix"]["hit_rate"],
+        "hit_rate_optimal_fixed_schedule": optimal_fixed / prompt_tokens,
+    }
+
+
+def _shared_prefix_figures(shared: dict[str, Any]) -> dict[str, Any]:
+    """Concurrency and pages per sequence of the policies on the shared-prefix trace."""
+    paged, prefix, contiguous = shared["paged"], shared["paged_prefix"], shared["contiguous"]
+    per_seq = _ratio(prefix["pages_per_sequence"], paged["pages_per_sequence"])
+    return {
+        "shared_prefix_concurrency_ratio": _ratio(
+            paged["mean_concurrency"], contiguous["mean_concurrency"]
+        ),
+        "shared_prefix_prefix_vs_paged_concurrency": _ratio(
+            prefix["mean_concurrency"], paged["mean_concurrency"]
+        ),
+        "pages_saved_per_sequence_fixed_budget": None if per_seq is None else 1.0 - per_seq,
+    }
+
+
+def _config(
+    args: argparse.Namespace, layout: KVLayout, big: KVLayout, plain: Trace, shared: Trace
+) -> dict[str, Any]:
+    """The report's ``config``: the pool, the trace options and the traces' means."""
+    return {
         "layout": layout.to_dict(),
         "budget_bytes": layout.total_bytes,
         "token_capacity": layout.token_capacity,
@@ -243,10 +282,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "prefix_lengths": [len(p) for p in shared.prefixes],
     }
-    report["plain"] = variants["plain"]
-    report["shared_prefix"] = variants["shared_prefix"]
-    report["no_eviction"] = no_evict
-    return report
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
