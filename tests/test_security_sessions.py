@@ -315,3 +315,23 @@ def test_one_tenant_cannot_hold_every_session(tmp_path: Path) -> None:
         finally:
             for client in alices:
                 client.close()
+
+
+WATCH_AT_THE_RESERVE = """
+import os, resource
+from kvcore.daemon import fdlimit
+from kvcore.daemon.watch import Watcher
+used = fdlimit.open_descriptors()
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + fdlimit.RESERVE, used + 200))
+watch = Watcher().watch(os.getppid())
+print("fd" if watch.fd is not None else "unwatched")
+"""
+
+
+def test_a_pidfd_is_never_taken_from_the_reserve_kept_for_zeromq() -> None:
+    """With only the reserve left, a new process is not watched (its fenced sessions end
+    at the fence timeout) rather than leave libzmq without a descriptor."""
+    done = subprocess.run(
+        [sys.executable, "-c", WATCH_AT_THE_RESERVE], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == ["unwatched"], done

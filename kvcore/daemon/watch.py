@@ -11,7 +11,8 @@ with ``select.poll`` (``select.select`` fails on descriptors >= 1024).
 A watch is in one of three states::
 
     watching    fd open, polled, _by_pid[pid] is it       --(exit seen)--> exited
-    unwatchable fd None (no pidfd here, or out of fds),   (never seen to exit)
+    unwatchable fd None (no pidfd here, out of fds, or    (never seen to exit)
+                only the reserve for ZeroMQ left: fdlimit),
                 _by_pid[pid] is it
     exited      fd None, not in _by_pid (a later process with this pid gets a new watch)
 
@@ -23,10 +24,13 @@ watches in ``_by_fd``, each registered once with the poller; a watch is in
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from . import fdlimit
 
 
 @dataclass(slots=True, eq=False)
@@ -73,13 +77,16 @@ class Watcher:
         if watch is not None:
             watch.refs += 1
             return watch
+        room = fdlimit.spare()
         try:
+            if room is not None and room < 1:  # the reserve is ZeroMQ's: do not dip into it
+                raise OSError(errno.EMFILE, "descriptors kept in reserve")
             fd: int | None = os.pidfd_open(pid)
         except ProcessLookupError:
             watch = Watch(pid, None, exited=True)
             self._watches.add(watch)
             return watch
-        except (OSError, AttributeError):  # EMFILE, ENOSYS, or no os.pidfd_open here
+        except (OSError, AttributeError):  # EMFILE, reserve, ENOSYS, no os.pidfd_open
             fd = None
         watch = Watch(pid, fd)
         self._watches.add(watch)
