@@ -253,56 +253,93 @@ def simulate(
     BadRequest if a request does not fit even the empty pool (see
     :func:`kvcore.bench.capacity.check_fits`).
     """
-    n = len(trace.requests)
-    vocab = trace.config.vocab_size
     pending = deque(trace.requests)
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []
-    stats = RunStats()
-    page_size = pool.page_size
+    replay = _Replay(pool, len(trace.requests), trace.config.vocab_size, fork_every)
     step = 0
-    while pending or waiting or running:
+    while pending or replay.waiting or replay.running:
         while pending and pending[0].arrival_step <= step:
-            waiting.append(_Live(pending.popleft()))
+            replay.waiting.append(_Live(pending.popleft()))
+        preempted = replay.decode()
+        fresh = set() if preempted else replay.admit(step)
+        if not replay.running and replay.waiting and not preempted:
+            raise BadRequest(
+                f"request {replay.waiting[0].req.rid} does not fit the empty pool; "
+                "it would wait forever"
+            )
+        _record(replay.stats, pool, replay.running, replay.waiting)
+        replay.run_batch(fresh)
+        if on_step is not None:
+            on_step(step)
+        step += 1
+    replay.stats.failed_allocations = pool.failed_allocations()
+    return replay.stats
+
+
+@dataclass(slots=True)
+class _Replay:
+    """The state of one :func:`simulate` run between steps: the queues, in order
+    (``running`` oldest first, ``waiting`` from its head), and the figures so far.
+    Request ids below ``num_requests`` are the trace's; forked samples are above."""
+
+    pool: Pool
+    num_requests: int
+    vocab: int
+    fork_every: int
+    stats: RunStats = field(default_factory=RunStats)
+    waiting: deque[_Live] = field(default_factory=deque)
+    running: list[_Live] = field(default_factory=list)
+
+    def decode(self) -> bool:
+        """Step 2: grow every running sequence by one token, oldest first, preempting
+        the newest while the pool has no room. True iff any was preempted."""
+        running, pool = self.running, self.pool
         preempted = False
         i = 0
-        while i < len(running):  # decode
-            live = running[i]
-            if pool.grow(live.req.rid):
+        while i < len(running):
+            if pool.grow(running[i].req.rid):
                 i += 1
                 continue
             victim = running.pop()
             pool.release(victim.req.rid)
-            waiting.appendleft(victim)
-            stats.preemptions += 1
+            self.waiting.appendleft(victim)
+            self.stats.preemptions += 1
             preempted = True
+        return preempted
+
+    def admit(self, step: int) -> set[int]:
+        """Step 3: admit from the queue head while it fits (forking the first prefill
+        of every ``fork_every``-th request); the ids admitted, forks included."""
+        stats, n = self.stats, self.num_requests
         fresh: set[int] = set()
-        while not preempted and waiting:  # admission
-            live = waiting[0]
+        while self.waiting:
+            live = self.waiting[0]
             tokens = live.req.prompt + live.req.output[: live.generated]
-            cached = pool.admit(live.req.rid, tokens, len(running))
+            cached = self.pool.admit(live.req.rid, tokens, len(self.running))
             if cached is None:
                 break
-            waiting.popleft()
-            running.append(live)
+            self.waiting.popleft()
+            self.running.append(live)
             fresh.add(live.req.rid)
             if live.generated:
                 stats.recompute_tokens += len(tokens) - cached
             elif live.req.rid < n:
                 stats.first_admitted[live.req.rid] = step
                 stats.first_hit_tokens[live.req.rid] = cached
-                if fork_every and live.req.rid % fork_every == 0:
-                    child = _fork_request(live.req, n, vocab)
-                    pool.fork(live.req.rid, child.rid)
-                    running.append(_Live(child))
+                if self.fork_every and live.req.rid % self.fork_every == 0:
+                    child = _fork_request(live.req, n, self.vocab)
+                    self.pool.fork(live.req.rid, child.rid)
+                    self.running.append(_Live(child))
                     fresh.add(child.rid)
-        if not running and waiting and not preempted:
-            raise BadRequest(
-                f"request {waiting[0].req.rid} does not fit the empty pool; it would wait forever"
-            )
-        _record(stats, pool, running, waiting)
+        return fresh
+
+    def run_batch(self, fresh: set[int]) -> None:
+        """Step 4: each running sequence produces a token; the ones admitted this step
+        (``fresh``) and the ones whose last page just filled are published; finished
+        ones are released."""
+        pool, stats = self.pool, self.stats
+        page_size = pool.page_size
         still: list[_Live] = []
-        for live in running:  # the batch runs
+        for live in self.running:
             live.generated += 1
             stats.generated_tokens += 1
             held = len(live.req.prompt) + live.generated - 1
@@ -313,12 +350,7 @@ def simulate(
                 stats.finished += 1
             else:
                 still.append(live)
-        running = still
-        if on_step is not None:
-            on_step(step)
-        step += 1
-    stats.failed_allocations = pool.failed_allocations()
-    return stats
+        self.running = still
 
 
 def _fork_request(req: Request, offset: int, vocab: int) -> Request:
