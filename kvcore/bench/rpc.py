@@ -23,11 +23,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcore.bench.report import Figure, Target
 from kvcore.layout import cdiv
+
+if TYPE_CHECKING:
+    from kvcore.client import Client
 
 SINGLE_TARGET = 1.5
 BATCHED_TARGET = 0.1
@@ -90,11 +94,18 @@ def _echo_server(endpoint: str) -> None:
         sock.send_multipart(sock.recv_multipart())
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import msgspec
-    import zmq
-    from kvcore_ipc import messages as msg
+@dataclass(slots=True)
+class _Samples:
+    """What one run measured: the single-op request's size (bytes) and the round
+    trips of each kind (seconds each; a batch sample is the whole batch)."""
 
+    message_bytes: int
+    echo_s: list[float] = field(default_factory=list)
+    single_s: list[float] = field(default_factory=list)
+    batch_s: list[float] = field(default_factory=list)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.client import Client
     from kvcore.daemon_process import DaemonProcess
 
@@ -106,62 +117,76 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _process("-m", "kvcore.bench.rpc", "--echo-server", echo_ep, ready="echo ready"),
             Client.connect(daemon_ep, pool="bench", map_memory=False, heartbeat=False) as client,
         ):
-            client.allocate(0, [1])
-            request = msgspec.msgpack.encode(
-                msg.Request(1 << 20, msg.Extend(0, 1), client.session, client.epoch)
-            )
-            echo: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-            echo.setsockopt(zmq.LINGER, 0)
-            echo.connect(echo_ep)
+            samples = _measure(client, echo_ep, args)
+    return _report(samples, args.batch)
 
-            def echo_once() -> None:
-                echo.send(request)
-                echo.recv()
 
-            def op_once() -> None:
-                client.extend(0, 1)
+def _measure(client: Client, echo_ep: str, args: argparse.Namespace) -> _Samples:
+    """Sample echo, single-op and batch round trips through ``client`` and the echo
+    server at ``echo_ep``, in alternating rounds (after a warm-up of each)."""
+    import msgspec
+    import zmq
+    from kvcore_ipc import messages as msg
 
-            seqs = range(1, args.batch + 1)
-            setup = client.batch()
-            for seq in seqs:
-                setup.allocate(seq, [1])
-            setup.run()
+    client.allocate(0, [1])
+    request = msgspec.msgpack.encode(
+        msg.Request(1 << 20, msg.Extend(0, 1), client.session, client.epoch)
+    )
+    echo: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    echo.setsockopt(zmq.LINGER, 0)
+    echo.connect(echo_ep)
 
-            def batch_once() -> None:
-                batch = client.batch()
-                for seq in seqs:
-                    batch.extend(seq, 1)
-                batch.run()
+    def echo_once() -> None:
+        echo.send(request)
+        echo.recv()
 
-            for call in (echo_once, op_once, batch_once):
-                _timed(call, 20, [])  # warm-up
-            # Rounds of (echo block, single-op block, a few batches): load changes on the
-            # machine hit all three alike instead of skewing one of them.
-            echo_s: list[float] = []
-            single_s: list[float] = []
-            batch_s: list[float] = []
-            rounds = max(1, args.iterations // args.block)
-            per_round = cdiv(args.batches, rounds)
-            for _ in range(rounds):
-                _timed(echo_once, args.block, echo_s)
-                _timed(op_once, args.block, single_s)
-                _timed(batch_once, per_round, batch_s)
-            echo.close()
+    def op_once() -> None:
+        client.extend(0, 1)
 
+    seqs = range(1, args.batch + 1)
+    setup = client.batch()
+    for seq in seqs:
+        setup.allocate(seq, [1])
+    setup.run()
+
+    def batch_once() -> None:
+        batch = client.batch()
+        for seq in seqs:
+            batch.extend(seq, 1)
+        batch.run()
+
+    for call in (echo_once, op_once, batch_once):
+        _timed(call, 20, [])  # warm-up
+    # Rounds of (echo block, single-op block, a few batches): load changes on the
+    # machine hit all three alike instead of skewing one of them.
+    samples = _Samples(len(request))
+    rounds = max(1, args.iterations // args.block)
+    per_round = cdiv(args.batches, rounds)
+    for _ in range(rounds):
+        _timed(echo_once, args.block, samples.echo_s)
+        _timed(op_once, args.block, samples.single_s)
+        _timed(batch_once, per_round, samples.batch_s)
+    echo.close()
+    return samples
+
+
+def _report(samples: _Samples, batch_size: int) -> dict[str, Any]:
+    """The bench's JSON object: percentiles in µs, the ratios and their targets."""
     us = 1e6
+    echo_s, single_s, batch_s = samples.echo_s, samples.single_s, samples.batch_s
     echo_p50, single_p50 = _percentile(echo_s, 0.5), _percentile(single_s, 0.5)
     batch_p50 = _percentile(batch_s, 0.5)
-    per_op = batch_p50 / args.batch
+    per_op = batch_p50 / batch_size
     return {
         "transport": "ipc",
-        "message_bytes": len(request),
+        "message_bytes": samples.message_bytes,
         "echo_p50_us": echo_p50 * us,
         "echo_p99_us": _percentile(echo_s, 0.99) * us,
         "single_op": "extend(seq, 1)",
         "single_p50_us": single_p50 * us,
         "single_p99_us": _percentile(single_s, 0.99) * us,
         "single_p50_ratio": single_p50 / echo_p50,
-        "batch_size": args.batch,
+        "batch_size": batch_size,
         "batch_p50_us": batch_p50 * us,
         "batch_p99_us": _percentile(batch_s, 0.99) * us,
         "batched_per_op_us": per_op * us,
