@@ -21,6 +21,7 @@ def test_a_short_load_clobbers_nothing_and_leaves_nothing() -> None:
     result = _load(2, 3.0)
     assert result["clobbered_pages"] == 0 and result["held_after"] == 0, result
     assert isinstance(result["checked_pages"], int) and result["checked_pages"] > 100, result
+    assert isinstance(result["metrics_scrapes"], int) and result["metrics_scrapes"] > 10, result
 
 
 @pytest.mark.slow

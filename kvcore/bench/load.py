@@ -14,17 +14,23 @@ while this one owned it is *clobbered*. Figures:
 * ``clobbered_pages``: must be 0; ``held_after``: pages still held once every
   worker detached (must be 0);
 * ``rss_growth_mib``: the daemon's RSS at the end minus after the warm-up
-  (the first quarter of the run).
+  (the first quarter of the run);
+* ``metrics_scrapes``: scrapes of the daemon's metrics port, 10 a second through
+  the whole run (Prometheus and a health checker at once: they must cost neither
+  clobbered pages nor memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,7 @@ HEADLINE = (  # what `kvcore bench load` prints without --json (docs/benchmarks.
     Figure("checked_pages", "pages checked"),
     Figure("held_after", "pages held after every client detached", Target("==", 0)),
     Figure("rss_growth_mib", "daemon RSS growth, MiB", Target("<=", 20)),
+    Figure("metrics_scrapes", "metrics scrapes during the run"),
 )
 
 
@@ -57,7 +64,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"name=load,num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE_SIZE},"
         f"dtype=float32,num_pages={args.pages}"
     )
-    with DaemonProcess.private("--pool", pool, "--lease-timeout", str(args.lease)) as daemon:
+    flags = ("--pool", pool, "--lease-timeout", str(args.lease), "--metrics-port", "0")
+    with DaemonProcess.private(*flags) as daemon, _Scraper(daemon.lines) as scraper:
         assert daemon.proc is not None
         worker = [sys.executable, "-m", "kvcore.bench.load", daemon.endpoint]
         workers = [
@@ -91,7 +99,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": {k: sum(r["errors"].get(k, 0) for r in reports) for k in codes},
         "held_after": held_after,
         "rss_growth_mib": round(rss_end - rss_start, 1),
+        "metrics_scrapes": scraper.scrapes,
     }
+
+
+class _Scraper:
+    """Scrapes the daemon's /metrics every ``interval_s`` in a thread until closed;
+    ``scrapes`` counts the answered ones. ``lines``: the daemon's banner lines."""
+
+    def __init__(self, lines: list[str], interval_s: float = 0.1) -> None:
+        banner = next(ln for ln in lines if ln.startswith("  metrics: "))
+        self.url = banner.split()[1].rstrip(",")
+        self.interval_s = interval_s
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def __enter__(self) -> _Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url, timeout=10) as r:
+                r.read()
+                self.scrapes += 1
 
 
 def _rss_mib(pid: int) -> float:
