@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvcore.bench.report import Figure, Target
@@ -35,7 +36,16 @@ from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PrefixKey, chain_keys, encode_tokens, root_key
-from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages, tier_keys
+from kvcore.tiers import (
+    DiskTier,
+    HostTier,
+    TierKey,
+    TierStack,
+    gather_pages,
+    layout_fingerprint,
+    scatter_pages,
+    tier_keys,
+)
 from kvcore.tiers.codec import HEADER_BYTES
 
 HEADLINE = (  # what `kvcore bench tiers` prints without --json (docs/benchmarks.md)
@@ -136,6 +146,8 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _promote(args: argparse.Namespace) -> dict[str, Any]:
+    """Bytes/s of promoting ``--promote-pages`` host pages into scattered pool pages,
+    directly and through a staging batch, against a plain copy (module docstring)."""
     import torch
 
     n = args.promote_pages
@@ -144,8 +156,6 @@ def _promote(args: argparse.Namespace) -> dict[str, Any]:
     )
     views = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
     host = HostTier(layout, n)
-    from kvcore.tiers import layout_fingerprint
-
     keys = tier_keys(
         layout_fingerprint(layout), [PrefixKey(i.to_bytes(32, "little")) for i in range(n)]
     )
@@ -153,20 +163,11 @@ def _promote(args: argparse.Namespace) -> dict[str, Any]:
     targets = torch.randperm(2 * n)[:n]
     source = torch.randn(n * layout.page_bytes // 2).to(torch.float16)
     plain = torch.empty_like(source)
-
-    def best(work: Any) -> float:
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - start)
-        return min(times)
-
     staging = torch.empty((n, layout.num_layers, *layout.page_shape), dtype=torch.float16)
     page_ids = targets.tolist()
-    t_promote = best(lambda: host.promote(keys, views, page_ids))
-    t_staged = best(lambda: scatter_pages(views, targets, host.get_many(keys, out=staging)))
-    t_copy = best(lambda: plain.copy_(source))
+    t_promote = _best(lambda: host.promote(keys, views, page_ids))
+    t_staged = _best(lambda: scatter_pages(views, targets, host.get_many(keys, out=staging)))
+    t_copy = _best(lambda: plain.copy_(source))
     assert torch.equal(gather_pages(views, targets), host.get_many(keys)), "promotion changed bytes"
     moved = n * layout.page_bytes
     result: dict[str, Any] = {
@@ -180,28 +181,50 @@ def _promote(args: argparse.Namespace) -> dict[str, Any]:
         "remote_fetch_us_per_page": None,
     }
     if args.remote_master and args.remote_metadata:
-        from kvcore.tiers import RemoteConfig, RemoteTier
-
-        remote = RemoteTier(
-            layout,
-            RemoteConfig(
-                args.remote_master,
-                args.remote_metadata,
-                buffer_bytes=64 << 20,
-                segment_bytes=256 << 20,
-                timeout_s=10.0,
-            ),
-        )
-        try:
-            if remote.wait_ready(30):
-                remote.put_many(keys, host.get_many(keys))
-                remote.flush(60)
-                t_remote = best(lambda: remote.get_many(keys))
-                result["remote_fetch_us_per_page"] = t_remote / n * 1e6
-                result["remote_pages_fetched"] = remote.stats().hits // 5
-        finally:
-            remote.close()
+        result.update(_remote_fetch(args, layout, host, keys))
     return result
+
+
+def _remote_fetch(
+    args: argparse.Namespace, layout: KVLayout, host: HostTier, keys: list[TierKey]
+) -> dict[str, Any]:
+    """Time fetching ``keys``' pages (put there from ``host``) from the remote store
+    named by ``--remote-master``/``--remote-metadata``: µs per page, and the pages
+    fetched per timed run; {} if the store is not ready within 30 s."""
+    from kvcore.tiers import RemoteConfig, RemoteTier
+
+    remote = RemoteTier(
+        layout,
+        RemoteConfig(
+            args.remote_master,
+            args.remote_metadata,
+            buffer_bytes=64 << 20,
+            segment_bytes=256 << 20,
+            timeout_s=10.0,
+        ),
+    )
+    try:
+        if not remote.wait_ready(30):
+            return {}
+        remote.put_many(keys, host.get_many(keys))
+        remote.flush(60)
+        t_remote = _best(lambda: remote.get_many(keys))
+        return {
+            "remote_fetch_us_per_page": t_remote / len(keys) * 1e6,
+            "remote_pages_fetched": remote.stats().hits // 5,
+        }
+    finally:
+        remote.close()
+
+
+def _best(work: Callable[[], object]) -> float:
+    """The fastest of five runs of ``work``, in seconds."""
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
