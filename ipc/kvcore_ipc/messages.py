@@ -21,7 +21,9 @@ not know, so a new peer's message decodes on an old peer; a new operation is
 answered ``unknown_op`` by an old daemon. Removing or retyping a field bumps
 :data:`PROTOCOL_VERSION`.
 
-This module knows nothing about kvcore: it imports msgspec only.
+This module knows nothing about kvcore: it imports msgspec only. It is the
+whole wire in one file, over ~400 lines on purpose: it is read beside
+spec/protocol.md, and the unions are derived from every declaration in it.
 """
 
 from __future__ import annotations
