@@ -40,6 +40,10 @@ A backend subclasses :class:`Backend` and implements the protected hooks
 
 Backends are found through the entry-point group ``kvcore.backends``
 (``name = "module:Class"``); :func:`get` instantiates one by name.
+
+The file runs past ~400 lines on purpose: it is the whole contract a backend
+author reads (the plans, and the base class that validates before every hook);
+the value checks it runs live in kvcore.backend_checks.
 """
 
 from __future__ import annotations

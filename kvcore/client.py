@@ -26,6 +26,11 @@ Trust (docs/security.md): before it connects to an ipc:// endpoint the client
 checks that the socket and its directory belong to itself, root or a uid of
 ``trusted_uids``, and that the pool's segment belongs to the socket's owner;
 otherwise :class:`~kvcore.errors.UntrustedEndpoint`, saying why.
+
+The file runs past ~400 lines on purpose: the session's life above (attach, map,
+heartbeat, fence, reconnect) is one state kept by :class:`Client`, its
+:class:`Batch` and its heartbeat thread together; the operations themselves are
+declared in kvcore.ops.
 """
 
 from __future__ import annotations
