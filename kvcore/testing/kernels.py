@@ -28,6 +28,10 @@ Properties (all compare with the tolerance of ``kernel_cases.tolerance``):
 
 Every call goes through the public plan/run API (``plan_decode`` then
 ``decode(plan, ...)``, etc.), as an engine makes it.
+
+The file runs past ~400 lines on purpose: it is the suite, one method per
+property above, each read as its statement; the shapes and cases it draws live
+in kernel_cases.
 """
 
 from __future__ import annotations
@@ -242,60 +246,55 @@ class Suite:
     def write_then_attend_is_dense_attention(self) -> None:
         def check(case: Case) -> None:
             gen = torch.Generator().manual_seed(case.seed)
-            dtype = getattr(torch, case.dtype)
             table, num_pages = kc.block_table(case, gen)
             cache = kc.empty_cache(case, num_pages, self.device)
-            h, d = case.num_kv_heads, case.head_dim
-            slots = kc.used_slots(case, table)
-            total = slots.numel()
-            key = torch.randn(total, h, d, generator=gen).to(dtype)
-            value = torch.randn(total, h, d, generator=gen).to(dtype)
-            # interleave skipped rows (slot -1, NaN payload) and shuffle the write order
-            skip = total // 3
-            all_slots = torch.cat([slots, torch.full((skip,), -1, dtype=torch.int64)])
-            nan = torch.full((skip, h, d), float("nan"), dtype=dtype)
-            order = torch.randperm(total + skip, generator=gen)
-            write = self.backend.plan_write(cache, all_slots[order].to(self.device))
-            self.backend.write_kv(
-                write,
-                cache,
-                torch.cat([key, nan])[order].to(self.device),
-                torch.cat([value, nan])[order].to(self.device),
-            )
-            page, off = (
-                (slots // case.page_size).to(self.device),
-                (slots % case.page_size).to(self.device),
-            )
-            assert torch.equal(cache[page, 0, off].cpu(), key), f"write_kv K differs for {case}"
-            assert torch.equal(cache[page, 1, off].cpu(), value), f"write_kv V differs for {case}"
-            written = 2 * total * h * d
-            assert int((~cache.isnan()).sum()) == written, f"write_kv wrote elsewhere: {case}"
-
+            key, value = self._write_scattered(case, gen, cache, kc.used_slots(case, table))
+            query, cu, expected = _dense_reference(case, gen, key, value)
             seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=self.device)
-            queries, expected, start = [], [], 0
-            cu = [0]
-            for q_len, n in zip(case.q_lens, case.seq_lens, strict=True):
-                q = torch.randn(q_len, case.num_q_heads, d, generator=gen).to(dtype)
-                ref = dense_attention(
-                    q, key[start : start + n], value[start : start + n], case.scale
-                )
-                queries.append(q)
-                expected.append(ref.to(dtype))
-                start += n
-                cu.append(cu[-1] + q_len)
-            query = torch.cat(queries).to(self.device)
+            query = query.to(self.device)
             cu_t = torch.tensor(cu, dtype=torch.int32, device=self.device)
             table_d = table.to(self.device)
             plan = self.backend.plan_prefill(cache, table_d, cu_t, seq_lens)
             out = self.backend.prefill(plan, query, cache, case.scale)
-            self._close(out.cpu(), torch.cat(expected), case, "prefill vs dense SDPA")
+            self._close(out.cpu(), expected, case, "prefill vs dense SDPA")
             last = cu_t[1:].long() - 1
             dec_plan = self.backend.plan_decode(cache, table_d, seq_lens)
             dec = self.backend.decode(dec_plan, query[last], cache, case.scale)
-            self._close(dec.cpu(), torch.cat(expected)[last.cpu()], case, "decode vs dense SDPA")
+            self._close(dec.cpu(), expected[last.cpu()], case, "decode vs dense SDPA")
 
         # distinct pages: shared pages would make two sequences write one slot
         self._given(self._cases(table_modes=("distinct",)), check)
+
+    def _write_scattered(
+        self, case: Case, gen: torch.Generator, cache: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """write_kv random K/V rows [len(slots), Hkv, D] into ``slots`` of the NaN
+        ``cache``, with skipped rows (slot -1, NaN payload) interleaved and the write
+        order shuffled; assert each row is stored exactly and nothing else written.
+        Returns the rows (key, value), on the CPU, in ``slots``' order."""
+        dtype = getattr(torch, case.dtype)
+        h, d = case.num_kv_heads, case.head_dim
+        total = slots.numel()
+        key = torch.randn(total, h, d, generator=gen).to(dtype)
+        value = torch.randn(total, h, d, generator=gen).to(dtype)
+        skip = total // 3
+        all_slots = torch.cat([slots, torch.full((skip,), -1, dtype=torch.int64)])
+        nan = torch.full((skip, h, d), float("nan"), dtype=dtype)
+        order = torch.randperm(total + skip, generator=gen)
+        write = self.backend.plan_write(cache, all_slots[order].to(self.device))
+        self.backend.write_kv(
+            write,
+            cache,
+            torch.cat([key, nan])[order].to(self.device),
+            torch.cat([value, nan])[order].to(self.device),
+        )
+        page = (slots // case.page_size).to(self.device)
+        off = (slots % case.page_size).to(self.device)
+        assert torch.equal(cache[page, 0, off].cpu(), key), f"write_kv K differs for {case}"
+        assert torch.equal(cache[page, 1, off].cpu(), value), f"write_kv V differs for {case}"
+        written = 2 * total * h * d
+        assert int((~cache.isnan()).sum()) == written, f"write_kv wrote elsewhere: {case}"
+        return key, value
 
     def copy_pages_is_exact(self) -> None:
         @st.composite
@@ -320,8 +319,6 @@ class Suite:
             assert torch.equal(cache, expected), f"copy_pages differs for {case} {src=} {dst=}"
 
         self._given(copies(), check)
-
-    # -- errors ---------------------------------------------------------------------
 
     # -- one plan, many layers --------------------------------------------------------
 
@@ -414,6 +411,25 @@ class Suite:
             _expect(Unsupported, backend.plan_prefill, (cache, table, cu, lens), what)
             _expect(Unsupported, backend.plan_write, (cache, slot), what)
             _expect(Unsupported, backend.plan_copy, (cache, slot, slot + 1), what)
+
+
+def _dense_reference(
+    case: Case, gen: torch.Generator, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Random queries for ``case``'s sequences, whose K/V are the rows of ``key`` and
+    ``value`` in sequence order: (queries [total_q, Hq, D], cu_seqlens_q, the dense
+    attention of each over its own K/V, in the case's dtype), all on the CPU."""
+    dtype = getattr(torch, case.dtype)
+    queries, expected, start = [], [], 0
+    cu = [0]
+    for q_len, n in zip(case.q_lens, case.seq_lens, strict=True):
+        q = torch.randn(q_len, case.num_q_heads, case.head_dim, generator=gen).to(dtype)
+        ref = dense_attention(q, key[start : start + n], value[start : start + n], case.scale)
+        queries.append(q)
+        expected.append(ref.to(dtype))
+        start += n
+        cu.append(cu[-1] + q_len)
+    return torch.cat(queries), cu, torch.cat(expected)
 
 
 def _expect(
