@@ -102,6 +102,13 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     remote_metadata: str = ""
     remote_local_hostname: str = "127.0.0.1"
     remote_timeout_s: float = 1.0
+    # The secret the daemons of one deployment share (docs/tiers.md, "Authentication"): a
+    # file of this user or root, mode 0600, >= 32 bytes. It MACs every disk and remote
+    # entry and names the store's objects; "" = entries only checksummed (the remote tier
+    # then trusts every client of the master, and says so at start).
+    secret_file: str = ""
+    previous_secret_file: str = ""  # also accepted on read, during a rotation
+    encrypt: bool = False  # entries also AES-256-GCM encrypted (needs a secret_file)
 
     @property
     def enabled(self) -> bool:
@@ -131,6 +138,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         if not self.remote_timeout_s > 0:
             raise BadRequest(f"pool {pool!r}: remote_timeout_s must be > 0")
+        if (self.previous_secret_file or self.encrypt) and not self.secret_file:
+            raise BadRequest(f"pool {pool!r}: previous_secret_file and encrypt need a secret_file")
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -13,12 +13,18 @@ An entry is valid for a reader iff the magic matches, the key equals the key
 the reader asked for (so a renamed or foreign file never answers another key),
 the length equals the reader's page_bytes and the checksum matches. Anything
 else (torn write, bit rot, another layout, another format) is a miss.
+
+The checksum catches corruption, not a writer who frames a page on purpose:
+with a secret configured the tiers frame with :class:`kvcore.tiers.keyed.Keyed`
+instead (an 80-byte header too, keyed by HMAC-SHA256). Both are a
+:class:`Framing`; :class:`Checksummed` is this module's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Protocol
 
 from kvcore.tiers.base import TIER_KEY_BYTES, TierKey
 
@@ -62,3 +68,36 @@ def header_names(header: Bytes, page_bytes: int) -> TierKey | None:
     if magic != MAGIC or length != page_bytes:
         return None
     return TierKey(bytes(stored_key))
+
+
+class Framing(Protocol):
+    """How a tier frames an entry: an ``HEADER_BYTES`` header, then a body of exactly
+    the page's length (the page itself, or its ciphertext). Thread-safe (no state)."""
+
+    keyed: bool  # True iff entries are authenticated by a secret
+
+    def seal(self, key: TierKey, payload: Bytes) -> tuple[bytes, Bytes]:
+        """The header and the body that store ``payload`` under ``key``."""
+
+    def unseal(self, key: TierKey, header: Bytes, body: memoryview, page_bytes: int) -> bool:
+        """True iff ``header`` + ``body`` is a valid entry of ``key`` with a page of
+        ``page_bytes`` bytes; then ``body`` holds the page (decrypted in place; it must
+        be writable for an encrypting framing). A False leaves ``body`` undefined."""
+
+    def header_fits(self, key: TierKey, header: Bytes, page_bytes: int) -> bool:
+        """The cheap check of a directory scan: could ``header`` start an entry of ``key``?"""
+
+
+class Checksummed:
+    """The unkeyed framing of this module (blake2b-128): no secret configured."""
+
+    keyed = False
+
+    def seal(self, key: TierKey, payload: Bytes) -> tuple[bytes, Bytes]:
+        return encode_header(key, payload), payload
+
+    def unseal(self, key: TierKey, header: Bytes, body: memoryview, page_bytes: int) -> bool:
+        return check_entry(key, header, body, page_bytes)
+
+    def header_fits(self, key: TierKey, header: Bytes, page_bytes: int) -> bool:
+        return header_names(header, page_bytes) == key

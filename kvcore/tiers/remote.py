@@ -1,9 +1,22 @@
 """RemoteTier: pages shared by daemons on many nodes through Mooncake Store (TCP).
 
-Each page is one store object, framed like a disk entry (kvcore.tiers.codec)::
+Each page is one store object, framed like a disk entry::
 
-    object key  "kvcore/v1/<tier key hex>"    (layout fingerprint || prefix key)
-    value       80-byte header || page_bytes bytes, checksummed
+    without a secret   object key "kvcore/v1/<tier key hex>"   (layout fingerprint || prefix key)
+                       value      80-byte header || page, checksummed (kvcore.tiers.codec)
+    with a keyring     object key "kvcore/s1/<HMAC(name key, tier key) hex>"  (kvcore.tiers.secret)
+                       value      80-byte header || page (or its ciphertext), MAC'd (kvcore.tiers.keyed)
+
+Mooncake trusts every client of its master: any process that reaches the
+master's RPC port can put, upsert (replace) or remove any object, and its HTTP
+metadata port lists them. Without a secret this tier trusts them all back (a
+warning at start): a peer can publish a well-framed page under a key it
+computed, or replace a page another daemon published. With the deployment's
+secret (``keyring``), a page verifies only if a holder of the secret wrote it
+for that very key (a forged, replaced or moved object is a counted corrupt
+miss, never wrong K/V) and names reveal nothing of the prefix. During a
+rotation a read tries the current secret's names, then the previous one's,
+inside the same bounded call (docs/tiers.md, "Authentication").
 
 Where the time goes, and its bounds:
 
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import queue
 import threading
 import time
@@ -46,7 +60,9 @@ from urllib.parse import urlsplit
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.tiers.base import TierKey, TierStats, check_keys, check_pages, layout_fingerprint
-from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header
+from kvcore.tiers.codec import HEADER_BYTES, Checksummed, Framing
+from kvcore.tiers.keyed import Keyed
+from kvcore.tiers.secret import Keyring
 from kvcore.tiers.transfer import byte_view, pages_from_bytes
 from kvcore.tiers.worker import Worker, abandon, accepts
 
@@ -54,6 +70,7 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+log = logging.getLogger("kvcore.tiers")
 MIN_SEGMENT_BYTES = 16 << 20  # the store refuses smaller segments and buffers
 OBJECT_PREFIX = "kvcore/v1/"
 
@@ -88,8 +105,16 @@ class RemoteConfig:
 
 
 def object_key(key: TierKey) -> str:
-    """The store's key of a tier key."""
+    """The store's key of a tier key without a secret (anyone can compute it)."""
     return OBJECT_PREFIX + key.hex()
+
+
+def object_names(keyring: Keyring | None, keys: Sequence[TierKey]) -> list[list[str]]:
+    """The names a read tries for ``keys``: one list per accepted secret (current
+    first), or the unkeyed names. A write uses the first list."""
+    if keyring is None:
+        return [[object_key(key) for key in keys]]
+    return [[secret.object_name(key) for key in keys] for secret in keyring.accepted()]
 
 
 class RemoteTier:
@@ -97,7 +122,9 @@ class RemoteTier:
 
     medium = "remote"
 
-    def __init__(self, layout: KVLayout, config: RemoteConfig) -> None:
+    def __init__(
+        self, layout: KVLayout, config: RemoteConfig, *, keyring: Keyring | None = None
+    ) -> None:
         self.layout = layout
         self.fingerprint = layout_fingerprint(layout)
         self.config = config
@@ -108,6 +135,14 @@ class RemoteTier:
                 f"buffer_bytes {config.buffer_bytes} is too small for pages of {self._page_bytes} bytes"
             )
         self._chunk = config.buffer_bytes // 2 // self._entry_bytes  # entries per store call
+        self.keyring = keyring
+        self._framing: Framing = Checksummed() if keyring is None else Keyed(keyring)
+        if keyring is None:
+            log.warning(
+                "remote tier on %s without a secret_file: it trusts every client of the "
+                "master, any of which can forge or replace the pages it reads (docs/security.md)",
+                config.master,
+            )
         self._lock = threading.Lock()  # guards _stats and _queued
         self._stats = TierStats()
         self._queued = 0  # pages on the publish queue
@@ -138,17 +173,18 @@ class RemoteTier:
         check_keys(self.fingerprint, keys)
         if not keys:
             return 0
-        found = self._bounded(self._exist, [object_key(k) for k in keys])
+        found = self._bounded(self._exist, object_names(self.keyring, keys))
         count = 0
-        for flag in found or ():
-            if flag != 1:
+        for flags in zip(*found, strict=False) if found else ():
+            if 1 not in flags:
                 break
             count += 1
         return count
 
     def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
         check_keys(self.fingerprint, keys)
-        blobs = self._bounded(self._get_chunks, [object_key(k) for k in keys]) if keys else []
+        names = object_names(self.keyring, keys)
+        blobs = self._bounded(self._get_chunks, names) if keys else []
         page_bytes = self._page_bytes
         buffer = bytearray(len(blobs or ()) * page_bytes)
         view = memoryview(buffer)
@@ -157,10 +193,14 @@ class RemoteTier:
             if not blob:
                 break
             raw = memoryview(blob)
-            if not check_entry(key, raw[:HEADER_BYTES], raw[HEADER_BYTES:], page_bytes):
+            page = view[count * page_bytes : (count + 1) * page_bytes]
+            if len(raw) != self._entry_bytes:
                 corrupt = 1
                 break
-            view[count * page_bytes : (count + 1) * page_bytes] = raw[HEADER_BYTES:]
+            page[:] = raw[HEADER_BYTES:]
+            if not self._framing.unseal(key, raw[:HEADER_BYTES], page, page_bytes):
+                corrupt = 1
+                break
             count += 1
         with self._lock:
             stats = self._stats
@@ -263,7 +303,7 @@ class RemoteTier:
             self._retry_at = now + self.config.retry_s
             self._ready = self._reader.submit(self._connect)
 
-    def _bounded(self, call: Callable[[list[str]], T], names: list[str]) -> T | None:
+    def _bounded(self, call: Callable[[list[list[str]]], T], names: list[list[str]]) -> T | None:
         """``call(names)`` on the reader thread, waited on for at most ``timeout_s``."""
         busy = self._inflight is not None and not self._inflight.done()
         if not busy and not self._closed:
@@ -285,15 +325,26 @@ class RemoteTier:
         with self._lock:
             self._stats.timeouts += 1
 
-    def _exist(self, names: list[str]) -> list[int]:
-        flags: list[int] = self._store.batch_is_exist(names)
-        return flags
+    def _exist(self, names: list[list[str]]) -> list[list[int]]:
+        """One batch_is_exist for every accepted secret's names; flags per secret."""
+        flat: list[int] = self._store.batch_is_exist([name for row in names for name in row])
+        count = len(names[0])
+        return [list(flat[i * count : (i + 1) * count]) for i in range(len(names))]
 
-    def _get_chunks(self, names: list[str]) -> list[bytes]:
-        """get_batch in chunks that fit the staging buffer; stops at the first miss."""
+    def _get_chunks(self, names: list[list[str]]) -> list[bytes]:
+        """get_batch in chunks that fit the staging buffer, each key's object under the
+        first accepted secret that has one; stops at the first key none has."""
         blobs: list[bytes] = []
-        for start in range(0, len(names), self._chunk):
-            got: list[bytes] = self._store.get_batch(names[start : start + self._chunk])
+        for start in range(0, len(names[0]), self._chunk):
+            end = min(start + self._chunk, len(names[0]))
+            got: list[bytes] = list(self._store.get_batch(names[0][start:end]))
+            for other in names[1:]:
+                absent = [i for i, blob in enumerate(got) if not blob]
+                if not absent:
+                    break
+                found = self._store.get_batch([other[start + i] for i in absent])
+                for i, blob in zip(absent, found, strict=True):
+                    got[i] = blob
             blobs.extend(got)
             if not all(got):
                 break
@@ -320,11 +371,11 @@ class RemoteTier:
         """Frame and put ``pages``; returns how many the store accepted."""
         stored = 0
         for start in range(0, len(keys), self._chunk):
-            names, values = [], []
-            for row in range(start, min(start + self._chunk, len(keys))):
-                payload = byte_view(pages[row])
-                names.append(object_key(keys[row]))
-                values.append(encode_header(keys[row], payload) + payload)
+            rows = keys[start : start + self._chunk]
+            names, values = object_names(self.keyring, rows)[0], []
+            for row, key in enumerate(rows, start):
+                header, body = self._framing.seal(key, byte_view(pages[row]))
+                values.append(header + body)
             try:
                 code = self._store.put_batch(names, values)
             except Exception:
