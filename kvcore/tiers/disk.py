@@ -9,16 +9,24 @@ One file per entry, named by its key, holding the framed page (kvcore.tiers.code
 * Writes are atomic: temp file, then rename over the final name. No fsync: a
   file torn by a crash fails its checksum and is a miss, never wrong bytes.
 * Reads verify magic, key, length and checksum; a torn, corrupt or foreign
-  file is a miss, counted in ``corrupt`` and deleted.
+  file is a miss, counted in ``corrupt`` and deleted. With a ``keyring`` (the
+  deployment's secret, kvcore.tiers.secret) entries are framed by
+  kvcore.tiers.keyed instead: MAC'd with HMAC-SHA256 over the tier key, header
+  and page, so a file planted by someone without the secret is a miss too
+  (unkeyed entries left from before are deleted at start, and the reverse).
 * Start-up scans the directory: each file of this layout whose size and header
   fit is indexed (recency = its mtime), everything else of this layout is
   deleted; files of other layouts are left to their own tier. So a new daemon
   on the same directory serves the old entries, each verified when read.
 * LRU by access time, persisted as mtime (a hit touches the file); at most
   ``capacity_bytes // entry_bytes`` entries of this layout.
-* The directory is the user's alone: created 0700, refused if it is a symlink,
-  another user's, or open to group/others; files are created 0600, opened
-  relative to the directory's fd with O_NOFOLLOW: no symlink is ever followed.
+* The directory is the user's alone: opened once by descriptor, its parents
+  walked and checked on their descriptors (kvcore.tiers.directory: created
+  0700, refused if it is a symlink, another user's, open to group/others, or
+  below a parent others may write that is not sticky); every file is opened,
+  renamed, unlinked and listed relative to that descriptor, created 0600 with
+  O_NOFOLLOW: no symlink is ever followed, and a path swapped after the check
+  is never used.
 """
 
 from __future__ import annotations
@@ -46,7 +54,10 @@ from kvcore.tiers.base import (
     check_pages,
     layout_fingerprint,
 )
-from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header, header_names
+from kvcore.tiers.codec import HEADER_BYTES, Checksummed, Framing
+from kvcore.tiers.directory import open_private_dir
+from kvcore.tiers.keyed import Keyed
+from kvcore.tiers.secret import Keyring
 from kvcore.tiers.transfer import byte_view, pages_from_bytes
 
 if TYPE_CHECKING:
@@ -57,30 +68,18 @@ _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def _check_directory(directory: str) -> None:
-    """Create ``directory`` 0700 if missing; BadRequest unless it is ours alone."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
-        os.mkdir(directory, 0o700)
-    except FileExistsError:
-        pass
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode):
-        raise BadRequest(f"disk tier directory {directory!r} is not a directory (or is a symlink)")
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise BadRequest(
-            f"disk tier directory {directory!r} must be owned by this user with mode 0700, "
-            f"got uid {info.st_uid} mode {stat.S_IMODE(info.st_mode):o}"
-        )
-
-
 class DiskTier(LocalKeys):
     """LRU of pages in files. Not thread-safe (the daemon's thread). :meth:`close` it."""
 
     medium = "disk"
 
     def __init__(
-        self, layout: KVLayout, directory: str | os.PathLike[str], capacity_bytes: int
+        self,
+        layout: KVLayout,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        keyring: Keyring | None = None,
     ) -> None:
         self.layout = layout
         self.fingerprint = layout_fingerprint(layout)
@@ -92,10 +91,8 @@ class DiskTier(LocalKeys):
                 f"capacity_bytes must hold one entry of {self.entry_bytes} bytes, got {capacity_bytes!r}"
             )
         self.capacity_pages = capacity_bytes // self.entry_bytes
-        _check_directory(self.directory)
-        self._dir = os.open(
-            self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-        )
+        self._framing: Framing = Checksummed() if keyring is None else Keyed(keyring)
+        self._dir = open_private_dir(self.directory)
         self._fp_hex = self.fingerprint.hex()
         self._lock = self._take_lock()
         self._lru: OrderedDict[TierKey, None] = OrderedDict()
@@ -238,7 +235,7 @@ class DiskTier(LocalKeys):
         except OSError:
             return False
         with os.fdopen(fd, "rb", buffering=0) as file:
-            return header_names(file.read(HEADER_BYTES), self._page_bytes) == key
+            return self._framing.header_fits(key, file.read(HEADER_BYTES), self._page_bytes)
 
     def _read(self, key: TierKey, payload: memoryview) -> bool:
         """Read and verify ``key``'s entry into ``payload``; on failure drop it (a miss)."""
@@ -253,7 +250,7 @@ class DiskTier(LocalKeys):
                     and info.st_size == self.entry_bytes
                     and _read_full(file, memoryview(header))
                     and _read_full(file, payload)
-                    and check_entry(key, header, payload, self._page_bytes)
+                    and self._framing.unseal(key, header, payload, self._page_bytes)
                 )
         except OSError:
             ok = False
@@ -267,9 +264,10 @@ class DiskTier(LocalKeys):
         temp = f".tmp-{self._fp_hex}-{secrets.token_hex(8)}"
         try:
             fd = os.open(temp, _OPEN_NEW, 0o600, dir_fd=self._dir)
+            header, body = self._framing.seal(key, payload)
             with os.fdopen(fd, "wb") as file:
-                file.write(encode_header(key, payload))
-                file.write(payload)
+                file.write(header)
+                file.write(body)
             os.replace(temp, self._name(key), src_dir_fd=self._dir, dst_dir_fd=self._dir)
         except OSError:
             self._unlink(temp)
