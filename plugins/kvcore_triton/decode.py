@@ -68,6 +68,12 @@ reading K and V once, so every choice serves memory bandwidth):
 
 Under ``TRITON_INTERPRET=1`` (CPU) the plan uses 16-token blocks and a small
 virtual SM count, so that small test shapes still run several splits.
+
+``_decode_split_kernel`` is one body of about 90 lines on purpose: it reads
+top-down as the math above (load the query tile, the online softmax over the
+blocks, the normalised store), its state ``m_i``, ``l_i``, ``acc`` carried
+through one loop; the paging it shares with prefill is already
+:func:`kvcore_triton.paged.block_rows`.
 """
 
 from __future__ import annotations
@@ -341,6 +347,8 @@ def decode(
     [num_pages, 2, page_size, Hkv, D] with a contiguous last dim, block_table
     [B, max_pages] int32 with in-range pages, seq_lens [B] int32 with
     ``seq_lens[b] <= max_pages * page_size``; Hq a multiple of Hkv.
+
+    Most of its length is the two launches' argument lists, one argument a line.
     """
     batch, num_q_heads, head_dim = query.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape

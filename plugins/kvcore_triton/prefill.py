@@ -41,6 +41,12 @@ operands, num_stages 1, 159 registers). 64-token blocks take 148 registers
 and 112 KB (one CTA per SM).
 The grid needs the longest q_len, which the plan holds on the host, so the
 launch reads no device value.
+
+``_prefill_kernel`` is one body of about 100 lines on purpose: it reads top-down
+as the math above (the row -> (query, head) packing, the online softmax with
+its causal mask, the store), its state ``m_i``, ``l_i``, ``acc`` carried
+through one loop; the paging it shares with decode is already
+:func:`kvcore_triton.paged.block_rows`.
 """
 
 from __future__ import annotations
