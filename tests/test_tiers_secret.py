@@ -18,7 +18,7 @@ from kvcore.tiers import tier_key
 from kvcore.tiers.codec import HEADER_BYTES, Checksummed
 from kvcore.tiers.keyed import Keyed
 from kvcore.tiers.remote import object_key, object_names
-from kvcore.tiers.secret import Keyring, TierSecret, load_keyring, read_secret
+from kvcore.tiers.secret import Keyring, TierSecret, keyring_of, load_keyring, read_secret
 
 FP = bytes(range(16))
 KEY = tier_key(FP, PrefixKey(b"\x01" * 32))
@@ -122,3 +122,12 @@ def test_object_names_need_the_secret() -> None:
     assert all(KEY.hex() not in name and KEY[16:].hex() not in name for name in new)
     assert object_names(Keyring(NEW, OLD), [KEY, OTHER]) == [new, old]
     assert new == [TierSecret.of(b"n" * 32).object_name(k) for k in (KEY, OTHER)]
+
+
+def test_a_tier_config_declares_its_keyring(tmp_path: Path) -> None:
+    current, previous = secret_file(tmp_path), secret_file(tmp_path, "old", b"o" * 32)
+    config = TierConfig(secret_file=str(current), previous_secret_file=str(previous), encrypt=True)
+    keyring = keyring_of(config)
+    assert keyring is not None and keyring.encrypt
+    assert keyring.accepted() == (TierSecret.of(b"s" * 44), OLD)
+    assert keyring_of(TierConfig()) is None

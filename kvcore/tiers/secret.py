@@ -27,9 +27,13 @@ import hmac
 import os
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
 from kvcore.tiers.base import TierKey
+
+if TYPE_CHECKING:
+    from kvcore.config import TierConfig
 
 MIN_SECRET_BYTES = 32
 OBJECT_PREFIX = "kvcore/s1/"
@@ -125,3 +129,9 @@ def load_keyring(
         return None
     previous = TierSecret.of(read_secret(previous_secret_file)) if previous_secret_file else None
     return Keyring(TierSecret.of(read_secret(secret_file)), previous, encrypt)
+
+
+def keyring_of(config: TierConfig) -> Keyring | None:
+    """The keyring a pool's :class:`~kvcore.config.TierConfig` declares (None: no
+    ``secret_file``), its files checked now: what ``open_stack`` gives every tier."""
+    return load_keyring(config.secret_file, config.previous_secret_file, encrypt=config.encrypt)
