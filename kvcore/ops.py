@@ -14,18 +14,20 @@ An :class:`Operation` ties together
   session releases it, its pages go back, so the client first waits for the
   kernels that may still read them),
 * what the request costs and adds, read from the daemon's books of the pool
-  (:class:`Books`): ``work``, the tokens of work it is (bounded per request by
-  ``max_request_tokens``), and ``grows``, the sequence whose token count it
-  sets and that count, from which the quota ledger derives the page references
-  and sequences it adds (so a quota may refuse it) and books them after it ran.
+  (:class:`Books`) as they are when it runs: ``work``, the tokens of work it
+  is (bounded per request by ``max_request_tokens``; a batch is priced op by
+  op, so a fork of a child forked earlier in the batch costs the child's
+  pages), and ``grows``, the sequence whose token count it sets and that
+  count, from which the quota ledger derives the page references and
+  sequences it adds (so a quota may refuse it) and books them after it ran.
 
 Everything else is derived from :data:`OPERATIONS`: the daemon's dispatch
-(kvcore/daemon/handler.py), its work bound and quotas (kvcore/daemon/quotas.py),
-the methods of :class:`~kvcore.client.Client` and :class:`~kvcore.client.Batch`
-(an Operation is a typed descriptor: as a class attribute of a client it is the
-bound method, with the Manager method's signature and docstring), and tests hold
-the table, the Manager's behaviour, the schema and spec/protocol.md to each
-other (tests/test_ops_table.py). Session-level operations (attach, detach,
+(kvcore/daemon/handler.py), its work bound (kvcore/daemon/work.py) and quotas
+(kvcore/daemon/quotas.py), the methods of :class:`~kvcore.client.Client` and
+:class:`~kvcore.client.Batch` (an Operation is a typed descriptor: as a class
+attribute of a client it is the bound method, with the Manager method's
+signature and docstring), and tests hold the table, the Manager's behaviour,
+the schema and spec/protocol.md to each other (tests/test_ops_table.py). Session-level operations (attach, detach,
 heartbeat, stats, check, batch) touch no Manager and live in the handler.
 """
 
@@ -38,6 +40,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, over
 
 from kvcore_ipc import messages as msg
 from msgspec import Struct
+from msgspec.structs import astuple
 
 from kvcore.layout import cdiv
 from kvcore.manager import Allocation, Extension, Manager, PageManager, PrefixHit
@@ -73,7 +76,7 @@ class Operation(Generic[P, T]):
     default of per-call namespaces) and returns the wire result struct.
 
     ``work(request, books)`` is the request's cost in tokens: those it carries,
-    adds or copies; 0 for none. ``grows(request, books)`` is ``(seq, tokens)``:
+    adds or copies, read from the books just before it runs; 0 for none. ``grows(request, books)`` is ``(seq, tokens)``:
     the sequence whose token count the op sets and that count after it ran (the
     created sequence for ``creates``, else a sequence it owns); None if it sets
     none, or if that sequence is not on the books (the Manager refuses the op
@@ -193,6 +196,13 @@ def _lookup(tokens: Sequence[int], *, namespace: str | None = None) -> msg.Looku
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
+
+
+def carried(request: msg.BatchOp) -> int:
+    """The tokens ``request`` carries in its frame (its token lists): known before anything
+    runs, and never more than its op's ``work`` (tests/test_ops_table.py), so a request
+    that carries more than ``max_request_tokens`` is refused whole, before any work."""
+    return sum(len(v) for v in astuple(request) if isinstance(v, list))
 
 
 def _no_work(request: Any, books: Books) -> int:

@@ -115,6 +115,7 @@ def test_every_operation_declares_its_work_growth_and_release() -> None:
         manager.allocate(1, list(range(13)))
         books = _Books(PAGE_SIZE, {1: 13})
         carried = sum(len(v) for v in msgspec.structs.astuple(request) if isinstance(v, list))
+        assert ops.carried(request) == carried, f"{op.name}: carried is its token lists"
         work = op.work(request, books)
         op.serve(manager, request, "default")
         grown = op.grows(request, books)
@@ -127,7 +128,7 @@ def test_every_operation_declares_its_work_growth_and_release() -> None:
             assert grown is not None, f"{op.name} creates a sequence: the quotas must see it"
         if op.ends is not None:
             del books.tokens[getattr(request, op.ends)]
-        assert work >= carried, f"{op.name}: the tokens it carries are work"
+        assert work >= carried, f"{op.name}: the tokens it carries are work (the up-front check)"
         live = {seq: manager.num_tokens(seq) for seq in (1, 2) if seq in manager}
         assert books.tokens == live, f"{op.name}: the books do not follow the Manager"
 
@@ -138,3 +139,14 @@ def test_a_fork_costs_the_parents_pages_in_tokens() -> None:
     assert ops.fork.work(msg.Fork(1, 2), books) == 16
     assert ops.fork.work(msg.Fork(9, 2), books) == 0  # not on the books: the Manager refuses it
     assert ops.fork.grows(msg.Fork(9, 2), books) is None
+
+
+def test_a_fork_is_priced_against_the_books_as_they_are_when_it_runs() -> None:
+    """A chained fork (the parent forked just before, in the same batch) costs the
+    parent's pages once the earlier fork is booked: the price reads the books then."""
+    books = _Books(PAGE_SIZE, {1: 13})
+    assert ops.fork.work(msg.Fork(2, 3), books) == 0  # 2 is not made yet
+    grown = ops.fork.grows(msg.Fork(1, 2), books)
+    assert grown == (2, 13)
+    books.tokens[grown[0]] = grown[1]  # the ledger books the first fork
+    assert ops.fork.work(msg.Fork(2, 3), books) == 16

@@ -18,7 +18,8 @@ import zmq
 from kvcore_ipc import messages as msg
 
 from kvcore import Client, ops
-from kvcore.daemon.quotas import Ledger, Limits, Usage, request_work
+from kvcore.daemon.quotas import Holder, Ledger, Limits, Usage
+from kvcore.daemon.work import WorkBudget, check_carried
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest, QuotaExceeded
 
@@ -94,43 +95,93 @@ def test_session_and_namespace_quotas(tmp_path: Path) -> None:
 
 
 def test_the_ledger_prices_and_books_each_op_by_its_table_entry() -> None:
-    """The ledger alone (no daemon): quotas and work read from kvcore.ops, as
+    """The ledger alone (no daemon): quotas read from kvcore.ops, as
     test_session_and_namespace_quotas sees them over the wire."""
     ledger = Ledger()
     ledger.open_pool("q", 4, Limits(10, 3, 16, 5))
+    me = Holder(1, "t")
 
     def run(op: ops.Operation[..., object], body: msg.BatchOp) -> None:
-        ledger.check("q", 1, "t", op, body)
-        ledger.apply("q", 1, "t", op, body)
+        ledger.check("q", me, op, body)
+        ledger.apply("q", me, op, body)
 
     run(ops.allocate, msg.Allocate(1, list(range(16))))  # 4 pages
     run(ops.fork, msg.Fork(1, 2))  # 8 page references
-    with pytest.raises(QuotaExceeded, match="session holds 8 page references; 4 more"):
-        ledger.check("q", 1, "t", ops.fork, msg.Fork(1, 3))
+    with pytest.raises(QuotaExceeded, match="session holds 8 page references of pool 'q'; 4 more"):
+        ledger.check("q", me, ops.fork, msg.Fork(1, 3))
     with pytest.raises(QuotaExceeded, match="3 more exceed its quota of 10"):
-        ledger.check("q", 1, "t", ops.extend, msg.Extend(1, 12))
+        ledger.check("q", me, ops.extend, msg.Extend(1, 12))
     run(ops.commit, msg.Commit(1, list(range(16))))  # adds nothing
     run(ops.lookup, msg.Lookup(list(range(17))))
     run(ops.allocate, msg.Allocate(3, [1]))  # the third sequence, 9 references
-    with pytest.raises(QuotaExceeded, match="3 sequences; its quota is 3"):
-        ledger.check("q", 1, "t", ops.allocate, msg.Allocate(4, [1]))
-    ledger.check("q", 1, "t", ops.extend, msg.Extend(9, 100))  # not booked: the Manager refuses
+    with pytest.raises(QuotaExceeded, match="3 sequences of pool 'q'; its quota is 3"):
+        ledger.check("q", me, ops.allocate, msg.Allocate(4, [1]))
+    ledger.check("q", me, ops.extend, msg.Extend(9, 100))  # not booked: the Manager refuses
     run(ops.free, msg.Free(2))  # 5 references
     run(ops.extend, msg.Extend(1, 1))  # 17 tokens: 5 pages, 6 references
     assert ledger.usage("q", 1) == Usage(pages=6, sequences=2)
     ledger.check_integrity("q", {1: 17, 3: 1}.__getitem__)
+
+
+def test_tenants_and_processes_are_booked_across_their_sessions() -> None:
+    """Issue 18 point 8, the ledger alone: a tenant's and a process's sessions share one
+    book each, so opening another session gives neither more; the operator (no tenant)
+    and a peer without a kernel pid (process 0) have no such book."""
+    ledger = Ledger()
+    ledger.open_pool("q", 4, Limits(tenant_pages=7, tenant_sequences=3, process_sequences=2))
+    first, second = Holder(1, "a", "alice", 100), Holder(2, "a", "alice", 101)
+    same_process = Holder(3, "b", "bob", 100)
+
+    def run(holder: Holder, op: ops.Operation[..., object], body: msg.BatchOp) -> None:
+        ledger.check("q", holder, op, body)
+        ledger.apply("q", holder, op, body)
+
+    run(first, ops.allocate, msg.Allocate(1, list(range(8))))  # alice: 2 pages, process 100
+    run(second, ops.allocate, msg.Allocate(2, list(range(8))))  # alice: 4 pages, process 101
+    with pytest.raises(QuotaExceeded, match="tenant 'alice' holds 4 page references"):
+        ledger.check("q", first, ops.extend, msg.Extend(1, 13))  # 4 more pages: 8 > 7
+    run(second, ops.fork, msg.Fork(2, 3))  # alice: 3 sequences, 6 references
+    with pytest.raises(QuotaExceeded, match="tenant 'alice' holds 3 sequences"):
+        ledger.check("q", Holder(4, "a", "alice", 102), ops.allocate, msg.Allocate(4, [1]))
+    with pytest.raises(QuotaExceeded, match="process 101 holds 2 sequences"):
+        ledger.check("q", Holder(7, "b", "bob", 101), ops.allocate, msg.Allocate(4, [1]))
+    run(same_process, ops.allocate, msg.Allocate(4, [1]))  # bob, in alice's process 100
+    with pytest.raises(QuotaExceeded, match="process 100 holds 2 sequences"):
+        ledger.check("q", same_process, ops.allocate, msg.Allocate(5, [1]))
+    for unbooked in (Holder(5, "a"), Holder(6, "a", "", 0)):  # the operator, no pid
+        run(unbooked, ops.allocate, msg.Allocate(unbooked.session * 10, [1]))
+    assert ledger.held_by("q", tenant="alice") == Usage(pages=6, sequences=3)
+    assert ledger.held_by("q", process=100) == Usage(pages=3, sequences=2)
+    ledger.check_integrity("q", {1: 8, 2: 8, 3: 8, 4: 1, 50: 1, 60: 1}.__getitem__)
+    for seq in (1, 2, 3, 4, 50, 60):
+        ledger.drop("q", seq)
+    assert ledger.held_by("q", tenant="alice") == Usage() == ledger.held_by("q", process=100)
+    ledger.check_integrity("q", {}.__getitem__)
+
+
+def test_the_work_budget_prices_each_op_against_the_books_as_they_are() -> None:
+    """kvcore.daemon.work alone: tokens carried are checked up front; each op's work is
+    charged just before it runs, so a fork of a child made earlier costs its pages."""
+    ledger = Ledger()
+    ledger.open_pool("q", 4, Limits())
+    me = Holder(1, "t")
     books = ledger.books("q")
-    batch = [
-        (ops.allocate, msg.Allocate(5, [1] * 10)),  # 10 tokens carried
-        (ops.extend, msg.Extend(1, 3)),  # 3 added
-        (ops.fork, msg.Fork(1, 6)),  # 5 pages of 4 copied: 20
-        (ops.free, msg.Free(3)),  # nothing
-    ]
-    request_work(batch, books, 33)
-    with pytest.raises(BadRequest, match="34 tokens of work, more than 33"):
-        request_work(
-            [*batch, (ops.num_tokens, msg.NumTokens(1)), (ops.extend, msg.Extend(1, 1))], books, 33
-        )
+    check_carried([msg.Allocate(5, [1] * 10), msg.Lookup([1] * 23), msg.Extend(1, 99)], 33)
+    with pytest.raises(BadRequest, match="carries 34 tokens, more than 33"):
+        check_carried([msg.Allocate(5, [1] * 10), msg.Commit(1, [1] * 24)], 33)
+    budget = WorkBudget(33)
+    for op, body in (
+        (ops.allocate, msg.Allocate(1, [1] * 10)),  # 10 tokens carried
+        (ops.fork, msg.Fork(1, 2)),  # 3 pages of 4 copied: 12
+        (ops.extend, msg.Extend(2, 3)),  # 3 added
+    ):
+        budget.charge(op, body, books)
+        ledger.apply("q", me, op, body)  # as if the Manager ran it
+    assert budget.spent == 25
+    with pytest.raises(BadRequest, match="41 tokens of work with this op, more than 33"):
+        budget.charge(ops.fork, msg.Fork(2, 3), books)  # the child above: 13 tokens, 4 pages
+    assert budget.spent == 25  # a refused op costs nothing
+    budget.charge(ops.num_tokens, msg.NumTokens(2), books)
 
 
 def test_sessions_are_bounded(tmp_path: Path) -> None:

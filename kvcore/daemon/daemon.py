@@ -47,7 +47,8 @@ from .quotas import Ledger, Limits
 from .sessions import SessionTable
 
 DEAF_S = 0.25  # a gap between ticks longer than this was time the daemon could not listen
-REAP_BUDGET = 16384  # page references of ended sessions freed per tick
+REAP_BUDGET = 16384  # page references of ended sessions freed per reap call (~1 ms)
+REAP_SLICE_S = 0.1  # at most this long reaping in one loop turn (seconds; < DEAF_S - tick_ms)
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -167,7 +168,7 @@ class Daemon:
         reply went out); give back to every lease the time the daemon was deaf (a gap
         since the last tick over DEAF_S); expire sessions whose lease is over, but only
         once nothing is queued (a heartbeat may be waiting) or half a lease has passed;
-        free a bounded part of what ended sessions held."""
+        free what ended sessions held (:meth:`_reap`)."""
         self.pools.publish()
         now = time.monotonic()
         if self.metrics is not None:
@@ -181,8 +182,21 @@ class Daemon:
             self._next_scan = now + min(0.05, self.sessions.lease_s / 10)
             self.handler.expire(now)
         if self.sessions.draining():
-            self.handler.reap(REAP_BUDGET)
+            self._reap()
             self.pools.publish()
+
+    def _reap(self) -> None:
+        """Free what ended sessions held, REAP_BUDGET page references at a time: at least
+        once per loop turn, and again while sessions drain, nothing is queued and the turn
+        is under REAP_SLICE_S. So a request waits at most one REAP_BUDGET for the loop,
+        one turn stays bounded in time (and well under DEAF_S, with the loop's 50 ms
+        wait for a request: no lease is paused for it), and an idle daemon frees
+        sequences as fast as it can (one budget per 50 ms wait freed ~1.3k sequences of
+        254 pages a second, against ~28k/s that one client can fork)."""
+        end = time.monotonic() + REAP_SLICE_S
+        self.handler.reap(REAP_BUDGET)
+        while self.sessions.draining() and not self.server.pending() and time.monotonic() < end:
+            self.handler.reap(REAP_BUDGET)
 
     def serve(self) -> None:
         self.server.serve(self.handler.handle, self.tick)

@@ -2,7 +2,8 @@
 
 Request path (single-threaded, one request at a time, so no Manager needs a lock)::
 
-    frame -> ServerCodec.decode_request -> session (epoch, lease, fence) -> work bound
+    frame -> ServerCodec.decode_request -> session (epoch, lease, fence)
+          -> tokens carried (a batch: all its ops) -> per op: its work, priced as it runs
           -> ownership, namespace grant, quota -> Operation.serve(Manager)
           -> claim / release, ledger -> encode -> frame
 
@@ -48,8 +49,9 @@ from kvcore.prefix import root_key
 from .auth import Authority
 from .metrics import NamespaceUsage, RequestTimer, Snapshot
 from .pools import Pool, PoolTable
-from .quotas import Ledger, Limits, request_work
+from .quotas import Holder, Ledger, Limits
 from .sessions import Session, SessionTable, State
+from .work import WorkBudget, check_carried
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -97,6 +99,7 @@ class Handler:
         self.timer = timer  # latency per op, when metrics are on
         self.server = server  # the socket this handler answers (its frame counters)
         self.ipc = ipc  # the socket is ipc:// (peers have kernel credentials)
+        self._holders: dict[int, Holder] = {}  # session id -> its Holder, until it is gone
 
     def handle(self, frame: bytes, raw: zmq.Frame | None = None) -> bytes:
         """Answer one request frame (``raw``: the received frame, which knows the peer)."""
@@ -153,9 +156,8 @@ class Handler:
         op = OPERATIONS.get(type(body))
         if op is not None:  # the hot path: one Manager operation
             session = self._session(request)
-            books = self.ledger.books(session.pool)
-            request_work(((op, body),), books, self.max_request_tokens)
-            return self._run(session, self.pools.pools[session.pool], op, body)
+            budget = WorkBudget(self.max_request_tokens)  # one op: its work is all it costs
+            return self._run(session, self.pools.pools[session.pool], op, body, budget)
         match body:
             case msg.Attach():
                 return self._attach(body, raw)
@@ -168,13 +170,12 @@ class Handler:
         pool = self.pools.pools[session.pool]
         match body:
             case msg.Batch(ops=items):
-                # every BatchOp is in the table (kvcore.ops asserts it)
-                batch = [(operation_of(item), item) for item in items]
-                request_work(batch, self.ledger.books(session.pool), self.max_request_tokens)
+                check_carried(items, self.max_request_tokens)  # too heavy whole: nothing runs
+                budget = WorkBudget(self.max_request_tokens)
                 results: list[Any] = []
                 try:
-                    for op, item in batch:
-                        results.append(self._run(session, pool, op, item))
+                    for item in items:  # every BatchOp is in the table (kvcore.ops asserts it)
+                        results.append(self._run(session, pool, operation_of(item), item, budget))
                 except KVCoreError as exc:
                     self._failed(exc, request)
                     return msg.BatchOk(results, msg.ErrorBody(exc.code, str(exc)))
@@ -209,23 +210,35 @@ class Handler:
         return self.sessions.renew(request.session, time.monotonic())
 
     def _run(
-        self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any
+        self, session: Session, pool: Pool, op: Operation[Any, Any], body: Any, budget: WorkBudget
     ) -> msgspec.Struct:
-        """One Manager operation under the ownership rule of its table entry, the session's
-        grant (a per-call namespace) and the pool's quotas."""
+        """One Manager operation under the request's work budget (priced against the books
+        as they are now, after the request's earlier ops), the ownership rule of its table
+        entry, the session's grant (a per-call namespace) and the pool's quotas."""
+        budget.charge(op, body, self.ledger.books(pool.name))
         for name in op.owns:
             self.sessions.check_owner(session, getattr(body, name))
         namespace = getattr(body, "namespace", None)
         if namespace is not None:
             session.grant.check_namespace(namespace)
-        self.ledger.check(pool.name, session.id, session.namespace, op, body)
+        holder = self._holders.get(session.id) or self._holder(session)
+        self.ledger.check(pool.name, holder, op, body)
         result = op.serve(pool.manager, body, session.namespace)
         if op.creates is not None:
             self.sessions.claim(session, getattr(body, op.creates))
         if op.ends is not None:
             self.sessions.release(session, getattr(body, op.ends))
-        self.ledger.apply(pool.name, session.id, session.namespace, op, body)
+        self.ledger.apply(pool.name, holder, op, body)
         return result
+
+    def _holder(self, session: Session) -> Holder:
+        """What ``session``'s sequences count against, kept until it is gone: its session,
+        namespace, tenant (none for the operator) and, for a watched ipc:// peer, its
+        process (the kernel's pid)."""
+        process = session.pid if session.peer is not None else 0
+        holder = Holder(session.id, session.namespace, session.grant.tenant, process)
+        self._holders[session.id] = holder
+        return holder
 
     # -- sessions --------------------------------------------------------------------
 
@@ -304,6 +317,7 @@ class Handler:
             self.pools.pools[session.pool].manager.free(seq)
             self.ledger.drop(session.pool, seq)
         for session in self.sessions.finished():
+            self._holders.pop(session.id, None)
             pool = self.pools.pools[session.pool]
             if pool.ephemeral and self.sessions.on_pool(pool.name) == 0:
                 self.sessions.forget_pool(pool.name)
