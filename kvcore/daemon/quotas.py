@@ -41,9 +41,9 @@ PROCESS_SEQUENCES = 1 << 16
 together: what one session may hold by default (``session_max_sequences``), so that
 opening more sessions gives a process nothing more. A vLLM engine runs at most a few
 thousand sequences at once (``max_num_seqs``, default 256 to 1,024), so 65,536 is far
-above any honest engine; a sequence costs the daemon about 100 bytes plus 8 per page
-reference, so this bounds what one process makes the daemon hold to 6.5 MiB plus its
-page references."""
+above any honest engine. What the sequences cost the daemon grows with their page
+references (about 17 bytes each: 65,536 forks of a 254-page sequence took 271 MiB),
+which ``process_pages`` bounds when set; a sequence holds at most the pool's pages."""
 
 
 @dataclass(frozen=True, slots=True)
