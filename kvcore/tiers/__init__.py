@@ -1,7 +1,10 @@
 """Lower tiers below a pool: host memory, a disk directory, a Mooncake store.
 
 Stacked by layer: ``base`` (keys, counters, the contract), ``codec`` (the
-framing of a checksummed entry), ``transfer`` (pool <-> page batches in bulk),
+framing of a checksummed entry), ``secret`` (the deployment's shared secret
+and what it derives) and ``keyed`` (the framing of a MAC'd, optionally
+encrypted entry), ``directory`` (a tier directory opened and checked by
+descriptor), ``transfer`` (pool <-> page batches in bulk),
 then one module per medium (``worker``: bounded calls into the store),
 ``stack`` (the tiers of one pool, top down, as kvcore.daemon.tiering drives
 them). What a pool declares (TierConfig) is part of kvcore.config.

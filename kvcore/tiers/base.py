@@ -166,7 +166,9 @@ class Tier(Protocol):
 
     def put_many(self, keys: Sequence[TierKey], pages: torch.Tensor) -> list[TierKey]:
         """Store ``pages[i]`` under ``keys[i]``; a key already held is only refreshed
-        (first write wins). Returns the keys of the entries pushed out to make room."""
+        (first write wins in the local tiers; the store keeps what any client of its
+        master last wrote, which is why every read verifies). Returns the keys of the
+        entries pushed out to make room."""
 
     def stats(self) -> TierStats: ...
 
