@@ -385,8 +385,10 @@ class Batch:
     :class:`~kvcore.errors.BatchFailed` that is also that op's typed error
     (``except OutOfPages`` catches it), with ``error.batch_index`` (its index),
     ``error.batch_results`` (the results of the ops before it) and ``error.error``
-    (the op's error alone). A request refused as a whole (``max_request_tokens``,
-    too many ops) raises the plain typed error: nothing ran.
+    (the op's error alone); an op that would take the batch's work over
+    ``max_request_tokens`` fails the same way. A request refused as a whole (more
+    tokens carried than ``max_request_tokens``, too many ops) raises the plain typed
+    error: nothing ran.
     """
 
     allocate = Queued(ops.allocate)

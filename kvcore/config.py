@@ -19,6 +19,8 @@ A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`::
     session_max_sequences = 65536      # live sequences per session,
     namespace_max_pages = 0            # and the same summed over a namespace's sessions
     namespace_max_sequences = 0
+    tenant_max_pages = 0               # the same over a tenant's sessions (tenant_max_*)
+    process_max_sequences = 65536      # and over one client process's (process_max_*)
     group = ""              # host pools: a group whose members (tenants) may map it
 
     [[tenants]]             # who may attach to what (docs/security.md); none: single user
@@ -160,6 +162,13 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_max_sequences: int = 65536
     namespace_max_pages: int = 0
     namespace_max_sequences: int = 0
+    # The same for all the sessions of a named tenant, and of one ipc:// client process
+    # (the kernel's pid): re-attaching gives no more. A process's sequences default to
+    # session_max_sequences, at least 65,536 (0 = none; unbounded if sessions are).
+    tenant_max_pages: int = 0
+    tenant_max_sequences: int = 0
+    process_max_pages: int = 0
+    process_max_sequences: int | None = None
     # A host pool's segment is the daemon user's alone (0600); with a group (name or gid)
     # it is 0660 of that group, so tenants of other uids in it can map the pool.
     group: str = ""
@@ -300,6 +309,10 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 pool.session_max_sequences,
                 pool.namespace_max_pages,
                 pool.namespace_max_sequences,
+                pool.tenant_max_pages,
+                pool.tenant_max_sequences,
+                pool.process_max_pages,
+                pool.process_max_sequences or 0,
             )
             if min(quotas) < 0:
                 raise BadRequest(f"pool {pool.name!r}: quotas are counts >= 0 (0 = none)")

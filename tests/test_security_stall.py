@@ -19,7 +19,7 @@ import pytest
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
-from kvcore.errors import BadRequest
+from kvcore.errors import BadRequest, BatchFailed
 
 LEASE_S = 1.0
 POOL = "name=p,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=4096"
@@ -114,9 +114,10 @@ def test_one_request_carries_bounded_work(tmp_path: Path) -> None:
         forks = client.batch()
         for child in range(2, 100):  # each fork copies a 4,000-token table
             forks.fork(1, child)
-        with pytest.raises(BadRequest, match="max_request_tokens"):
-            forks.run()
-        assert client.stats().num_sequences == 1  # refused as a whole: nothing ran
+        with pytest.raises(BatchFailed, match="max_request_tokens") as failed:
+            forks.run()  # each fork is priced as it runs: the 25th crosses the bound
+        assert failed.value.batch_index == 25 and isinstance(failed.value.error, BadRequest)
+        assert client.stats().num_sequences == 26  # a batch is not atomic: 25 forks ran
 
 
 def test_detaching_many_forks_does_not_stall_the_daemon(tmp_path: Path) -> None:

@@ -65,15 +65,21 @@ class Limits:
 
     @classmethod
     def of(cls, pool: PoolConfig) -> Limits:
-        """The pool's quotas; a process may hold what one session may, and at least
-        :data:`PROCESS_SEQUENCES` sequences (none if sessions are unbounded)."""
+        """The pool's quotas; unless configured, a process may hold what one session may,
+        and at least :data:`PROCESS_SEQUENCES` sequences (none if sessions are unbounded)."""
         session = pool.session_max_sequences
+        process = pool.process_max_sequences
+        if process is None:
+            process = max(session, PROCESS_SEQUENCES) if session else 0
         return cls(
             pool.session_max_pages,
             session,
             pool.namespace_max_pages,
             pool.namespace_max_sequences,
-            process_sequences=max(session, PROCESS_SEQUENCES) if session else 0,
+            pool.tenant_max_pages,
+            pool.tenant_max_sequences,
+            pool.process_max_pages,
+            process,
         )
 
 
