@@ -60,9 +60,9 @@ from kvcore.errors import (
     error_from_code,
 )
 from kvcore.layout import KVLayout
-from kvcore.manager import DEFAULT_NAMESPACE, Stats
 from kvcore.ops import Operation, Queued
 from kvcore.paths import check_socket_path, default_endpoint
+from kvcore.results import DEFAULT_NAMESPACE, Stats
 
 if TYPE_CHECKING:
     import torch

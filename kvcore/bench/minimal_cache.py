@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvcore.errors import OutOfPages, SequenceExists
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation, PrefixHit, Stats
+from kvcore.results import Allocation, PrefixHit, Stats
 
 
 @dataclass(slots=True)

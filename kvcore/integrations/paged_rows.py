@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import BadRequest, BatchFailed, KVCoreError
 from kvcore.layout import cdiv
-from kvcore.manager import Allocation, Extension
+from kvcore.results import Allocation, Extension
 
 if TYPE_CHECKING:
     import torch

@@ -21,8 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvcore.errors import BadRequest
-from kvcore.manager import DEFAULT_NAMESPACE
 from kvcore.paths import default_endpoint
+from kvcore.results import DEFAULT_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True)
