@@ -91,6 +91,9 @@ TIER_FLAG_KEYS = {
     "remote_metadata": "remote_metadata",
     "remote_timeout_s": "remote_timeout_s",
     "remote_local_hostname": "remote_local_hostname",
+    "tier_secret_file": "secret_file",
+    "tier_previous_secret_file": "previous_secret_file",
+    "tier_encrypt": "encrypt",
 }
 
 
@@ -419,4 +422,12 @@ def split_tier_flags(fields: dict[str, object]) -> dict[str, object] | None:
         tiers["disk"] = str(tiers["disk"])
     if "remote_timeout_s" in tiers:
         tiers["remote_timeout_s"] = float(str(tiers["remote_timeout_s"]))
+    for key in ("secret_file", "previous_secret_file"):
+        if key in tiers:
+            tiers[key] = str(tiers[key])
+    if "encrypt" in tiers:
+        flag = str(tiers["encrypt"]).lower()
+        if flag not in ("true", "1", "false", "0"):
+            raise BadRequest(f"tier_encrypt is true or false, not {tiers['encrypt']!r}")
+        tiers["encrypt"] = flag in ("true", "1")
     return tiers or None

@@ -3,6 +3,7 @@ off by default; a misdeclared tier is a BadRequest naming the pool."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -79,3 +80,24 @@ def test_open_stack_builds_the_declared_tiers(tmp_path: Path) -> None:
         manager.check_integrity()
     finally:
         stack.close()
+
+
+def test_the_deployment_secret_reaches_the_disk_tier(tmp_path: Path) -> None:
+    """--pool tier_secret_file= (as the TOML's secret_file) keys the disk tier's entries;
+    a secret others may read is refused at start."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    spec = f"name=a,num_pages=8,disk_tier={tmp_path / 'd'},disk_tier_size=1MiB"
+    pool = parse_pool_spec(f"{spec},tier_secret_file={secret},tier_encrypt=false")
+    assert pool.tiers.secret_file == str(secret) and pool.tiers.encrypt is False
+    stack = open_stack(LAYOUT, pool.tiers, "a")
+    try:
+        assert stack.disk is not None and stack.disk._framing.keyed
+    finally:
+        stack.close()
+    secret.chmod(0o644)
+    with pytest.raises(BadRequest):
+        open_stack(LAYOUT, pool.tiers, "a")
+    with pytest.raises(BadRequest, match="tier_encrypt"):
+        parse_pool_spec(f"{spec},tier_encrypt=maybe")

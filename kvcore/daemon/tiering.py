@@ -52,6 +52,7 @@ from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, Pr
 from kvcore.prefix import PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
+from kvcore.tiers.secret import keyring_of
 from kvcore.tiers.transfer import gather_pages, scatter_pages
 
 if TYPE_CHECKING:
@@ -62,9 +63,12 @@ if TYPE_CHECKING:
 def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
     """The tiers ``config`` declares for a pool of ``layout``. BadRequest if misdeclared."""
     config.validate(pool, layout.page_bytes)
+    keyring = keyring_of(config)  # None: no secret (entries checksummed, names unkeyed)
     host_pages = config.host_bytes() // layout.page_bytes
     host = HostTier(layout, host_pages) if host_pages else None
-    disk = DiskTier(layout, config.disk, config.disk_bytes()) if config.disk else None
+    disk = (
+        DiskTier(layout, config.disk, config.disk_bytes(), keyring=keyring) if config.disk else None
+    )
     remote = None
     if config.remote_master:
         remote_config = RemoteConfig(
@@ -73,7 +77,7 @@ def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
             local_hostname=config.remote_local_hostname,
             timeout_s=config.remote_timeout_s,
         )
-        remote = RemoteTier(layout, remote_config)
+        remote = RemoteTier(layout, remote_config, keyring=keyring)
     return TierStack(host, disk, remote)
 
 
