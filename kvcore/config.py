@@ -59,7 +59,9 @@ follow from the pool's layout.
 This module is the schema alone: it imports neither the tiers (kvcore.tiers)
 nor anything that opens a socket. The trust checks of the runtime directory
 and of ipc:// socket paths are :mod:`kvcore.paths` (docs/security.md); sizes
-are parsed by :mod:`kvcore.sizes`.
+are parsed by :mod:`kvcore.sizes`. It is one file over ~400 lines because the
+schema is read as one: every setting of the TOML file, its flag and its
+``KVCORE_*`` variable, and the checks that hold between them.
 """
 
 from __future__ import annotations
@@ -178,6 +180,22 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Lower tiers below the pool (host memory, a disk directory, a Mooncake store); off by
     # default. TOML: a [pools.tiers] table; --pool: host_tier=, disk_tier=, ... (TierConfig).
     tiers: TierConfig = msgspec.field(default_factory=TierConfig)
+
+    def validate(self) -> None:
+        """BadRequest unless the layout is valid and every quota is a count >= 0."""
+        self.layout()
+        quotas = (
+            self.session_max_pages,
+            self.session_max_sequences,
+            self.namespace_max_pages,
+            self.namespace_max_sequences,
+            self.tenant_max_pages,
+            self.tenant_max_sequences,
+            self.process_max_pages,
+            self.process_max_sequences or 0,
+        )
+        if min(quotas) < 0:
+            raise BadRequest(f"pool {self.name!r}: quotas are counts >= 0 (0 = none)")
 
     def layout(self) -> KVLayout:
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):
@@ -306,19 +324,7 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if len(set(names)) != len(names):
             raise BadRequest(f"pool names repeat: {names}")
         for pool in self.pools:
-            pool.layout()
-            quotas = (
-                pool.session_max_pages,
-                pool.session_max_sequences,
-                pool.namespace_max_pages,
-                pool.namespace_max_sequences,
-                pool.tenant_max_pages,
-                pool.tenant_max_sequences,
-                pool.process_max_pages,
-                pool.process_max_sequences or 0,
-            )
-            if min(quotas) < 0:
-                raise BadRequest(f"pool {pool.name!r}: quotas are counts >= 0 (0 = none)")
+            pool.validate()
         if self.socket_mode & ~0o666 or (self.socket_mode & 0o066 and not self.tenants):
             raise BadRequest("socket_mode: at most 0o666, and wider than 0o600 only with tenants")
         self._validate_tenants()
