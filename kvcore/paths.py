@@ -13,6 +13,7 @@ endpoint without loading the daemon's configuration.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -111,3 +112,39 @@ def _untrusted(st: os.stat_result, uids: set[int]) -> str | None:
     if st.st_uid not in uids:
         return f"is owned by uid {st.st_uid}"
     return None
+
+
+_OPEN_PRIVATE = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def read_private_file(path: str, what: str, max_bytes: int = 4096) -> bytes:
+    """The bytes of a secret file (a CURVE secret key, a bearer token, a tier secret),
+    read once by descriptor. BadRequest, naming ``what`` and ``path``, unless it is a
+    regular file (never through a symlink, never a FIFO to wait on) owned by this user
+    or root, with no group or other permission bits, of at most ``max_bytes`` bytes:
+    a file another user wrote is a secret that user knows."""
+    try:
+        fd = os.open(path, _OPEN_PRIVATE)
+    except OSError as exc:
+        why = "is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise BadRequest(f"{what} {path!r}: {why}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadRequest(f"{what} {path!r} is not a regular file")
+        if info.st_uid not in (os.getuid(), 0):
+            raise BadRequest(
+                f"{what} {path!r} is owned by uid {info.st_uid}, who knows what it holds: "
+                "it must be this user's (or root's)"
+            )
+        if info.st_mode & 0o077:
+            raise BadRequest(
+                f"{what} {path!r} is readable by others (mode {stat.S_IMODE(info.st_mode):04o}): "
+                f"it must be readable by its owner only (chmod 600 {path})"
+            )
+        raw = os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:
+        raise BadRequest(f"{what} {path!r} is over {max_bytes} bytes")
+    return raw

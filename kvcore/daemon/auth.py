@@ -30,7 +30,8 @@ from kvcore_ipc.server import Peer
 from zmq.auth.thread import ThreadAuthenticator
 
 from kvcore.config import TenantConfig
-from kvcore.errors import Forbidden, UntrustedEndpoint
+from kvcore.errors import BadRequest, Forbidden, UntrustedEndpoint
+from kvcore.paths import read_private_file
 
 REQUEST_DOMAIN = "kvcore"
 EVENTS_DOMAIN = "kvcore-events"
@@ -142,18 +143,19 @@ class _Keys:
 
 def read_secret_key(path: str) -> bytes:
     """A z85 CURVE secret key from ``path``: 40 characters, or a ZeroMQ certificate
-    (``kvcore keys`` writes them). PermissionError if others may read the file."""
-    st = os.stat(path)
-    if st.st_mode & 0o077:
-        raise PermissionError(
-            f"{path}: a secret key must be readable by its owner only (chmod 600 {path})"
-        )
-    raw = Path(path).read_bytes().strip()
+    (``kvcore keys`` writes them). BadRequest unless the file is this user's (or root's),
+    not a symlink, readable by its owner only (kvcore.paths.read_private_file): whoever
+    wrote it could pose as the daemon to its clients."""
+    raw = read_private_file(path, "CURVE secret key file").strip()
     if len(raw) == 40:
         return raw
-    _public, secret = zmq.auth.load_certificate(path)
-    if secret is None:
-        raise ValueError(f"{path} holds no secret key")
+    secret = None
+    for line in raw.splitlines():  # zmq.auth.load_certificate's format, parsed from the bytes read
+        line = line.strip()
+        if line.startswith(b"secret-key"):
+            secret = line.split(b"=", 1)[1].strip(b" \t'\"")
+    if secret is None or len(secret) != 40:
+        raise BadRequest(f"CURVE secret key file {path!r} holds no secret key")
     return secret
 
 

@@ -34,14 +34,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from kvcore.errors import BadRequest
-from kvcore.paths import check_socket_path
+from kvcore.paths import check_socket_path, read_private_file
 
 ACCEPT_BACKOFF_S = 0.05  # out of descriptors: accepting waits this long before trying again
 BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -236,15 +235,14 @@ def require_bearer(app: App, token: str, open_paths: frozenset[str]) -> App:
 
 
 def read_token(path: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped). BadRequest if
-    others may read the file, or the token is shorter than MIN_TOKEN_CHARS."""
+    """The bearer token in ``path`` (surrounding whitespace stripped). BadRequest unless the
+    file is this user's (or root's), not a symlink, readable by its owner only
+    (kvcore.paths.read_private_file), and the token has MIN_TOKEN_CHARS or more."""
+    raw = read_private_file(path, "metrics token file")
     try:
-        st = os.stat(path)
-        text = Path(path).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
         raise BadRequest(f"metrics token file {path}: {exc}") from None
-    if st.st_mode & 0o077:
-        raise BadRequest(f"metrics token file {path} is readable by others (chmod 600 {path})")
     if len(text) < MIN_TOKEN_CHARS or any(c.isspace() for c in text):
         raise BadRequest(
             f"metrics token in {path}: at least {MIN_TOKEN_CHARS} characters and no "

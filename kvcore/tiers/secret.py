@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
+from kvcore.paths import read_private_file
 from kvcore.tiers.base import TierKey
 
 if TYPE_CHECKING:
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
 
 MIN_SECRET_BYTES = 32
 OBJECT_PREFIX = "kvcore/s1/"
-_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _MAX_FILE_BYTES = 4096
 
 
@@ -87,28 +85,9 @@ class Keyring:
 
 def read_secret(path: str) -> bytes:
     """The secret in ``path``, whitespace-stripped. BadRequest unless the file is a regular
-    file (never through a symlink) of this user or root, readable by its owner only."""
-    try:
-        fd = os.open(path, _OPEN)
-    except OSError as exc:
-        raise BadRequest(f"tier secret file {path!r}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise BadRequest(f"tier secret file {path!r} is not a regular file")
-        if info.st_uid not in (os.getuid(), 0):
-            raise BadRequest(f"tier secret file {path!r} is owned by uid {info.st_uid}")
-        if info.st_mode & 0o077:
-            raise BadRequest(
-                f"tier secret file {path!r} must be readable by its owner only "
-                f"(mode {stat.S_IMODE(info.st_mode):04o}; chmod 600 {path})"
-            )
-        raw = os.read(fd, _MAX_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(raw) > _MAX_FILE_BYTES:
-        raise BadRequest(f"tier secret file {path!r} is over {_MAX_FILE_BYTES} bytes")
-    secret = raw.strip()
+    file (never through a symlink) of this user or root, readable by its owner only
+    (kvcore.paths.read_private_file), with MIN_SECRET_BYTES or more."""
+    secret = read_private_file(path, "tier secret file", _MAX_FILE_BYTES).strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise BadRequest(
             f"tier secret file {path!r} holds {len(secret)} bytes, fewer than "
