@@ -17,6 +17,7 @@ from kvcore.integrations.vllm.pages import (
     block_view,
     check_layout,
     copy_pages,
+    head_layout,
 )
 from kvcore.layout import KVLayout
 
@@ -97,3 +98,28 @@ def test_extra_config_keys_take_the_fields_defaults_and_types(
     config = ConnectorConfig.from_extra({**given, "retry_s": 1})
     assert config == ConnectorConfig("tcp://h:5555", "kv", "t", 2.0, 1.0)
     assert type(config.timeout_s) is float and type(config.retry_s) is float
+
+
+@pytest.mark.parametrize(
+    ("backend", "layout"),
+    [("CPU_ATTN", KV_BLOCKS), ("FLASH_ATTN", KV_LAST), ("TRITON_ATTN", KV_LAST)],
+)
+def test_the_layout_is_the_one_of_vllms_attention_backend_class(backend: str, layout: str) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    assert head_layout(AttentionBackendEnum[backend].get_class()) == layout
+
+
+def test_an_attention_backend_kvcore_does_not_know_is_refused_by_name() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    flex = AttentionBackendEnum.FLEX_ATTENTION.get_class()
+    with pytest.raises(LayoutMismatch, match="attention backend 'FLEX_ATTENTION'"):
+        head_layout(flex)
+
+
+def test_block_view_refuses_strides_it_cannot_read() -> None:
+    cache = torch.zeros(B, N, H, 2 * D).transpose(1, 2)  # [B, H, N, 2D], tokens outside heads
+    block_view(cache, KV_LAST)  # K | V halves of a contiguous last dim: readable
+    with pytest.raises(LayoutMismatch, match="do not fit the kv_blocks layout"):
+        block_view(cache, KV_BLOCKS)

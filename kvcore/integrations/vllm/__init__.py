@@ -13,7 +13,8 @@ attached engine can hit. The scheduler side (:mod:`.scheduler`) asks the daemon
 once per request and pins the hit; the worker side (:mod:`.worker`) copies pages
 between the mapped pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is
 what passes between them. vLLM's ``block_size`` must equal the pool's
-``page_size``; layouts are checked once, at ``register_kv_caches``.
+``page_size``; layouts are checked once, at ``register_kv_caches`` (the layout of
+vLLM's blocks comes from the attention backend; an unknown one is refused).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
 endpoint; a daemon that stops answering turns requests into misses within
@@ -36,6 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from typing import TYPE_CHECKING, Any
 
+from kvcore.errors import LayoutMismatch
 from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
 from kvcore.integrations.vllm.pages import head_layout
 
@@ -141,8 +143,12 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         ctx = self._vllm_config.compilation_config.static_forward_context
         name = next(iter(kv_caches))
-        backend = ctx[name].attn_backend.get_name() if name in ctx else "CPU_ATTN"
-        self._worker.register(kv_caches, head_layout(backend))
+        if name not in ctx:
+            raise LayoutMismatch(
+                f"vLLM registered a KV cache for {name!r} but no attention layer of that "
+                f"name: kvcore cannot tell its attention backend, so not the cache's layout"
+            )
+        self._worker.register(kv_caches, head_layout(ctx[name].attn_backend))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

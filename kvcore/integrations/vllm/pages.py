@@ -11,7 +11,8 @@ attention backend:
 * ``CPU_ATTN`` reads each (block, head) as ``[2, N, D]`` (all K rows, then all
   V rows): :data:`KV_BLOCKS`;
 * the GPU backends (FlashAttention, Triton, FlashInfer) split the last
-  dimension: ``[..., :D]`` is K, ``[..., D:]`` is V: :data:`KV_LAST`.
+  dimension: ``[..., :D]`` is K, ``[..., D:]`` is V: :data:`KV_LAST`;
+* any other backend is refused (:func:`head_layout`), never guessed.
 
 :func:`block_view` turns either into kvcore's page order ``[B, 2, N, H, D]``
 (a stride permutation, no copy), so one ``index_select`` and one
@@ -21,7 +22,7 @@ attention backend:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -33,15 +34,49 @@ KV_BLOCKS: HeadLayout = "kv_blocks"
 KV_LAST: HeadLayout = "kv_last"
 
 
-def head_layout(backend_name: str) -> HeadLayout:
-    """The meaning of the last dim of vLLM's per-layer cache for an attention backend."""
-    return KV_BLOCKS if backend_name.upper().startswith("CPU") else KV_LAST
+BACKEND_LAYOUTS: dict[str, HeadLayout] = {
+    "CPU_ATTN": KV_BLOCKS,
+    "FLASH_ATTN": KV_LAST,
+    "TRITON_ATTN": KV_LAST,
+    "FLASHINFER": KV_LAST,
+}
+"""``get_name()`` of each vLLM attention backend whose cache kvcore can read, and how
+it reads the last dim (vLLM 0.32 has no API that says so: each one's ``forward``)."""
+
+
+class AttentionBackend(Protocol):
+    """What kvcore uses of a vLLM attention backend class."""
+
+    @staticmethod
+    def get_name() -> str: ...
+
+
+def head_layout(backend: type[AttentionBackend]) -> HeadLayout:
+    """How ``backend`` (the class vLLM gives each attention layer) reads the last dim
+    of its per-layer cache. LayoutMismatch naming the backend if kvcore does not
+    know it: a wrong guess would load K/V into the wrong rows."""
+    name = backend.get_name()
+    if name not in BACKEND_LAYOUTS:
+        raise LayoutMismatch(
+            f"kvcore does not know the KV cache layout of vLLM's attention backend {name!r} "
+            f"({backend.__module__}.{backend.__qualname__}); known: "
+            f"{', '.join(sorted(BACKEND_LAYOUTS))} (pick one with vLLM's attention_backend)"
+        )
+    return BACKEND_LAYOUTS[name]
 
 
 def block_view(cache: torch.Tensor, layout: HeadLayout) -> torch.Tensor:
-    """vLLM's per-layer cache ``[B, H, N, 2*D]`` as ``[B, 2, N, H, D]`` (same storage)."""
+    """vLLM's per-layer cache ``[B, H, N, 2*D]`` as ``[B, 2, N, H, D]`` (same storage).
+    LayoutMismatch if the strides do not allow it (``kv_blocks`` reads each (block,
+    head) as one run of ``[N, 2*D]``; ``kv_last`` needs a contiguous last dim)."""
     blocks, heads, tokens, width = cache.shape
     dim = width // 2
+    runs = cache.stride(3) == 1 and (layout == KV_LAST or cache.stride(2) == width)
+    if not runs:
+        raise LayoutMismatch(
+            f"vLLM's KV cache strides {tuple(cache.stride())} (shape {tuple(cache.shape)}) "
+            f"do not fit the {layout} layout kvcore copies pages in"
+        )
     if layout == KV_BLOCKS:
         return cache.view(blocks, heads, 2, tokens, dim).permute(0, 2, 3, 1, 4)
     return cache.view(blocks, heads, tokens, 2, dim).permute(0, 3, 2, 1, 4)
