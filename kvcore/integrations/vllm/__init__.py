@@ -123,12 +123,6 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.finished(request)
         return False, None
 
-    def take_events(self) -> tuple[()]:
-        """Called after each step's output: the step's commits and frees go out here."""
-        if self._scheduler is not None:
-            self._scheduler.flush()
-        return ()
-
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._scheduler or self._worker
         return side.stats.take() if side is not None else None
