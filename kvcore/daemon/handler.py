@@ -254,6 +254,10 @@ class Handler:
         grant = self.authority.grant(peer) if peer is not None else self.authority.local()
         grant.check_pool(body.pool)
         grant.check_namespace(body.namespace)
+        if body.ephemeral and grant.tenant:  # its pool would bypass every tenant's quota
+            raise Forbidden(
+                f"tenant {grant.tenant!r} may not create ephemeral pools (the operator's only)"
+            )
         pool = self._ephemeral_pool(body) if body.ephemeral else self.pools.get(body.pool)
         want = body.layout
         have = pool.layout_message()
