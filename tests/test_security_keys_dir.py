@@ -91,3 +91,37 @@ def test_the_daemon_refuses_to_start_on_an_open_keys_directory(tmp_path: Path) -
         timeout=30,
     )
     assert done.returncode == 2 and "writable by others" in done.stderr, done
+
+
+def test_a_keys_directory_reached_through_another_users_directory_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The path is walked as it resolves: a symlinked parent that leads through a
+    directory of another user (who can rename what is in it, and so swap the keys
+    directory for one of theirs) is refused, not only the link's own target."""
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    if os.getuid() != 0:
+        pytest.skip("needs root to give a directory to another uid")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    clients = _keys(home / "sub")  # the daemon's own, inside another user's directory
+    (home / "sub").chmod(0o755)
+    os.chown(home, OTHER_UID, OTHER_UID)
+    link = tmp_path / "link"
+    link.symlink_to(home / "sub")
+    with pytest.raises(UntrustedEndpoint, match=f"owned by uid {OTHER_UID}"):
+        Authority([], keys_dir=str(link / clients.name))
+    with pytest.raises(UntrustedEndpoint, match=f"owned by uid {OTHER_UID}"):
+        Authority([], keys_dir=str(clients))
+
+
+def test_a_key_file_is_read_as_it_was_checked(tmp_path: Path) -> None:
+    """A key file is a regular file opened without following links, and a FIFO
+    among the keys never blocks the start."""
+    if not zmq.has("curve"):
+        pytest.skip("libzmq without CURVE")
+    clients = _keys(tmp_path)
+    os.mkfifo(clients / "stuck.key", 0o600)
+    with pytest.raises(UntrustedEndpoint, match="not a regular file"):
+        Authority([], keys_dir=str(clients))

@@ -19,6 +19,7 @@ views (``snapshot``, the event stream) need a grant of every namespace.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from kvcore.config import TenantConfig
 from kvcore.errors import BadRequest, Forbidden, UntrustedEndpoint
 from kvcore.paths import read_private_file
+from kvcore.tiers.directory import open_trusted_dir
 
 REQUEST_DOMAIN = "kvcore"
 EVENTS_DOMAIN = "kvcore-events"
@@ -163,25 +165,47 @@ def load_authorized_keys(directory: str) -> set[str]:
     """The z85 public keys of the ``*.key`` files in ``directory``, which only the daemon's
     user (or root) may have written: a key planted there would attach with the grant
     given to keys. UntrustedEndpoint, naming the path, unless the directory, every
-    directory above it, and each key file belong to the daemon's uid or root, none is a
-    symlink, and none is writable by group or others (an ancestor may be, if sticky, like
-    /tmp: nobody else can rename what is below it)."""
-    trusted = {os.getuid(), 0}
-    path = Path(directory).absolute()
-    _check_trusted(path, os.lstat(path), trusted, sticky_ok=False)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        raise UntrustedEndpoint(f"authorized keys {path} is not a directory")
-    for parent in path.parents:
-        _check_trusted(parent, os.stat(parent), trusted, sticky_ok=True)
-    keys: set[str] = set()
-    for entry in sorted(path.glob("*.key")):
-        st = os.lstat(entry)
-        _check_trusted(entry, st, trusted, sticky_ok=False)
+    directory above it as the path resolves (unless sticky, like /tmp: nobody else can
+    rename what is below it), and each key file belong to the daemon's uid or root, none
+    is a symlink, and none is writable by group or others. The directory is walked and
+    opened once by descriptor (kvcore.tiers.directory) and each key is read through it,
+    so what was checked is what is read."""
+    try:
+        fd = open_trusted_dir(directory, "authorized keys directory")
+    except BadRequest as exc:
+        raise UntrustedEndpoint(f"{exc}: another user could plant a client key") from None
+    try:
+        names = sorted(name for name in os.listdir(fd) if name.endswith(".key"))
+        return {_read_public_key(fd, os.path.join(directory, name), name) for name in names}
+    finally:
+        os.close(fd)
+
+
+def _read_public_key(dir_fd: int, shown: str, name: str) -> str:
+    """The public key of the key file ``name`` in the open directory ``dir_fd``, opened
+    without following a link and checked on its descriptor."""
+    try:
+        fd = os.open(name, _OPEN_KEY, dir_fd=dir_fd)
+    except OSError as exc:
+        why = "is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise UntrustedEndpoint(f"authorized keys: {shown} {why}") from None
+    try:
+        st = os.fstat(fd)
+        _check_trusted(Path(shown), st, {os.getuid(), 0}, sticky_ok=False)
         if not stat.S_ISREG(st.st_mode):
-            raise UntrustedEndpoint(f"authorized key {entry} is not a regular file")
-        public, _ = zmq.auth.load_certificate(entry)
-        keys.add(public.decode())
-    return keys
+            raise UntrustedEndpoint(f"authorized keys: {shown} is not a regular file")
+        raw = os.read(fd, _MAX_KEY_BYTES)
+    finally:
+        os.close(fd)
+    for line in raw.splitlines():  # zmq.auth.load_certificate's format
+        line = line.strip()
+        if line.startswith(b"public-key"):
+            return line.split(b"=", 1)[1].strip(b" \t'\"").decode()
+    raise ValueError(f"No public key found in {shown}")
+
+
+_OPEN_KEY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_MAX_KEY_BYTES = 4096
 
 
 def _check_trusted(path: Path, st: os.stat_result, uids: set[int], *, sticky_ok: bool) -> None:

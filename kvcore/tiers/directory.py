@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Callable
 
 from kvcore.errors import BadRequest
 
@@ -35,6 +36,20 @@ _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 def open_private_dir(path: str, what: str = "disk tier directory") -> int:
     """A descriptor of directory ``path`` (created 0700 if missing, with missing parents
     0700), checked as the module docstring says. The caller closes it."""
+    return _open_walked(path, what, create=True, leaf=_check_leaf)
+
+
+def open_trusted_dir(path: str, what: str) -> int:
+    """A descriptor of the existing directory ``path``, its parents checked as
+    :func:`open_private_dir`'s, the directory itself a real directory of this user or
+    root that group and others may not write (it may be readable: the authorized keys).
+    Nothing is created. The caller closes it."""
+    return _open_walked(path, what, create=False, leaf=_check_trusted_leaf)
+
+
+def _open_walked(
+    path: str, what: str, *, create: bool, leaf: Callable[[int, str, str], None]
+) -> int:
     full = os.path.abspath(path)
     name = os.path.basename(full)
     if name in ("", ".", ".."):
@@ -46,29 +61,42 @@ def open_private_dir(path: str, what: str = "disk tier directory") -> int:
         walked = ""
         for part in [p for p in parent.split("/") if p]:
             walked += "/" + part
-            child = _step(fd, part, walked, what, path, parent=True)
+            child = _step(fd, part, walked, what, path, create, _parent_check(path))
             os.close(fd)
             fd = child
-        return _step(fd, name, full, what, path, parent=False)
+        return _step(fd, name, full, what, path, create, leaf)
     finally:
         os.close(fd)
 
 
-def _step(fd: int, part: str, shown: str, what: str, path: str, *, parent: bool) -> int:
-    """Open (creating 0700 if missing) ``part`` under ``fd`` and check it (``fd`` stays open)."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(part, 0o700, dir_fd=fd)
+def _parent_check(path: str) -> Callable[[int, str, str], None]:
+    return lambda fd, shown, what: _check_parent(fd, shown, what, path)
+
+
+def _step(
+    fd: int,
+    part: str,
+    shown: str,
+    what: str,
+    path: str,
+    create: bool,
+    check: Callable[[int, str, str], None],
+) -> int:
+    """Open (creating 0700 if missing and ``create``) ``part`` under ``fd`` and
+    ``check`` it (``fd`` stays open)."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o700, dir_fd=fd)
     try:
         child = os.open(part, _OPEN_DIR, dir_fd=fd)
+    except FileNotFoundError:
+        raise BadRequest(f"{what} {path!r}: {shown} does not exist") from None
     except OSError as exc:  # ELOOP / ENOTDIR: a symlink or a file where a directory must be
         raise BadRequest(
             f"{what} {path!r}: {shown} is not a directory, or is a symlink ({exc.strerror})"
         ) from None
     try:
-        if parent:
-            _check_parent(child, shown, what, path)
-        else:
-            _check_leaf(child, shown, what)
+        check(child, shown, what)
     except BaseException:
         os.close(child)
         raise
@@ -95,4 +123,16 @@ def _check_leaf(fd: int, shown: str, what: str) -> None:
         raise BadRequest(
             f"{what} {shown!r} must be owned by this user with mode 0700, "
             f"got uid {info.st_uid} mode {stat.S_IMODE(info.st_mode):o}"
+        )
+
+
+def _check_trusted_leaf(fd: int, shown: str, what: str) -> None:
+    info = os.fstat(fd)
+    if info.st_uid not in (os.getuid(), 0):
+        raise BadRequest(
+            f"{what} {shown!r} is owned by uid {info.st_uid}: it must be yours or root's"
+        )
+    if info.st_mode & 0o022:
+        raise BadRequest(
+            f"{what} {shown!r} is writable by others (mode {stat.S_IMODE(info.st_mode):04o})"
         )
