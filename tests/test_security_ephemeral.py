@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import zmq
+from curve_helpers import curve_tenants
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import Forbidden
-from kvcore.keys import create, load_keypair, load_public
 from kvcore.layout import KVLayout
 
 POOL = """
@@ -43,32 +43,13 @@ LAYOUT = KVLayout(
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
+    tenants = {  # alice: every pool, but a tenant; ops: every namespace too
+        "alice": 'namespaces = ["alice"]',
+        "ops": 'namespaces = ["*"]',
+    }
     tmp = tmp_path_factory.mktemp("ephemeral")
-    _, server = create(tmp, "daemon")
-    _, alice = create(tmp, "alice")
-    _, ops = create(tmp, "ops")
-    config = tmp / "kvcore.toml"
-    config.write_text(  # alice: every pool, but a tenant; ops: every namespace too
-        f'{POOL}[[tenants]]\nname = "alice"\nkeys = ["{load_public(alice).decode()}"]\n'
-        f'namespaces = ["alice"]\n'
-        f'[[tenants]]\nname = "ops"\nkeys = ["{load_public(ops).decode()}"]\n'
-        f'namespaces = ["*"]\n'
-    )
-    with DaemonProcess(
-        "--config",
-        str(config),
-        "--endpoint",
-        "tcp://127.0.0.1:*",
-        "--curve-secret-key-file",
-        str(server),
-        "--allow-ephemeral",
-    ) as tcp:
-        yield {
-            "endpoint": tcp.endpoint,
-            "server": load_public(server),
-            "alice": load_keypair(alice),
-            "ops": load_keypair(ops),
-        }
+    with curve_tenants(tmp, POOL, tenants, "--allow-ephemeral") as (tcp, server, keys):
+        yield {"endpoint": tcp.endpoint, "server": server, **keys}
 
 
 def _as(daemon: dict[str, object], who: str, pool: str, namespace: str) -> Client:

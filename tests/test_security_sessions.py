@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 import zmq
+from curve_helpers import curve_tenants
 
 from kvcore import Client
 from kvcore.daemon.auth import OPERATOR, Grant
 from kvcore.daemon.sessions import SessionTable, State
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest, QuotaExceeded
-from kvcore.keys import create, load_keypair, load_public
 
 POOL = "name=fixed,num_layers=1,num_kv_heads=1,head_dim=8,page_size=4,dtype=float16,num_pages=8"
 ALICE = Grant("alice", frozenset({"alice"}), None)
@@ -269,48 +269,30 @@ def test_one_tenant_cannot_hold_every_session(tmp_path: Path) -> None:
     --max-sessions 8 keeps one session from any tenant, so alice gets 7 and bob attaches."""
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
-    _, server = create(tmp_path, "daemon")
-    _, alice = create(tmp_path, "alice")
-    _, bob = create(tmp_path, "bob")
-    config = tmp_path / "kvcore.toml"
-    config.write_text(
-        "max_sessions = 8\n"
-        f'[[tenants]]\nname = "alice"\nkeys = ["{load_public(alice).decode()}"]\n'
-        f'namespaces = ["alice"]\n'
-        f'[[tenants]]\nname = "bob"\nkeys = ["{load_public(bob).decode()}"]\n'
-        f'namespaces = ["bob"]\n'
-    )
-    with DaemonProcess(
-        "--config",
-        str(config),
-        "--endpoint",
-        "tcp://127.0.0.1:*",
-        "--curve-secret-key-file",
-        str(server),
-        "--pool",
-        POOL,
-    ) as daemon:
+    tenants = {"alice": 'namespaces = ["alice"]', "bob": 'namespaces = ["bob"]'}
+    head, pool = "max_sessions = 8\n", ("--pool", POOL)
+    with curve_tenants(tmp_path, head, tenants, *pool) as (daemon, server, keys):
 
-        def connect(who: Path, namespace: str) -> Client:
+        def connect(who: str, namespace: str) -> Client:
             return Client.connect(
                 daemon.endpoint,
                 pool="fixed",
                 namespace=namespace,
                 map_memory=False,
-                curve_server_key=load_public(server),
-                curve_keypair=load_keypair(who),
+                curve_server_key=server,
+                curve_keypair=keys[who],
             )
 
         alices = []
         try:
             for _ in range(7):
-                alices.append(connect(alice, "alice"))
+                alices.append(connect("alice", "alice"))
             with pytest.raises(QuotaExceeded, match=r"tenant 'alice' holds 7 sessions.*at most 7"):
-                connect(alice, "alice")
-            with connect(bob, "bob") as b:
+                connect("alice", "alice")
+            with connect("bob", "bob") as b:
                 assert len(b.daemon_stats().sessions) == 1  # bob sees only his own
             alices.pop().close()
-            alices.append(connect(alice, "alice"))  # a freed slot is hers again
+            alices.append(connect("alice", "alice"))  # a freed slot is hers again
             alices[0].check_integrity()
         finally:
             for client in alices:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import zmq
+from curve_helpers import curve_tenants
 from kvcore_ipc.events import EventSubscriber
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import Forbidden, KVCoreError
-from kvcore.keys import create, load_keypair, load_public
 
 POOLS = """
 [[pools]]
@@ -45,31 +45,10 @@ num_pages = 32
 def curve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
     if not zmq.has("curve"):
         pytest.skip("libzmq without CURVE")
-    tmp = tmp_path_factory.mktemp("tenants")
-    _, server = create(tmp, "daemon")
-    _, alice = create(tmp, "alice")
-    _, ops = create(tmp, "ops")
-    config = tmp / "kvcore.toml"
-    config.write_text(
-        f'events = "tcp://127.0.0.1:*"\n{POOLS}'
-        f'[[tenants]]\nname = "alice"\nkeys = ["{load_public(alice).decode()}"]\n'
-        f'namespaces = ["alice"]\npools = ["a"]\n'
-        f'[[tenants]]\nname = "ops"\nkeys = ["{load_public(ops).decode()}"]\n'
-    )
-    with DaemonProcess(
-        "--config",
-        str(config),
-        "--endpoint",
-        "tcp://127.0.0.1:*",
-        "--curve-secret-key-file",
-        str(server),
-    ) as daemon:
-        yield {
-            "endpoint": daemon.endpoint,
-            "server": load_public(server),
-            "alice": load_keypair(alice),
-            "ops": load_keypair(ops),
-        }
+    tenants = {"alice": 'namespaces = ["alice"]\npools = ["a"]', "ops": ""}
+    head = f'events = "tcp://127.0.0.1:*"\n{POOLS}'
+    with curve_tenants(tmp_path_factory.mktemp("tenants"), head, tenants) as (daemon, server, keys):
+        yield {"endpoint": daemon.endpoint, "server": server, **keys}
 
 
 def _as(curve: dict[str, object], who: str, **kw: object) -> Client:
