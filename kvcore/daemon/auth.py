@@ -23,7 +23,6 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 import zmq.auth
@@ -33,7 +32,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from kvcore.config import TenantConfig
 from kvcore.errors import BadRequest, Forbidden, UntrustedEndpoint
 from kvcore.paths import read_private_file
-from kvcore.tiers.directory import open_trusted_dir
+from kvcore.tiers.directory import check_trusted_fd, open_trusted_dir
 
 REQUEST_DOMAIN = "kvcore"
 EVENTS_DOMAIN = "kvcore-events"
@@ -190,9 +189,13 @@ def _read_public_key(dir_fd: int, shown: str, name: str) -> str:
         why = "is a symlink" if exc.errno == errno.ELOOP else exc.strerror
         raise UntrustedEndpoint(f"authorized keys: {shown} {why}") from None
     try:
-        st = os.fstat(fd)
-        _check_trusted(Path(shown), st, {os.getuid(), 0}, sticky_ok=False)
-        if not stat.S_ISREG(st.st_mode):
+        try:
+            check_trusted_fd(fd, shown, "key file")
+        except BadRequest as exc:
+            raise UntrustedEndpoint(
+                f"authorized keys: {exc}: another user could plant it"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UntrustedEndpoint(f"authorized keys: {shown} is not a regular file")
         raw = os.read(fd, _MAX_KEY_BYTES)
     finally:
@@ -206,18 +209,3 @@ def _read_public_key(dir_fd: int, shown: str, name: str) -> str:
 
 _OPEN_KEY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_KEY_BYTES = 4096
-
-
-def _check_trusted(path: Path, st: os.stat_result, uids: set[int], *, sticky_ok: bool) -> None:
-    why = None
-    if stat.S_ISLNK(st.st_mode):
-        why = "is a symlink"
-    elif st.st_uid not in uids:
-        why = f"is owned by uid {st.st_uid}"
-    elif st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-        why = f"is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-    if why is not None:
-        raise UntrustedEndpoint(
-            f"authorized keys: {path} {why}: another user could plant a client key; "
-            "keep the directory and its keys yours (or root's), mode 0700 / 0600"
-        )

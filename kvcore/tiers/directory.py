@@ -44,7 +44,7 @@ def open_trusted_dir(path: str, what: str) -> int:
     :func:`open_private_dir`'s, the directory itself a real directory of this user or
     root that group and others may not write (it may be readable: the authorized keys).
     Nothing is created. The caller closes it."""
-    return _open_walked(path, what, create=False, leaf=_check_trusted_leaf)
+    return _open_walked(path, what, create=False, leaf=check_trusted_fd)
 
 
 def _open_walked(
@@ -126,7 +126,9 @@ def _check_leaf(fd: int, shown: str, what: str) -> None:
         )
 
 
-def _check_trusted_leaf(fd: int, shown: str, what: str) -> None:
+def check_trusted_fd(fd: int, shown: str, what: str) -> None:
+    """BadRequest unless the open ``fd`` belongs to this user or root and no group or
+    other may write it (what a file or directory others must not have planted needs)."""
     info = os.fstat(fd)
     if info.st_uid not in (os.getuid(), 0):
         raise BadRequest(
