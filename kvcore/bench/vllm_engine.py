@@ -1,7 +1,8 @@
 """vLLM engines in their own processes, for ``kvcore bench vllm`` and the connector's
 tests: the tiny model they serve (:data:`MODEL`, written by :func:`write_model`;
-nothing downloaded), the daemon pool that fits it (:func:`pool_flag`) and
-:class:`Engine`, one ``vllm.LLM`` driven over JSON lines."""
+nothing downloaded), LoRA adapters for it (:func:`write_lora`), the daemon pool
+that fits it (:func:`pool_flag`) and :class:`Engine`, one ``vllm.LLM`` driven over
+JSON lines."""
 
 from __future__ import annotations
 
@@ -47,22 +48,27 @@ ENGINE = r"""
 import json, os, sys, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
+from vllm.inputs import EmbedsPrompt, TokensPrompt
 
 args = json.loads(sys.argv[1])
 options = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32",
                block_size=args["block_size"], max_model_len=args["max_model_len"],
                enforce_eager=True, gpu_memory_utilization=0.05,
                kv_cache_memory_bytes=args["kv_bytes"], max_num_seqs=args["max_num_seqs"], seed=0,
-               enable_prefix_caching=args["prefix_caching"])
+               enable_prefix_caching=args["prefix_caching"],
+               enable_prompt_embeds=args["prompt_embeds"])
+if args["max_lora_rank"]:
+    options.update(enable_lora=True, max_lora_rank=args["max_lora_rank"], max_loras=4)
 if args["connector"] is not None:
     from vllm.config import KVTransferConfig
     options["kv_transfer_config"] = KVTransferConfig(
         kv_connector="KvcoreConnector", kv_connector_module_path="kvcore.integrations.vllm",
-        kv_role="kv_both", kv_connector_extra_config=args["connector"])
+        kv_role=args["kv_role"], kv_connector_extra_config=args["connector"])
 llm = LLM(**options)
 engine = llm.llm_engine
 connector = engine.engine_core.engine_core.scheduler.connector
+loras = {}  # adapter directory -> LoRARequest (ids from 1, in order of first use)
+table = None  # the model's token embeddings, read on first use
 
 def totals():
     if connector is None:
@@ -70,9 +76,28 @@ def totals():
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     counts = connector._scheduler.stats.totals()
     for key, n in get_kv_transfer_group()._worker.stats.totals().items():
-        counts[key] += n
+        counts[key] = counts.get(key, 0) + n
     counts["preemptions"] = connector._scheduler.preemptions
     return counts
+
+def lora(path):
+    if path is None:
+        return None
+    if path not in loras:
+        from vllm.lora.request import LoRARequest
+        loras[path] = LoRARequest(os.path.basename(path), len(loras) + 1, path)
+    return loras[path]
+
+def prompt(tokens, salt, embeds):
+    global table
+    extra = {} if salt is None else {"cache_salt": salt}
+    if not embeds:
+        return TokensPrompt(prompt_token_ids=tokens, **extra)
+    if table is None:
+        from safetensors.torch import load_file
+        table = load_file(os.path.join(args["model"], "model.safetensors"))[
+            "model.embed_tokens.weight"]
+    return EmbedsPrompt(prompt_embeds=table[tokens].clone(), **extra)
 
 print(json.dumps({"ready": True}), flush=True)
 counter = 0
@@ -83,12 +108,17 @@ for line in sys.stdin:
         continue
     params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                             detokenize=False)
+    n = len(cmd["prompts"])
+    salts = cmd.get("salts") or [None] * n
+    adapters = cmd.get("loras") or [None] * n
+    embeds = cmd.get("embeds") or [False] * n
     ids = []
     start = time.perf_counter()
-    for prompt in cmd["prompts"]:
+    for i, tokens in enumerate(cmd["prompts"]):
         counter += 1
         ids.append(f"r{counter}")
-        engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=prompt), params)
+        engine.add_request(ids[-1], prompt(tokens, salts[i], embeds[i]), params,
+                           lora_request=lora(adapters[i]))
     aborted = sorted(ids[i] for i in cmd.get("abort", []))
     out, cached, ttft = {}, {}, {}
     while engine.has_unfinished_requests():
@@ -109,9 +139,16 @@ for line in sys.stdin:
 class Engine:
     """One ``vllm.LLM`` in its own process (scheduler and worker in it), driven by JSON
     lines on stdin: ``generate`` (greedy; ``abort`` lists prompts aborted after the
-    first step) returns tokens, vLLM's cached-token counts and each prompt's time to
-    first token in seconds; ``stats`` the connector's counters since start-up.
-    ``connector`` is the connector's extra config (None: no connector)."""
+    first step) returns tokens, vLLM's cached-token counts (its own prefix hits plus
+    the connector's, in tokens) and each prompt's time to first token in seconds;
+    ``stats`` the connector's counters since start-up.
+
+    ``connector`` is the connector's extra config (None: no connector), ``kv_role``
+    vLLM's role for it (``kv_both``, ``kv_producer``, ``kv_consumer``).
+    ``max_lora_rank`` > 0 enables LoRA adapters up to that rank;
+    ``prompt_embeds`` lets prompts be given as embeddings. ``wait=False`` returns
+    once the process is started; :meth:`wait_ready` then waits for vLLM (so several
+    engines load at once)."""
 
     def __init__(
         self,
@@ -122,15 +159,22 @@ class Engine:
         max_num_seqs: int = 64,
         max_model_len: int = 2048,
         prefix_caching: bool = True,
+        kv_role: str = "kv_both",
+        max_lora_rank: int = 0,
+        prompt_embeds: bool = False,
+        wait: bool = True,
     ) -> None:
         args = {
             "model": str(model),
             "connector": connector,
+            "kv_role": kv_role,
             "block_size": PAGE_SIZE,
             "kv_bytes": kv_bytes,
             "max_num_seqs": max_num_seqs,
             "max_model_len": max_model_len,
             "prefix_caching": prefix_caching,
+            "max_lora_rank": max_lora_rank,
+            "prompt_embeds": prompt_embeds,
         }
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
         self.proc = subprocess.Popen(
@@ -140,7 +184,16 @@ class Engine:
             stderr=self._log,
             text=True,
         )
-        self._read()
+        self._ready = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> Engine:
+        """Wait until vLLM has loaded (RuntimeError with its log if it exited)."""
+        if not self._ready:
+            self._read()
+            self._ready = True
+        return self
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -153,14 +206,35 @@ class Engine:
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None
+        self.wait_ready()
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         return self._read()
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int = 8, abort: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        abort: list[int] | None = None,
+        *,
+        salts: list[str | None] | None = None,
+        loras: list[Path | None] | None = None,
+        embeds: list[bool] | None = None,
     ) -> dict[str, Any]:
-        return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, abort=abort or [])
+        """Greedy outputs of ``prompts`` (token ids), run as one batch. Per prompt,
+        optional: ``salts[i]`` its ``cache_salt``; ``loras[i]`` the adapter directory it
+        runs with (:func:`write_lora`; vLLM's ``lora_name`` is the directory's name);
+        ``embeds[i]`` True to send it as its token embeddings (vLLM's ``EmbedsPrompt``,
+        rows of the model's ``embed_tokens``: the same computation as the token ids)."""
+        return self.call(
+            op="generate",
+            prompts=prompts,
+            max_tokens=max_tokens,
+            abort=abort or [],
+            salts=salts,
+            loras=None if loras is None else [None if p is None else str(p) for p in loras],
+            embeds=embeds,
+        )
 
     def stats(self) -> dict[str, Any]:
         return self.call(op="stats")
@@ -181,6 +255,42 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_lora(directory: Path, seed: int, rank: int = 8) -> Path:
+    """A LoRA adapter for :data:`MODEL` in PEFT's format (adapter_config.json +
+    adapter_model.safetensors): rank ``rank`` on every layer's ``q_proj`` and
+    ``v_proj``, random weights from ``seed`` (equal in every process; adapters of
+    different seeds give different outputs). vLLM names it after ``directory``."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    outputs = {
+        "q_proj": MODEL.num_heads * MODEL.head_dim,
+        "v_proj": MODEL.num_kv_heads * MODEL.head_dim,
+    }
+    weights = {}
+    for layer in range(MODEL.num_layers):
+        for module, rows in outputs.items():
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            weights[f"{key}.lora_A.weight"] = 0.1 * torch.randn(
+                rank, MODEL.hidden_size, generator=gen
+            )
+            weights[f"{key}.lora_B.weight"] = 0.1 * torch.randn(rows, rank, generator=gen)
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted(outputs),
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return directory
 
 
 def block_bytes() -> int:
