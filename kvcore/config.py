@@ -81,6 +81,7 @@ from kvcore.sizes import parse_size
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
 MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is plenty
 MAX_BATCH = 1 << 20  # operations
+MAX_SHARDS = 64  # regions of one pool (tensor-parallel ranks)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "KVCORE_"
 
@@ -150,7 +151,12 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One pool. Its page count is ``num_pages`` if given, else as many pages as ``size`` holds."""
+    """One pool. Its page count is ``num_pages`` if given, else as many pages as ``size`` holds
+    in all its shards together.
+
+    ``shards`` > 1 serves tensor parallelism: the layout (``num_kv_heads`` = heads of one
+    rank) describes one shard, the daemon allocates ``shards`` regions of it and one
+    Manager, so page p is page p of every shard and one prefix index serves all ranks."""
 
     name: str = "default"
     device: str = "cpu"
@@ -161,6 +167,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: str = "bfloat16"
     size: int | str = "256MiB"
     num_pages: int | None = None
+    shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
     # Quotas, 0 = none. Pages count page references: a page shared by n of the
     # session's sequences (forks) counts n times, so the quota bounds daemon memory too.
     session_max_pages: int = 0
@@ -182,7 +189,18 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def validate(self) -> None:
-        """BadRequest unless the layout is valid and every quota is a count >= 0."""
+        """BadRequest unless the layout is valid, ``shards`` is 1 to MAX_SHARDS and every
+        quota is a count >= 0."""
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise BadRequest(
+                f"pool {self.name!r}: shards is 1 to {MAX_SHARDS} (one a tensor-parallel "
+                f"rank), not {self.shards}"
+            )
+        if self.shards > 1 and self.tiers.enabled:
+            raise BadRequest(
+                f"pool {self.name!r}: lower tiers copy one region; a pool of {self.shards} "
+                "shards has none yet (drop shards or the tiers)"
+            )
         self.layout()
         quotas = (
             self.session_max_pages,
@@ -197,7 +215,12 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if min(quotas) < 0:
             raise BadRequest(f"pool {self.name!r}: quotas are counts >= 0 (0 = none)")
 
+    def total_bytes(self) -> int:
+        """Bytes of all the pool's shards (what its memory costs)."""
+        return self.layout().total_bytes * self.shards
+
     def layout(self) -> KVLayout:
+        """The layout of one shard (each of the ``shards`` regions has it)."""
         if self.device != "cpu" and not re.fullmatch(r"cuda:\d+", self.device):
             raise BadRequest(f"pool {self.name!r}: device must be 'cpu' or 'cuda:N'")
         if self.num_pages is not None:
@@ -210,7 +233,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 self.num_pages,
             )
         return KVLayout.for_budget(
-            parse_size(self.size),
+            parse_size(self.size) // max(self.shards, 1),
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,

@@ -152,15 +152,23 @@ class Daemon:
         """Each configured pool: its memory and Manager, and its quotas in the ledger."""
         for pool in config.pools:
             layout = pool.layout()
-            self.pools.open(pool.name, pool.device, layout, group=pool.group, tiers=pool.tiers)
+            self.pools.open(
+                pool.name,
+                pool.device,
+                layout,
+                group=pool.group,
+                tiers=pool.tiers,
+                shards=pool.shards,
+            )
             self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
             log.info(
-                "pool %r created: %s, %d pages x %d tokens, %.1f MiB",
+                "pool %r created: %s, %d pages x %d tokens, %d shard(s), %.1f MiB",
                 pool.name,
                 pool.device,
                 layout.num_pages,
                 layout.page_size,
-                layout.total_bytes / (1 << 20),
+                pool.shards,
+                pool.total_bytes() / (1 << 20),
             )
 
     def tick(self) -> None:
@@ -239,10 +247,10 @@ def segment_prefix(endpoint: str) -> str:
 
 
 def check_shm(config: ServiceConfig, shm: str = "/dev/shm") -> None:
-    """BadRequest, with the numbers, if the host pools need more shared memory than ``shm``
-    has free: a segment larger than its filesystem is created without complaint and
+    """BadRequest, with the numbers, if the host pools (all their shards) need more shared
+    memory than ``shm`` has free: a segment larger than its filesystem is created without complaint and
     kills whoever touches the missing pages (SIGBUS)."""
-    need = sum(p.layout().total_bytes for p in config.pools if p.device == "cpu")
+    need = sum(p.total_bytes() for p in config.pools if p.device == "cpu")  # every shard
     try:
         st = os.statvfs(shm)
     except OSError:

@@ -15,6 +15,12 @@ A pool whose configuration declares lower tiers (kvcore.config.TierConfig) is se
 by a :class:`~.tiering.TieredManager` over its memory: the handler calls it like
 any Manager; :meth:`Pool.tier_stats` gives its counters per medium.
 
+A pool of ``shards`` > 1 (tensor parallelism: one shard a rank) has that many regions
+of its layout and still one Manager: page p is page p of every shard, so one prefix
+index and one set of quotas serve all ranks, and a page is as valid as the ranks that
+wrote it (the connector commits only what every rank saved). Host shards are separate
+segments; CUDA shard i lies on the i-th GPU after the configured one.
+
 Host segments are named ``<segment_prefix>-<pid>-<random>``: the prefix is
 derived from the daemon's endpoint, so a daemon started on the same endpoint
 finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
@@ -30,7 +36,7 @@ from kvcore_ipc import messages as msg
 from kvcore_ipc.events import Publisher
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
-from kvcore.config import TierConfig
+from kvcore.config import MAX_SHARDS, TierConfig
 from kvcore.errors import BadRequest, UnknownPool
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
@@ -51,12 +57,40 @@ class Pool:
     name: str
     device: str  # "cpu" or "cuda:N"
     manager: PageManager  # a Manager, or a TieredManager holding one
-    region: HostRegion | CudaRegion
+    regions: list[HostRegion | CudaRegion]  # one per shard, each of ``layout``
     ephemeral: bool = False  # created by an attach; closed when its last session leaves
 
     @property
     def layout(self) -> KVLayout:
+        """The layout of one shard."""
         return self.manager.layout
+
+    @property
+    def shards(self) -> int:
+        return len(self.regions)
+
+    @property
+    def region(self) -> HostRegion | CudaRegion:
+        """Shard 0's region (the only one of an unsharded pool)."""
+        return self.regions[0]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every shard together."""
+        return self.layout.total_bytes * self.shards
+
+    def memory(self, shard: int) -> msg.Memory:
+        """The wire description of ``shard``'s region; BadRequest past the last shard."""
+        if not 0 <= shard < self.shards:
+            raise BadRequest(
+                f"pool {self.name!r} has {self.shards} shard(s) (0 to {self.shards - 1}); "
+                f"no shard {shard}"
+            )
+        return self.regions[shard].describe()
+
+    def close_regions(self) -> None:
+        for region in self.regions:
+            region.close()
 
     def layout_message(self) -> msg.PoolLayout:
         return msg.PoolLayout(**self.layout.to_dict())
@@ -101,35 +135,59 @@ class PoolTable:
         ephemeral: bool = False,
         group: str = "",
         tiers: TierConfig | None = None,
+        shards: int = 1,
     ) -> Pool:
-        """Create the pool's memory and Manager. BadRequest if the name is taken. A host
-        segment is mode 0600 (the daemon's user), or 0660 of ``group`` if given (tenants
-        of other uids in that group can map it). With ``tiers`` that declare any tier,
-        the Manager is a TieredManager over the pool's memory."""
+        """Create the pool's memory (``shards`` regions of ``layout``) and Manager.
+        BadRequest if the name is taken or a CUDA shard has no GPU. A host segment is mode
+        0600 (the daemon's user), or 0660 of ``group`` if given (tenants of other uids in
+        that group can map it). With ``tiers`` that declare any tier, the Manager is a
+        TieredManager over the pool's memory (one shard only)."""
         if name in self.pools:
             raise BadRequest(f"pool {name!r} exists")
+        if not 1 <= shards <= MAX_SHARDS:
+            raise BadRequest(f"a pool has 1 to {MAX_SHARDS} shards, not {shards}")
         if ephemeral and (
-            layout.total_bytes > MAX_EPHEMERAL_BYTES or layout.num_pages > MAX_EPHEMERAL_PAGES
+            layout.total_bytes * shards > MAX_EPHEMERAL_BYTES
+            or layout.num_pages > MAX_EPHEMERAL_PAGES
         ):
             raise BadRequest("ephemeral pools are limited to 1 GiB and 2**20 pages")
-        region: HostRegion | CudaRegion
-        if device == "cpu":
-            region = HostRegion.create(layout.total_bytes, self.segment_prefix)
-            if group:
-                region.share_with_group(group)
-        else:
-            region = CudaRegion.create(layout.total_bytes, device)
+        tiered = tiers is not None and tiers.enabled
+        if tiered and shards > 1:
+            raise BadRequest(f"pool {name!r}: lower tiers serve pools of one shard only")
+        regions = self._create_regions(device, layout.total_bytes, shards, group)
         manager: PageManager = Manager(layout)
-        if tiers is not None and tiers.enabled:
+        if tiered:
+            assert tiers is not None
             try:
                 stack = open_stack(layout, tiers, name)
             except BaseException:
-                region.close()
+                _close_all(regions)
                 raise
-            manager = TieredManager(layout, layout.layer_views(region.as_tensor()), stack)
-        pool = Pool(name, device, manager, region, ephemeral)
+            manager = TieredManager(layout, layout.layer_views(regions[0].as_tensor()), stack)
+        pool = Pool(name, device, manager, regions, ephemeral)
         self.pools[name] = pool
         return pool
+
+    def _create_regions(
+        self, device: str, size: int, shards: int, group: str
+    ) -> list[HostRegion | CudaRegion]:
+        """``shards`` regions of ``size`` bytes each (host: one segment each; cuda: shard
+        i on GPU base + i), or none: a failure closes those already made."""
+        devices = shard_devices(device, shards)
+        regions: list[HostRegion | CudaRegion] = []
+        try:
+            for where in devices:
+                if where == "cpu":
+                    host = HostRegion.create(size, self.segment_prefix)
+                    regions.append(host)
+                    if group:
+                        host.share_with_group(group)
+                else:
+                    regions.append(CudaRegion.create(size, where))
+        except BaseException:
+            _close_all(regions)
+            raise
+        return regions
 
     def close(self, name: str) -> None:
         """Remove a pool: publish its pending events and a removal of every cached page,
@@ -141,7 +199,7 @@ class PoolTable:
         self._send(name, [*map(_wire, pool.manager.take_events()), *removed])
         if isinstance(pool.manager, TieredManager):
             pool.manager.close()
-        pool.region.close()
+        pool.close_regions()
 
     def close_all(self) -> None:
         for name in list(self.pools):
@@ -181,6 +239,29 @@ class PoolTable:
             for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE):
                 chunk = events[i : i + MAX_EVENTS_PER_MESSAGE]
                 self._publisher.publish(msg.EventBatch(name, self.epoch, first + i, chunk))
+
+
+def shard_devices(device: str, shards: int) -> list[str]:
+    """The device of each shard: "cpu" for all of a host pool; ``cuda:N`` .. ``cuda:N+shards-1``
+    for a GPU pool, BadRequest (with the counts) if this machine has fewer GPUs."""
+    if device == "cpu":
+        return ["cpu"] * shards
+    base = int(device.removeprefix("cuda:"))
+    if shards > 1:
+        import torch
+
+        have = torch.cuda.device_count()
+        if base + shards > have:
+            raise BadRequest(
+                f"a pool of {shards} shards on {device} needs GPUs {base} to "
+                f"{base + shards - 1}; this machine has {have}"
+            )
+    return [f"cuda:{base + i}" for i in range(shards)]
+
+
+def _close_all(regions: list[HostRegion | CudaRegion]) -> None:
+    for region in regions:
+        region.close()
 
 
 def _wire(event: PageEvent) -> msg.Event:

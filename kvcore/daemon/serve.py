@@ -63,7 +63,8 @@ def _where_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="K=V,...",
         help="a pool, e.g. name=default,device=cpu,num_layers=16,size=256MiB "
-        "(repeatable; replaces the configured pools)",
+        "(repeatable; replaces the configured pools); shards=N: one region per "
+        "tensor-parallel rank, num_kv_heads being one rank's",
     )
     parser.add_argument(
         "--events",
@@ -310,11 +311,13 @@ def _banner(daemon: Daemon) -> None:
     )
     for pool in daemon.pools.pools.values():
         lay = pool.layout
-        where = pool.region.name if isinstance(pool.region, HostRegion) else "CUDA IPC"
+        names = [r.name for r in pool.regions if isinstance(r, HostRegion)]
+        where = ", ".join(names) if names else "CUDA IPC"
+        shards = f", {pool.shards} shards of {lay.num_kv_heads} heads" if pool.shards > 1 else ""
         print(
             f"  pool {pool.name!r}: {pool.device}, {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} "
-            f"{lay.dtype}, {lay.total_bytes / (1 << 20):.1f} MiB ({where})"
+            f"{lay.dtype}{shards}, {pool.total_bytes / (1 << 20):.1f} MiB ({where})"
         )
     if config.insecure and daemon.server.endpoint.startswith("tcp://"):
         print(
