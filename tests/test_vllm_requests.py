@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -93,6 +94,17 @@ def pool(endpoint: str) -> tuple[int, int, int, int]:
     return s.cached_pages, s.query_tokens, s.held_pages, s.num_sequences
 
 
+def settled(endpoint: str, timeout_s: float = 10.0) -> tuple[int, int, int, int]:
+    """:func:`pool` once no sequence is held: every request the engines ran is freed,
+    so its commits (sent before its free) are in. The connector sends them from its
+    own thread: an engine's answer may come back before they reach the daemon."""
+    deadline = time.monotonic() + timeout_s
+    while (now := pool(endpoint))[2:] != (0, 0):
+        assert time.monotonic() < deadline, f"sequences still held after {timeout_s} s: {now}"
+        time.sleep(0.05)
+    return now
+
+
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, **per_prompt: Any) -> Any:
     """``engine.generate``, plus ``external``: the tokens its connector loaded for the
     batch, and the connector's counter deltas (``saved_pages`` ...)."""
@@ -116,13 +128,14 @@ def test_turn_two_on_b_loads_turn_one_prompt_and_output_from_a(
     (o1,) = turn1["tokens"]
     assert turn1["tokens"] == plain.generate([p1], max_tokens=56)["tokens"]
     p2 = p1 + o1 + MODEL.prompt(30, 102)  # the conversation so far, then a new message
+    settled(daemon.endpoint)
     turn2 = run(b, [p2], max_tokens=16)
     # A computed K/V for p1 and o1[:-1]: o1's last token was sampled, never fed back.
     # 200 + 56 - 1 = 255 tokens: 7 full pages; the 8th would need that last token.
     assert turn2["cached"] == [(len(p1) + len(o1) - 1) // PAGE_SIZE * PAGE_SIZE] == [224]
     assert turn2["external"] == 224
     assert turn2["tokens"] == plain.generate([p2], max_tokens=16)["tokens"]
-    assert pool(daemon.endpoint)[2:] == (0, 0)
+    settled(daemon.endpoint)
 
 
 def test_without_save_generated_turn_two_hits_the_prompt_pages_only(
@@ -133,6 +146,7 @@ def test_without_save_generated_turn_two_hits_the_prompt_pages_only(
         p1 = MODEL.prompt(200, 111)
         (o1,) = run(c, [p1], max_tokens=56)["tokens"]
         p2 = p1 + o1 + MODEL.prompt(30, 112)
+        settled(daemon.endpoint)
         turn2 = run(b, [p2], max_tokens=16)
         assert turn2["cached"] == [len(p1) // PAGE_SIZE * PAGE_SIZE] == [192]
         assert turn2["tokens"] == plain.generate([p2], max_tokens=16)["tokens"]
@@ -147,11 +161,14 @@ def test_without_save_generated_turn_two_hits_the_prompt_pages_only(
 # -- identity: cache salt, LoRA adapter, prompt embeddings ---------------------------------
 
 
-def test_pages_are_shared_only_under_the_same_cache_salt(engines: dict[str, Engine]) -> None:
+def test_pages_are_shared_only_under_the_same_cache_salt(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
     a, b, plain = engines["a"], engines["b"], engines["plain"]
     prompt = MODEL.prompt(160, 121)
     want = plain.generate([prompt], max_tokens=8)["tokens"]
     assert run(a, [prompt], max_tokens=8, salts=["alice"])["tokens"] == want
+    settled(daemon.endpoint)
     for salt in ("bob", None):  # another tenant's salt, and no salt: nothing to load
         other = run(b, [prompt], max_tokens=8, salts=[salt])
         assert (other["external"], other["cached"], other["tokens"]) == (0, [0], want), salt
@@ -161,7 +178,7 @@ def test_pages_are_shared_only_under_the_same_cache_salt(engines: dict[str, Engi
 
 
 def test_pages_are_shared_only_under_the_same_lora_adapter(
-    engines: dict[str, Engine], adapters: tuple[Path, Path]
+    engines: dict[str, Engine], adapters: tuple[Path, Path], daemon: DaemonProcess
 ) -> None:
     a, b, plain = engines["a"], engines["b"], engines["plain"]
     first, second = adapters
@@ -172,6 +189,7 @@ def test_pages_are_shared_only_under_the_same_lora_adapter(
     }
     assert want[first] != want[second] != want[None]  # the adapters change the model
     assert run(a, [prompt], max_tokens=8, loras=[first])["tokens"] == want[first]
+    settled(daemon.endpoint)
     # B's first adapter is `second`: vLLM gives it B's LoRA id 1, which on A is `first`'s;
     # pages are keyed by the adapter's name, never by an engine's id for it
     for lora in (second, None):
@@ -190,7 +208,7 @@ def test_prompt_embeddings_match_nothing_and_save_nothing(
     want = plain.generate([tokens], max_tokens=8)["tokens"]
     assert plain.generate([tokens], max_tokens=8, embeds=[True])["tokens"] == want
     assert run(a, [tokens], max_tokens=8)["tokens"] == want  # A commits the token pages
-    before = pool(daemon.endpoint)
+    before = settled(daemon.endpoint)
     on_b = run(b, [tokens], max_tokens=8, embeds=[True])  # same rows, given as embeddings
     assert (on_b["external"], on_b["cached"], on_b["tokens"]) == (0, [0], want)
     # vLLM fills an embeddings prompt's token ids with placeholders: were they saved,
@@ -200,7 +218,7 @@ def test_prompt_embeddings_match_nothing_and_save_nothing(
         on_a = run(a, [prompt], max_tokens=8, embeds=[True])
         assert on_a["external"] == 0 and on_a["delta"].get("saved_pages", 0) == 0
         assert on_a["tokens"] == plain.generate([prompt], max_tokens=8)["tokens"]
-    assert pool(daemon.endpoint) == before  # no allocate, no commit: the daemon saw nothing
+    assert settled(daemon.endpoint) == before  # no allocate, no commit: the daemon saw nothing
 
 
 # -- prefill on A, decode on B ---------------------------------------------------------------
@@ -228,7 +246,7 @@ def test_prefill_on_a_then_decode_on_b_equals_one_engine(
     assert prefill["external"] == 0
     full = sum(len(p) // PAGE_SIZE for p in prompts)  # max_tokens=1: no generated K/V
     assert full - 3 <= prefill["delta"]["saved_pages"] <= full  # the shared 3 saved once or twice
-    cached_before = pool(daemon.endpoint)[0]
+    cached_before = settled(daemon.endpoint)[0]
     decode = run(b, prompts, max_tokens=24)
     assert decode["tokens"] == want
     assert [t[:1] for t in decode["tokens"]] == prefill["tokens"]
@@ -237,8 +255,7 @@ def test_prefill_on_a_then_decode_on_b_equals_one_engine(
     assert decode["cached"] == [loadable(p) for p in prompts] == [224, 128, 160, 128, 32]
     assert sum(decode["cached"]) - 96 <= decode["external"] <= sum(decode["cached"])
     assert decode["delta"].get("saved_pages", 0) == 0  # a consumer never saves
-    assert pool(daemon.endpoint)[0] == cached_before
-    assert pool(daemon.endpoint)[2:] == (0, 0)
+    assert settled(daemon.endpoint)[0] == cached_before
 
 
 # -- the recipe's proxy (docs/engines.md), in front of the two engines ---------------------
