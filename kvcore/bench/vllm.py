@@ -35,7 +35,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,7 @@ SIZES = (
     ("question_tokens", 32, "rag: tokens per question"),
     ("conversations", 8, "chat: conversations"),
     ("turns", 4, "chat: turns per conversation (at least 2: turn 1 measures nothing)"),
-    ("first_tokens", 256, "chat: the first turn's prompt"),
+    ("first_tokens", 240, "chat: the first turn's prompt"),
     ("user_tokens", 64, "chat: each later turn's new user message"),
     ("answer_tokens", 32, "chat: greedy tokens per turn (the answer)"),
 )
@@ -182,7 +181,7 @@ def _configuration(
             DaemonProcess.private("--pool", pool_flag(num_pages=2 * blocks))
         )
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
-        engines = _start(stack, model, conn, sizing)
+        engines = _start(stack, model, conn, sizing, daemon.endpoint)
         warm_up((engines.a, engines.b, engines.pa, engines.pb), sizes)
         for r in range(1, repeats + 1):
             for workload in WORKLOADS:
@@ -198,16 +197,17 @@ def _configuration(
     return record
 
 
-def _start(stack: ExitStack, model: Path, conn: dict[str, Any], sizing: dict[str, Any]) -> Engines:
-    """A, B (with the connector), pa, pb, started at once (each start is mostly waiting
-    on imports); every engine that started is closed with ``stack``, even if one failed."""
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(Engine, model, c, **sizing) for c in (conn, conn, None, None)]
-    for future in futures:
-        if future.exception() is None:
-            stack.enter_context(future.result())
-    a, b, pa, pb = (future.result() for future in futures)  # raises the first failure
-    return Engines(a, b, pa, pb)
+def _start(
+    stack: ExitStack, model: Path, conn: dict[str, Any], sizing: dict[str, Any], endpoint: str
+) -> Engines:
+    """A, B (with the connector), pa, pb, loading at once (a start is mostly imports);
+    each is closed with ``stack``, even if another fails to start."""
+    started = [
+        stack.enter_context(Engine(model, c, wait=False, **sizing))
+        for c in (conn, conn, None, None)
+    ]
+    a, b, pa, pb = (engine.wait_ready() for engine in started)
+    return Engines(a, b, pa, pb, endpoint)
 
 
 def _blocks_per_round(s: Sizes) -> int:

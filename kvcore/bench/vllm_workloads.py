@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -49,13 +50,32 @@ class Sizes:
 
 @dataclass(frozen=True, slots=True)
 class Engines:
-    """One configuration's engines: ``a`` and ``b`` attached to one daemon through the
-    connector, ``pa`` and ``pb`` without it (module docstring: what each is fed)."""
+    """One configuration's engines: ``a`` and ``b`` attached through the connector to
+    the daemon at ``endpoint``, ``pa`` and ``pb`` without it (module docstring: what each
+    is fed)."""
 
     a: Engine
     b: Engine
     pa: Engine
     pb: Engine
+    endpoint: str
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the daemon holds no sequence: every request the engines ran is
+        freed, so its commits (sent before its free) are in. The connector sends them
+        from its own thread, so an engine's answer may come back before they land; the
+        next engine's lookup must not race them. Not part of any measured time."""
+        from kvcore.client import Client
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with Client.connect(self.endpoint, map_memory=False, heartbeat=False) as client:
+                stats = client.stats()
+            if stats.held_pages == 0 and stats.num_sequences == 0:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon still holds sequences after {timeout_s} s: {stats}")
+            time.sleep(0.02)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +124,7 @@ def shared_prefix(e: Engines, s: Sizes, r: int) -> Outcome:
         [prefix + tokens(s.suffix_tokens, "shared-a", r, i) for i in range(s.requests)],
         s.new_tokens,
     )
+    e.settle()  # A's commits are in before B looks up
     hit = [prefix + tokens(s.suffix_tokens, "shared-b", r, i) for i in range(s.requests)]
     return _burst(e.b, e.pb, hit, s.new_tokens, ttft=True)
 
@@ -126,6 +147,7 @@ def rag(e: Engines, s: Sizes, r: int) -> Outcome:
         [d + tokens(s.question_tokens, "question-a", r, i) for i, d in enumerate(docs)],
         s.new_tokens,
     )
+    e.settle()
     before = _external(e.b)
     kv: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []
@@ -142,8 +164,9 @@ def chat(e: Engines, s: Sizes, r: int) -> Outcome:
     (the connector's engines' tokens, so both sides run the same prompts) + a new user
     message. Each turn's requests go as one burst (the conversations are concurrent);
     figures are over turns >= 2: mean TTFT, and hit tokens / prompt tokens, which reach
-    the page-aligned part of the previous turn's answer only if the connector commits
-    pages of generated tokens."""
+    past the previous turn's prompt into its answer only if the connector commits pages
+    of generated tokens (vLLM computes K/V for every answer token but the last: the
+    last was sampled, never fed back)."""
     history = [tokens(s.first_tokens, "chat", r, c) for c in range(s.conversations)]
     kv: list[dict[str, Any]] = []
     plain: list[dict[str, Any]] = []
@@ -153,6 +176,7 @@ def chat(e: Engines, s: Sizes, r: int) -> Outcome:
         before = _external(engine)
         answers = engine.generate(history, s.answer_tokens)
         mirrored = mirror.generate(history, s.answer_tokens)
+        e.settle()  # this turn's commits are in before the other engine's turn looks up
         match = match and answers["tokens"] == mirrored["tokens"]
         if turn >= 2:  # turn 1 hits nothing: not measured
             kv.append(answers)
