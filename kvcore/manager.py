@@ -25,8 +25,13 @@ checked by :meth:`check_integrity` after every step of the conformance state mac
 * a page's refcount equals the number of block-table entries naming it;
 * no page is both free and referenced; every evictable page is indexed;
 * every block table has exactly ceil(num_tokens / page_size) pages;
-* the memos (the last namespace's root, the last prompt's page keys) hold what
+* the memos (the last key space's root, the last prompt's page keys) hold what
   hashing would compute now.
+
+Key spaces: a sequence's pages are keyed under ``root(namespace, lora, salt)``
+(spec/hashing.md), fixed when it is allocated (a fork inherits it), so commit,
+extend and fork take no key-space argument. Pages of different key spaces never
+share a key, hence never a page; equal key spaces share as one namespace did.
 
 The file is one class over ~400 lines on purpose: every method keeps these
 invariants over the same private state, so they read together. The result types
@@ -79,10 +84,13 @@ __all__ = [
 ]
 
 
+_KeySpace = tuple[str, str, str]  # (namespace, lora, salt): what a root key hashes
+
+
 @dataclass(slots=True)
 class _Sequence:
-    namespace: str
-    root: PrefixKey  # root_key(namespace)
+    space: _KeySpace
+    root: PrefixKey  # root_key(*space)
     pages: list[PageId]  # block table; only grows, except copy-on-write of the last page
     num_tokens: int
     keys: list[PrefixKey] = field(default_factory=list)  # keys of pages[:len(keys)]
@@ -113,22 +121,33 @@ class Manager:
         # page before anyone writes into it again.
         self._evicted: list[tuple[PrefixKey, PageId]] | None = [] if record_evictions else None
         # Memos of pure functions, so neither can change a result: the root key of
-        # the last namespace; and the keys of the last prompt matched (root, token
+        # the last key space (namespace, lora, salt); and the keys of the last prompt matched (root, token
         # bytes, keys of its first pages, at most the pages a hit may cover),
         # compared by bytes, never by identity (see _match).
-        self._root_memo: tuple[str, PrefixKey] = (DEFAULT_NAMESPACE, root_key(DEFAULT_NAMESPACE))
+        default: _KeySpace = (DEFAULT_NAMESPACE, "", "")
+        self._root_memo: tuple[_KeySpace, PrefixKey] = (default, root_key(*default))
         self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
     # -- operations -------------------------------------------------------------
 
     def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
     ) -> Allocation:
         """Start sequence ``seq_id`` holding ``tokens``: reuse the longest committed
-        prefix of whole pages in ``namespace`` (never covering the last token) and
-        add fresh pages for the rest. OutOfPages if they do not fit."""
+        prefix of whole pages in its key space (``namespace``, cache ``salt``, LoRA
+        adapter ``lora``; "" for none) and add fresh pages for the rest; a hit never
+        covers the last token. The sequence keeps the key space: its commits publish
+        under it, its forks inherit it. OutOfPages if the pages do not fit;
+        BadRequest if a key-space field is not a str of at most 256 UTF-8 bytes."""
         self.check_new(seq_id)
-        root = self._root(namespace)
+        space = (namespace, lora, salt)
+        root = self._root(space)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(root, token_bytes)
@@ -136,7 +155,7 @@ class Manager:
         self._check_room(num_new, self._room(hit_pages))
         self._pages.retain(hit_pages)
         pages = hit_pages + self._pages.take(num_new, self._evict)
-        self._seqs[seq_id] = _Sequence(namespace, root, pages, num_tokens, keys)
+        self._seqs[seq_id] = _Sequence(space, root, pages, num_tokens, keys)
         num_cached = len(hit_pages) * self._page_size
         self._query_tokens += num_tokens
         self._hit_tokens += num_cached
@@ -228,7 +247,8 @@ class Manager:
                     f"page {pages[i]} (page {first + i} of sequence {seq_id}) was committed "
                     "with other tokens"
                 )
-        self._index.insert_chain(parent, new, pages, token_bytes, seq.namespace)
+        namespace, lora, salt = seq.space
+        self._index.insert_chain(parent, new, pages, token_bytes, namespace, lora=lora, salt=salt)
         keys += new
 
     def _check_resent(
@@ -251,13 +271,13 @@ class Manager:
 
     def fork(self, parent_id: int, child_id: int) -> list[int]:
         """New sequence ``child_id`` sharing every page of ``parent_id`` (refcount +1
-        each). Never allocates, so never runs out of pages. Returns the child's
-        block table."""
+        each) and its key space. Never allocates, so never runs out of pages. Returns
+        the child's block table."""
         parent = self._get(parent_id)
         self.check_new(child_id)
         self._pages.retain(parent.pages)
         self._seqs[child_id] = _Sequence(
-            parent.namespace, parent.root, list(parent.pages), parent.num_tokens, list(parent.keys)
+            parent.space, parent.root, list(parent.pages), parent.num_tokens, list(parent.keys)
         )
         return list(parent.pages)
 
@@ -269,13 +289,20 @@ class Manager:
         del self._seqs[seq_id]
         self._pages.release(reversed(seq.pages), self._key_by_page)
 
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
-        """What allocate of ``tokens`` in ``namespace`` would serve from the cache now
-        (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events.
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
+    ) -> PrefixHit:
+        """What allocate of ``tokens`` in the key space (``namespace``, ``salt``,
+        ``lora``) would serve from the cache now (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events.
         A daemon pool with lower tiers first brings pages up from them, as allocate
         does (kvcore.daemon.tiering): that changes which pages are cached and queues
         their events, never any sequence (docs/concepts.md, "Tiers")."""
-        root = self._root(namespace)
+        root = self._root((namespace, lora, salt))
         _, pages = self._match(root, encode_tokens(tokens))
         refcounts = self._refcounts
         evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
@@ -291,11 +318,19 @@ class Manager:
         if seq_id in self._seqs:
             raise SequenceExists(f"sequence {seq_id} is live")
 
-    def plan(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixPlan:
+    def plan(
+        self,
+        tokens: Sequence[int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
+    ) -> PrefixPlan:
         """The keys of ``tokens``' full pages that a hit may cover, how many lead
-        indexed in ``namespace``, and the room beside them (:class:`PrefixPlan`).
-        Read-only, like :meth:`lookup`; hashes every page a hit may cover."""
-        root = self._root(namespace)
+        indexed in the key space (``namespace``, ``salt``, ``lora``), and the room
+        beside them (:class:`PrefixPlan`). Read-only, like :meth:`lookup`; hashes
+        every page a hit may cover."""
+        root = self._root((namespace, lora, salt))
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(root, token_bytes)
@@ -311,6 +346,8 @@ class Manager:
         num_pages: int,
         *,
         namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
         medium: str = "",
     ) -> list[int]:
         """Index fresh pages for the ``num_pages`` full pages of ``tokens`` that follow
@@ -324,11 +361,11 @@ class Manager:
 
         The adopted pages (and the evictable hit pages) end up evictable, most
         recently used, tail least recent; no sequence holds them; adopting nothing
-        changes nothing. ``medium`` labels their stored
-        events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
+        changes nothing. The key space (``namespace``, ``salt``, ``lora``) is the
+        lookup's; ``medium`` labels their stored events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
         if the run reaches the last token (a hit never covers it).
         """
-        root = self._root(namespace)
+        root = self._root((namespace, lora, salt))
         token_bytes = encode_tokens(tokens)
         if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
             raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -355,7 +392,7 @@ class Manager:
         self._pages.retain(hit_pages)  # so that the take below cannot evict them
         pages = self._pages.take(len(new), self._evict)
         chain_bytes = token_bytes[first * stride : (first + len(new)) * stride]
-        self._index.insert_chain(parent, new, pages, chain_bytes, namespace, medium)
+        self._index.insert_chain(parent, new, pages, chain_bytes, namespace, medium, lora, salt)
         self._pages.release(reversed(hit_pages + pages), self._key_by_page)
         return list(pages)
 
@@ -417,7 +454,7 @@ class Manager:
             assert len(seq.keys) <= seq.num_tokens // self._page_size, (
                 f"sequence {seq_id}: a key for a page that is not full"
             )
-            assert seq.root == root_key(seq.namespace), f"sequence {seq_id}: wrong root"
+            assert seq.root == root_key(*seq.space), f"sequence {seq_id}: wrong root"
             references.update(seq.pages)
         self._pages.check_integrity(references, self._key_by_page)
         self._index.check_integrity()
@@ -427,8 +464,8 @@ class Manager:
             assert keys == list(
                 chain_keys(root, token_bytes[: len(keys) * stride], self._page_size)
             ), "the match memo holds keys of other tokens"
-        namespace, root = self._root_memo
-        assert root == root_key(namespace), "the root memo holds another namespace's root"
+        space, root = self._root_memo
+        assert root == root_key(*space), "the root memo holds another key space's root"
 
     # -- internals --------------------------------------------------------------
 
@@ -530,12 +567,13 @@ class Manager:
             raise UnknownSequence(f"no live sequence {seq_id!r}")
         return seq
 
-    def _root(self, namespace: str) -> PrefixKey:
-        if not isinstance(namespace, str):
-            raise BadRequest(f"namespace must be a str, got {namespace!r}")
+    def _root(self, space: _KeySpace) -> PrefixKey:
+        """root_key(namespace, lora, salt), memoized for the last key space; BadRequest
+        (from root_key) unless each is a str of at most 256 UTF-8 bytes."""
         memo = self._root_memo
-        if namespace != memo[0]:
-            memo = self._root_memo = (namespace, root_key(namespace))
+        if space != memo[0] or any(v.__class__ is not str for v in space):
+            root = root_key(*space)  # raises for a field that is not a str
+            memo = self._root_memo = (space, root)
         return memo[1]
 
 

@@ -180,19 +180,30 @@ def _namespace(requested: str | None, session: str) -> str:
 
 
 # -- encode: a call's arguments -> the request (client side) ----------------------------
-# ``namespace=None`` means the session's namespace (fixed at attach).
+# ``namespace=None`` means the session's namespace (fixed at attach); ``salt`` and
+# ``lora`` ("" for none) complete the key space (spec/hashing.md) and are not granted:
+# they split a namespace, never reach outside it.
 
 
-def _allocate(seq_id: int, tokens: Sequence[int], *, namespace: str | None = None) -> msg.Allocate:
-    return msg.Allocate(seq_id, _tokens(tokens), namespace)
+def _allocate(
+    seq_id: int,
+    tokens: Sequence[int],
+    *,
+    namespace: str | None = None,
+    salt: str = "",
+    lora: str = "",
+) -> msg.Allocate:
+    return msg.Allocate(seq_id, _tokens(tokens), namespace, salt, lora)
 
 
 def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit:
     return msg.Commit(seq_id, _tokens(tokens), start)
 
 
-def _lookup(tokens: Sequence[int], *, namespace: str | None = None) -> msg.Lookup:
-    return msg.Lookup(_tokens(tokens), namespace)
+def _lookup(
+    tokens: Sequence[int], *, namespace: str | None = None, salt: str = "", lora: str = ""
+) -> msg.Lookup:
+    return msg.Lookup(_tokens(tokens), namespace, salt, lora)
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
@@ -236,7 +247,11 @@ allocate = Operation(
     msg.Allocate,
     _allocate,
     serve=lambda m, r, ns: msg.AllocateOk(
-        *_allocation(m.allocate(r.seq, r.tokens, namespace=_namespace(r.namespace, ns)))
+        *_allocation(
+            m.allocate(
+                r.seq, r.tokens, namespace=_namespace(r.namespace, ns), salt=r.salt, lora=r.lora
+            )
+        )
     ),
     decode=lambda r: Allocation(r.pages, r.num_cached_tokens),
     creates="seq",
@@ -290,7 +305,7 @@ lookup = Operation(
     msg.Lookup,
     _lookup,
     serve=lambda m, r, ns: msg.LookupOk(
-        *_hit(m.lookup(r.tokens, namespace=_namespace(r.namespace, ns)))
+        *_hit(m.lookup(r.tokens, namespace=_namespace(r.namespace, ns), salt=r.salt, lora=r.lora))
     ),
     decode=lambda r: PrefixHit(r.num_cached_tokens, r.num_evictable_pages),
     work=lambda r, b: len(r.tokens),

@@ -3,15 +3,19 @@
 A prefix key names the content of one full page *and everything before it* in
 one namespace (spec/hashing.md fixes the bytes)::
 
-    root(ns)      = SHA-256( b"kvcore/prefix/v1" || TLV(0x01, utf8(ns)) )
+    root(ns, lora, salt) = SHA-256( b"kvcore/prefix/v1" || TLV(0x01, utf8(ns))
+                                    [|| TLV(0x04, utf8(lora)) if lora]
+                                    [|| TLV(0x05, utf8(salt)) if salt] )
     key(page i)   = SHA-256( key(page i-1) || TLV(0x02, tokens of page i as u32 LE)
                              [|| TLV(0x03, extra)] )
     TLV(tag, v)   = u8(tag) || u32 LE(len(v) in bytes) || v
-    key(page -1)  = root(ns)
+    key(page -1)  = root(ns, lora, salt)
 
-So equal keys mean equal namespace, equal extra inputs and equal tokens from the
-first token on, in every process, language and run; a cryptographic hash means
-nobody can force a collision into another tenant's cache.
+So equal keys mean equal key space (namespace, LoRA adapter, cache salt), equal
+extra inputs and equal tokens from the first token on, in every process, language
+and run; a cryptographic hash means nobody can force a collision into another
+tenant's cache. Without an adapter or a salt a root is the namespace's alone, as
+before either existed.
 
 The index maps key <-> page for committed pages, and remembers each key's
 parent key (for :meth:`PrefixIndex.snapshot`). A key is indexed at most once:
@@ -43,8 +47,12 @@ DOMAIN = b"kvcore/prefix/v1"
 TAG_NAMESPACE = 0x01
 TAG_TOKENS = 0x02
 TAG_EXTRA = 0x03
+TAG_LORA = 0x04
+TAG_SALT = 0x05
 KEY_BYTES = 32
 MAX_NAMESPACE_BYTES = 256
+MAX_LORA_BYTES = 256
+MAX_SALT_BYTES = 256
 
 
 _TLV_HEAD = struct.Struct("<BI")
@@ -70,12 +78,29 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def root_key(namespace: str) -> PrefixKey:
-    """The parent key of a namespace's first page."""
-    raw = namespace.encode("utf-8")
-    if len(raw) > MAX_NAMESPACE_BYTES:
-        raise BadRequest(f"namespace is {len(raw)} bytes; at most {MAX_NAMESPACE_BYTES}")
-    return PrefixKey(hashlib.sha256(DOMAIN + _tlv(TAG_NAMESPACE, raw)).digest())
+def root_key(namespace: str, lora: str = "", salt: str = "") -> PrefixKey:
+    """The parent key of the first page of a key space: ``namespace``, LoRA adapter
+    ``lora`` and cache salt ``salt`` ("" for none; each at most 256 bytes of UTF-8,
+    BadRequest otherwise). An empty adapter or salt adds nothing to the hashed bytes."""
+    message = DOMAIN + _tlv(TAG_NAMESPACE, _utf8("namespace", namespace, MAX_NAMESPACE_BYTES))
+    if lora:
+        message += _tlv(TAG_LORA, _utf8("lora", lora, MAX_LORA_BYTES))
+    if salt:
+        message += _tlv(TAG_SALT, _utf8("salt", salt, MAX_SALT_BYTES))
+    return PrefixKey(hashlib.sha256(message).digest())
+
+
+def _utf8(name: str, value: str, limit: int) -> bytes:
+    """``value`` as UTF-8; BadRequest unless it is a str of at most ``limit`` bytes."""
+    if not isinstance(value, str):
+        raise BadRequest(f"{name} must be a str, got {value!r}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{name} is not encodable as UTF-8: {exc}") from None
+    if len(raw) > limit:
+        raise BadRequest(f"{name} is {len(raw)} bytes; at most {limit}")
+    return raw
 
 
 def page_key(parent: PrefixKey, page_tokens: bytes, extra: bytes = b"") -> PrefixKey:
@@ -123,16 +148,19 @@ class PageStored(msgspec.Struct, frozen=True):
     the same object as the page's entry, so it is immutable (and a frozen Struct is
     built in C: one per committed page).
 
-    ``tokens`` (the page's page_size tokens, u32 LE bytes) and ``namespace`` are
-    what a consumer that hashes tokens itself needs (vLLM-format events); index
-    entries built without them (snapshots) leave them empty."""
+    ``tokens`` (the page's page_size tokens, u32 LE bytes) and the key space
+    (``namespace``, ``lora``, ``salt``) are what a consumer that hashes tokens
+    itself needs (vLLM-format events); index entries built without them leave
+    them empty."""
 
     key: PrefixKey
-    parent_key: PrefixKey  # root(namespace) for the first page of a chain
+    parent_key: PrefixKey  # root(namespace, lora, salt) for the first page of a chain
     page: PageId
     tokens: bytes = b""
     namespace: str = ""
     medium: str = ""  # "": committed by an engine; else the lower tier it was promoted from
+    lora: str = ""  # the LoRA adapter of the key space; "" for none
+    salt: str = ""  # the cache salt of the key space; "" for none
 
 
 class PageRemoved(msgspec.Struct, frozen=True):
@@ -183,13 +211,15 @@ class PrefixIndex:
         token_bytes: bytes = b"",
         namespace: str = "",
         medium: str = "",
+        lora: str = "",
+        salt: str = "",
     ) -> None:
         """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
         is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
         page (the first commit wins); the page passed for it stays private.
-        ``token_bytes`` (the chain's tokens, u32 LE, or empty), ``namespace`` and
-        ``medium`` (where the bytes came from: "" for a commit) label the entries
-        and their events."""
+        ``token_bytes`` (the chain's tokens, u32 LE, or empty), the key space
+        (``namespace``, ``lora``, ``salt``) and ``medium`` (where the bytes came
+        from: "" for a commit) label the entries and their events."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, events = self._stored, self._key_of, self._events
         stride = len(token_bytes) // len(keys) if keys else 0
@@ -198,7 +228,7 @@ class PrefixIndex:
             if key not in stored:
                 assert page not in key_of, f"page {page} is indexed under another key"
                 tokens = token_bytes[i * stride : (i + 1) * stride]
-                entry = PageStored(key, parent_key, page, tokens, namespace, medium)
+                entry = PageStored(key, parent_key, page, tokens, namespace, medium, lora, salt)
                 stored[key] = entry
                 key_of[page] = key
                 events.append(entry)

@@ -57,9 +57,9 @@ def stack() -> Iterator[tuple[DaemonProcess, Indexer]]:
             indexer.close()
 
 
-def commit(client: Client, tokens: list[int]) -> None:
+def commit(client: Client, tokens: list[int], *, salt: str = "", lora: str = "") -> None:
     seq = random.getrandbits(63)
-    client.allocate(seq, tokens)
+    client.allocate(seq, tokens, salt=salt, lora=lora)
     client.commit(seq, tokens)  # the K/V bytes do not matter to the index
     client.free(seq)
 
@@ -85,3 +85,41 @@ def test_a_namespace_is_queried_as_its_lora_name(stack: tuple[DaemonProcess, Ind
         commit(client, prompt)
     assert indexer.wait_for(prompt, 8, lora_name="tenant-a") == 8
     assert indexer.matched(prompt) == 0
+
+
+def test_the_indexer_answers_per_salt_and_per_adapter(
+    stack: tuple[DaemonProcess, Indexer],
+) -> None:
+    """Engines commit one prompt under two salts and two adapters (the salts as Dynamo's
+    frontend hands them to vLLM, ``dynamo-cache-salt:`` + the salt): the indexer
+    answers each salt and adapter its own length, and nothing to the others."""
+    daemon, indexer = stack
+    prompt = list(range(900, 913))  # 3 full pages + 1 token
+    with Client.connect(daemon.endpoint, map_memory=False) as client:
+        commit(client, prompt, salt="dynamo-cache-salt:u1")
+        commit(client, prompt, lora="adapter-a")
+        assert indexer.wait_for(prompt, 12, cache_salt="u1") == 12
+        assert indexer.wait_for(prompt, 12, lora_name="adapter-a") == 12
+        assert indexer.matched(prompt, cache_salt="u2") == 0
+        assert indexer.matched(prompt, lora_name="adapter-b") == 0
+        assert indexer.matched(prompt) == 0  # neither salt nor adapter: nothing committed
+        assert client.lookup(prompt, salt="dynamo-cache-salt:u2").num_cached_tokens == 0
+
+
+def test_a_salted_sequence_committed_page_by_page_stays_under_its_salt(
+    stack: tuple[DaemonProcess, Indexer],
+) -> None:
+    """Only a chain's first page names the salt (as vLLM's events do); the pages a
+    sequence commits later carry none, and the indexer keeps them under it anyway."""
+    daemon, indexer = stack
+    prompt = list(range(1300, 1313))
+    with Client.connect(daemon.endpoint, map_memory=False) as client:
+        seq = random.getrandbits(63)
+        client.allocate(seq, prompt[: PAGE + 1], salt="dynamo-cache-salt:u7", lora="adapter-a")
+        client.commit(seq, prompt[:PAGE])
+        assert indexer.wait_for(prompt, PAGE, "adapter-a", "u7") == PAGE
+        client.extend(seq, len(prompt) - PAGE - 1)
+        client.commit(seq, prompt[PAGE:], start=PAGE)  # a later request: pages 1 and 2
+        assert indexer.wait_for(prompt, 12, "adapter-a", "u7") == 12
+        assert indexer.matched(prompt, "adapter-a") == 0
+        client.free(seq)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvcore_ipc.vllm_events import root_key as vllm_root_key
 
 from kvcore.errors import BadRequest
 from kvcore.prefix import chain_keys, encode_tokens, page_key, page_keys, root_key
@@ -27,15 +28,30 @@ def vectors() -> dict[str, Any]:
     return data
 
 
+def tlv(tag: int, value: bytes) -> bytes:
+    return bytes([tag]) + len(value).to_bytes(4, "little") + value
+
+
+def independent_root(namespace: str, lora: str = "", salt: str = "") -> bytes:
+    """root(ns, lora, salt) of spec/hashing.md written straight from the text."""
+    message = b"kvcore/prefix/v1" + tlv(1, namespace.encode())
+    if lora:
+        message += tlv(4, lora.encode())
+    if salt:
+        message += tlv(5, salt.encode())
+    return hashlib.sha256(message).digest()
+
+
 def independent_chain(
-    namespace: str, tokens: list[int], page_size: int, extra: bytes = b""
+    namespace: str,
+    tokens: list[int],
+    page_size: int,
+    extra: bytes = b"",
+    lora: str = "",
+    salt: str = "",
 ) -> list[str]:
     """The rules of spec/hashing.md written straight from the text."""
-
-    def tlv(tag: int, value: bytes) -> bytes:
-        return bytes([tag]) + len(value).to_bytes(4, "little") + value
-
-    parent = hashlib.sha256(b"kvcore/prefix/v1" + tlv(1, namespace.encode())).digest()
+    parent = independent_root(namespace, lora, salt)
     keys = []
     for i in range(len(tokens) // page_size):
         page = tokens[i * page_size : (i + 1) * page_size]
@@ -52,12 +68,50 @@ def test_roots() -> None:
         assert root_key(namespace).hex() == expected
 
 
+def test_roots_of_key_spaces() -> None:
+    for space in vectors()["spaces"]:
+        ns, lora, salt = space["namespace"], space["lora"], space["salt"]
+        expected = space["root"]
+        assert root_key(ns, lora, salt).hex() == expected == independent_root(ns, lora, salt).hex()
+        assert vllm_root_key(ns, lora, salt).hex() == expected  # the event publisher's copy
+
+
+def test_an_empty_adapter_and_salt_keep_the_namespaces_root() -> None:
+    for namespace, expected in vectors()["roots"].items():
+        assert root_key(namespace, "", "").hex() == expected == independent_root(namespace).hex()
+
+
+def test_key_space_fields_never_pose_as_each_other() -> None:
+    roots = {
+        root_key("default", "x", ""),
+        root_key("default", "", "x"),
+        root_key("default", "x", "x"),
+        root_key("x", "", ""),
+        root_key("default", "xy", ""),
+        root_key("default", "x", "y"),
+    }
+    assert len(roots) == 6
+
+
+@pytest.mark.parametrize("field", ["namespace", "lora", "salt"])
+def test_key_space_fields_are_bounded_in_bytes(field: str) -> None:
+    args = {"namespace": "default", "lora": "", "salt": ""}
+    root_key(**{**args, field: "\u20ac" * 85})  # 255 bytes
+    with pytest.raises(BadRequest):
+        root_key(**{**args, field: "\u20ac" * 86})  # 258 bytes, 86 characters
+    with pytest.raises(BadRequest):
+        root_key(**{**args, field: b"bytes"})  # type: ignore[arg-type]
+
+
 def test_chains() -> None:
     for chain in vectors()["chains"]:
         ns, toks, size = chain["namespace"], chain["tokens"], chain["page_size"]
-        got = [k.hex() for k in chain_keys(root_key(ns), encode_tokens(toks), size)]
-        eager = [k.hex() for k in page_keys(root_key(ns), encode_tokens(toks), size)]
-        assert got == eager == chain["keys"] == independent_chain(ns, toks, size)
+        lora, salt = chain.get("lora", ""), chain.get("salt", "")
+        root = root_key(ns, lora, salt)
+        got = [k.hex() for k in chain_keys(root, encode_tokens(toks), size)]
+        eager = [k.hex() for k in page_keys(root, encode_tokens(toks), size)]
+        independent = independent_chain(ns, toks, size, lora=lora, salt=salt)
+        assert got == eager == chain["keys"] == independent
 
 
 def test_page_keys_of_one_page_and_a_partial_tail() -> None:

@@ -101,3 +101,38 @@ def test_the_replay_socket_resends_from_a_sequence_number() -> None:
     finally:
         req.close(linger=0)
         pub.close()
+
+
+def test_vllm_decodes_an_adapters_salted_chain_as_it_publishes_one() -> None:
+    """A chain with a LoRA adapter and a cache salt: vLLM's own structs read the
+    adapter as ``lora_name`` and, per block, ``extra_keys`` as vLLM fills them (the
+    adapter on every block, the salt on the chain's first block only)."""
+    import pytest
+
+    kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is not installed")
+    from kvcore_ipc.messages import EventBatch, PageStoredEvent
+    from kvcore_ipc.vllm_events import VllmEventBatch, root_key, to_vllm
+    from vllm_events_helpers import page_key
+
+    parent, stored = root_key("default", "adapter-a", "u1"), []
+    for i in range(3):
+        page = list(range(4 * i, 4 * i + 4))
+        key = page_key(parent, page)
+        stored.append(PageStoredEvent(key, parent, i, page, "default", lora="adapter-a", salt="u1"))
+        parent = key
+    events = to_vllm(EventBatch("default", 1, 1, list(stored)), 4, "GPU")
+    payload = msgspec_encode(VllmEventBatch(0.0, events))
+    (event,) = msgspec_decode(kv_events.KVEventBatch, payload).events  # type: ignore[attr-defined]
+    assert isinstance(event, kv_events.BlockStored)
+    assert event.lora_name == "adapter-a" and event.parent_block_hash is None
+    assert [list(k) if k else k for k in event.extra_keys] == [
+        ["adapter-a", "u1"],
+        ["adapter-a"],
+        ["adapter-a"],
+    ]
+
+
+def msgspec_encode(value: object) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(value)

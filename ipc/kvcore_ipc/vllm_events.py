@@ -5,15 +5,30 @@ each message is three frames ``[topic, seq, payload]``: ``topic`` (UTF-8, defaul
 empty), ``seq`` an 8-byte big-endian batch number counting from 0 per publisher,
 and ``payload`` a msgpack ``EventBatch`` ``[ts, events]`` whose events are tagged
 maps (``"type"``): ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
-``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``),
-``BlockRemoved`` (``block_hashes``, ``medium``) and ``AllBlocksCleared``.
+``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, and
+``extra_keys`` when a block has any), ``BlockRemoved`` (``block_hashes``,
+``medium``) and ``AllBlocksCleared``.
 
 A block hash is the low 64 bits of kvcore's 32-byte page key read big-endian, as
 vLLM derives its integer block hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
-Consecutive stored pages of one chain become one ``BlockStored``. A page of a
-namespace other than ``"default"`` carries the namespace as ``lora_name``, so a
-consumer that hashes tokens (Dynamo's indexer) keeps namespaces apart; queries
-for that namespace pass the same ``lora_name``.
+Consecutive stored pages of one chain become one ``BlockStored``.
+
+Key spaces (spec/hashing.md: namespace, LoRA adapter, cache salt) are carried as
+vLLM carries a request's adapter and salt, so that a consumer that hashes tokens
+itself (Dynamo's indexer) keeps them apart; a router queries with the same values:
+
+* ``lora_name`` (:func:`lora_name_of`): the adapter name in the default namespace;
+  the namespace when a page of another namespace has no adapter (as before
+  adapters existed); the namespace, one NUL character and the adapter for
+  both; None for neither.
+* ``extra_keys``, one entry per block as vLLM publishes them (untagged): the
+  ``lora_name`` on every block of an adapter's chain, then the salt on the
+  chain's first page (the block whose parent is the root); None for a block
+  with neither, and no ``extra_keys`` at all for a batch without any. Dynamo
+  1.6.1 reads a salt from the first block's entries only if it starts with
+  ``"dynamo-cache-salt:"`` (what its frontend hands vLLM as ``cache_salt``) and
+  answers ``/query`` with ``cache_salt`` = the rest; a later event of the chain
+  inherits it from its parent block.
 
 The replay socket (a ROUTER, as vLLM's ``replay_endpoint``) answers a request
 ``[b"", seq as 8 bytes big-endian]`` with every buffered message numbered from
@@ -53,6 +68,8 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # One entry per block (vLLM's untagged extra keys): adapter, then salt; see the module.
+    extra_keys: list[list[str] | None] | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True):
@@ -75,20 +92,30 @@ class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
+def lora_name_of(namespace: str, lora: str) -> str | None:
+    """The ``lora_name`` of a key space's stored events (module docstring)."""
+    namespace = namespace or DEFAULT_NAMESPACE
+    if namespace == DEFAULT_NAMESPACE:
+        return lora or None
+    return f"{namespace}\0{lora}" if lora else namespace
+
+
 def block_hash(key: bytes) -> int:
     """A page key's 64-bit block hash: its low 8 bytes, big-endian (vLLM's rule)."""
     return int.from_bytes(key[-8:], "big")
 
 
 def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmEvent]:
-    """The batch's events as vLLM events, in order; chained stores of one namespace merged."""
+    """The batch's events as vLLM events, in order; chained stores of one key space merged."""
     out: list[VllmEvent] = []
     last_key = b""
     for event in batch.events:
         if isinstance(event, PageStoredEvent):
             tokens = list(event.tokens)
             namespace = event.namespace or DEFAULT_NAMESPACE
-            lora = None if namespace == DEFAULT_NAMESPACE else namespace
+            lora = lora_name_of(namespace, event.lora)
+            first = _is_root(event.parent, namespace, event.lora, event.salt)
+            extra = _extra_keys(lora if event.lora else None, event.salt if first else "")
             prev = out[-1] if out else None
             if (
                 isinstance(prev, BlockStored)
@@ -97,12 +124,15 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
             ):
                 prev.block_hashes.append(block_hash(event.key))
                 prev.token_ids.extend(tokens)
+                _append_extra(prev, extra)
             else:
-                parent = None if _is_root(event.parent, namespace) else block_hash(event.parent)
+                parent = None if first else block_hash(event.parent)
                 size = len(tokens) or page_size  # a stored event carries one page of tokens
-                out.append(
-                    BlockStored([block_hash(event.key)], parent, tokens, size, None, medium, lora)
+                stored = BlockStored(
+                    [block_hash(event.key)], parent, tokens, size, None, medium, lora
                 )
+                _append_extra(stored, extra)
+                out.append(stored)
             last_key = event.key
         elif isinstance(event, PageRemovedEvent):
             prev = out[-1] if out else None
@@ -114,16 +144,40 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
     return out
 
 
+def _extra_keys(lora_name: str | None, salt: str) -> list[str] | None:
+    """One block's ``extra_keys`` entry: its ``lora_name``, then its salt (vLLM's order)."""
+    keys = [key for key in (lora_name, salt) if key]
+    return keys or None
+
+
+def _append_extra(stored: BlockStored, extra: list[str] | None) -> None:
+    """Add the entry of ``stored``'s newest block (its last block hash) to its extra_keys,
+    which stay None while every block's entry is None."""
+    if extra is None and stored.extra_keys is None:
+        return
+    if stored.extra_keys is None:
+        stored.extra_keys = [None] * (len(stored.block_hashes) - 1)
+    stored.extra_keys.append(extra)
+
+
 @functools.lru_cache(maxsize=1024)
-def root_key(namespace: str) -> bytes:
-    """The namespace's root key (spec/hashing.md), the parent of a chain's first page."""
-    raw = namespace.encode("utf-8")
-    tlv = bytes([0x01]) + len(raw).to_bytes(4, "little") + raw
-    return hashlib.sha256(b"kvcore/prefix/v1" + tlv).digest()
+def root_key(namespace: str, lora: str = "", salt: str = "") -> bytes:
+    """The key space's root key (spec/hashing.md), the parent of a chain's first page."""
+    message = b"kvcore/prefix/v1" + _tlv(0x01, namespace)
+    if lora:
+        message += _tlv(0x04, lora)
+    if salt:
+        message += _tlv(0x05, salt)
+    return hashlib.sha256(message).digest()
 
 
-def _is_root(parent: bytes, namespace: str) -> bool:
-    return parent == root_key(namespace)
+def _tlv(tag: int, value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return bytes([tag]) + len(raw).to_bytes(4, "little") + raw
+
+
+def _is_root(parent: bytes, namespace: str, lora: str, salt: str) -> bool:
+    return parent == root_key(namespace, lora, salt)
 
 
 class VllmEventPublisher:

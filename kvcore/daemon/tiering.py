@@ -40,7 +40,7 @@ the removed event of a spilled page carries the medium now holding it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvcore_ipc import messages as msg
 
@@ -58,6 +58,14 @@ from kvcore.tiers.transfer import gather_pages, scatter_pages
 if TYPE_CHECKING:
     import torch
     from prometheus_client.core import Metric
+
+
+class KeySpace(NamedTuple):
+    """The key-space arguments of one allocate or lookup, as they pass to plan and adopt."""
+
+    namespace: str
+    salt: str
+    lora: str
 
 
 def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
@@ -106,24 +114,38 @@ class TieredManager:
     # -- operations that may promote or evict -------------------------------------------
 
     def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
     ) -> Allocation:
         """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
         the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
-        self._promote(tokens, namespace, for_allocate=True)
+        space = KeySpace(namespace, salt, lora)
+        self._promote(tokens, space, for_allocate=True)
         try:
-            return self.manager.allocate(seq_id, tokens, namespace=namespace)
+            return self.manager.allocate(seq_id, tokens, namespace=namespace, salt=salt, lora=lora)
         finally:
             self._spill()
 
-    def lookup(self, tokens: Sequence[int], *, namespace: str = DEFAULT_NAMESPACE) -> PrefixHit:
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        salt: str = "",
+        lora: str = "",
+    ) -> PrefixHit:
         """:meth:`Manager.lookup`, after promoting what the tiers hold of the rest of
         the chain (as far as free and evictable pages allow): not read-only, it may
         change which pages are cached (never a sequence); see the module docstring."""
-        self._promote(tokens, namespace, for_allocate=False)
+        self._promote(tokens, KeySpace(namespace, salt, lora), for_allocate=False)
         self._spill()
-        return self.manager.lookup(tokens, namespace=namespace)
+        return self.manager.lookup(tokens, namespace=namespace, salt=salt, lora=lora)
 
     def extend(self, seq_id: int, num_tokens: int) -> Extension:
         try:
@@ -207,12 +229,15 @@ class TieredManager:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _promote(self, tokens: Sequence[int], namespace: str, *, for_allocate: bool) -> None:
-        """Bring the pages of ``tokens``' chain that the tiers hold, after the pool's own
-        hits, into adopted pool pages, as many as the room beside the hits allows.
+    def _promote(self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool) -> None:
+        """Bring the pages of ``tokens``' chain in key space ``space`` that the tiers
+        hold, after the pool's own hits, into adopted pool pages, as many as the room
+        beside the hits allows. Tier keys derive from prefix keys, which hash the key
+        space, so pages of another salt or adapter are never found below either.
         OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
         never raises for a tier's miss."""
-        plan = self.manager.plan(tokens, namespace=namespace)
+        ns, salt, lora = space
+        plan = self.manager.plan(tokens, namespace=ns, salt=salt, lora=lora)
         if for_allocate and plan.num_new > plan.room:
             raise OutOfPages(f"need {plan.num_new} pages, {plan.room} free or evictable")
         rest = plan.keys[plan.num_hit : plan.num_hit + plan.room]
@@ -232,7 +257,9 @@ class TieredManager:
                 count = len(data)
             if count:
                 medium = run.tier.medium
-                pages = self.manager.adopt(tokens, count, namespace=namespace, medium=medium)
+                pages = self.manager.adopt(
+                    tokens, count, namespace=ns, salt=salt, lora=lora, medium=medium
+                )
                 fetched.append((pages, data, done))
                 count = len(pages)
             done += count

@@ -14,7 +14,9 @@ After every step it checks, through the subject's public API:
 * the set of pages an allocation takes is exactly the free pages plus the
   least recently released evictable pages, when the free ones do not suffice;
 * ``lookup`` and allocation hits agree with the model, and so does the number of
-  a hit's pages that are evictable (``PrefixHit.num_evictable_pages``);
+  a hit's pages that are evictable (``PrefixHit.num_evictable_pages``); calls name
+  a key space (namespace, cache salt, LoRA adapter), so a different salt or
+  adapter never hits and an equal one does;
 * ``commit`` with a ``start`` offset publishes what the model does, and a bad
   ``start`` is a BadRequest; failed calls change nothing;
 * when the subject has ``take_events`` (the in-process Manager), the events of
@@ -55,11 +57,12 @@ from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists, U
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
 from kvcore.prefix import PageRemoved, PageStored, PrefixKey
-from kvcore.testing.manager_model import Model, ModelEvent, ModelSeq, PrefixId
+from kvcore.testing.manager_model import Model, ModelEvent, ModelSeq, PrefixId, Space
 
 __all__ = [
     "NAMESPACES",
     "SEQ_IDS",
+    "SPACES",
     "TOKENS",
     "Factory",
     "ManagerAPI",
@@ -68,6 +71,7 @@ __all__ = [
     "ModelEvent",
     "ModelSeq",
     "PrefixId",
+    "Space",
     "make_state_machine",
 ]
 
@@ -76,13 +80,21 @@ class ManagerAPI(Protocol):
     """What the state machine drives: the Manager's public operations."""
 
     def allocate(
-        self, seq_id: int, tokens: Sequence[int], *, namespace: str = ...
+        self,
+        seq_id: int,
+        tokens: Sequence[int],
+        *,
+        namespace: str = ...,
+        salt: str = ...,
+        lora: str = ...,
     ) -> Allocation: ...
     def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
     def commit(self, seq_id: int, tokens: Sequence[int], *, start: int = ...) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> list[int]: ...
     def free(self, seq_id: int) -> None: ...
-    def lookup(self, tokens: Sequence[int], *, namespace: str = ...) -> PrefixHit: ...
+    def lookup(
+        self, tokens: Sequence[int], *, namespace: str = ..., salt: str = ..., lora: str = ...
+    ) -> PrefixHit: ...
     def block_table(self, seq_id: int) -> list[int]: ...
     def num_tokens(self, seq_id: int) -> int: ...
     def stats(self) -> Stats: ...
@@ -91,6 +103,18 @@ class ManagerAPI(Protocol):
 Factory = Callable[[KVLayout], Any]
 SEQ_IDS = st.integers(min_value=0, max_value=3)
 NAMESPACES = st.sampled_from(["default", "tenant-b"])
+# Key spaces (namespace, lora, salt): a salt, an adapter, both, and one salt in another
+# namespace, beside the plain namespaces; so equal tokens meet under other identities.
+SPACES = st.sampled_from(
+    [
+        ("default", "", ""),
+        ("tenant-b", "", ""),
+        ("default", "", "salt-1"),
+        ("default", "adapter-a", ""),
+        ("default", "adapter-a", "salt-1"),
+        ("tenant-b", "", "salt-1"),
+    ]
+)
 # A tiny vocabulary makes shared prefixes (and so hits) common.
 TOKENS = st.lists(st.integers(min_value=0, max_value=2), max_size=14)
 
@@ -126,13 +150,13 @@ class ManagerConformance(RuleBasedStateMachine):
 
     # -- operations ------------------------------------------------------------
 
-    @rule(seq_id=SEQ_IDS, tokens=TOKENS, namespace=NAMESPACES)
-    def allocate(self, seq_id: int, tokens: list[int], namespace: str) -> None:
+    @rule(seq_id=SEQ_IDS, tokens=TOKENS, space=SPACES)
+    def allocate(self, seq_id: int, tokens: list[int], space: Space) -> None:
         m = self.model
-        call = partial(self.subject.allocate, seq_id, tokens, namespace=namespace)
+        call = partial(self.subject.allocate, seq_id, tokens, **_space_args(space))
         if seq_id in m.seqs:
             return self.expect_error(SequenceExists, call)
-        hits = m.hit_pages(namespace, tokens)
+        hits = m.hit_pages(space, tokens)
         num_new = m.pages_for(len(tokens)) - len(hits)
         if not m.fits(num_new, hits):
             return self.expect_error(OutOfPages, call)
@@ -143,7 +167,7 @@ class ManagerConformance(RuleBasedStateMachine):
         assert result.pages[: len(hits)] == hits, f"hit pages {result.pages} != {hits}"
         # The hit pages are pinned (held, off the LRU) before the new pages are taken.
         m.lru = [page for page in m.lru if page not in hits]
-        m.seqs[seq_id] = ModelSeq(namespace, list(tokens), list(hits), len(hits))
+        m.seqs[seq_id] = ModelSeq(space, list(tokens), list(hits), len(hits))
         m.take(result.pages[len(hits) :])
         m.seqs[seq_id].pages = list(result.pages)
 
@@ -256,7 +280,7 @@ class ManagerConformance(RuleBasedStateMachine):
             return self.expect_error(SequenceExists, call)
         assert call() == parent.pages
         m.seqs[child_id] = ModelSeq(
-            parent.namespace, list(parent.tokens), list(parent.pages), parent.committed
+            parent.space, list(parent.tokens), list(parent.pages), parent.committed
         )
 
     @rule(seq_id=SEQ_IDS)
@@ -276,13 +300,21 @@ class ManagerConformance(RuleBasedStateMachine):
             self.commit(seq_id, len(self.model.seqs[seq_id].tokens))
         self.free(seq_id)
 
-    @rule(tokens=TOKENS, namespace=NAMESPACES)
-    def lookup(self, tokens: list[int], namespace: str) -> None:
+    @rule(tokens=TOKENS, space=SPACES)
+    def lookup(self, tokens: list[int], space: Space) -> None:
         m = self.model
-        hits = m.hit_pages(namespace, tokens)
-        got = self.subject.lookup(tokens, namespace=namespace)
+        hits = m.hit_pages(space, tokens)
+        got = self.subject.lookup(tokens, **_space_args(space))
         expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in m.lru))
         assert got == expected, f"lookup {got}, model says {expected}"
+
+    @precondition(lambda self: bool(self.model.seqs))
+    @rule(data=st.data(), space=SPACES)
+    def lookup_live_prompt_elsewhere(self, data: st.DataObject, space: Space) -> None:
+        """Look up a live sequence's own tokens in a key space drawn anew: a hit only
+        where the model indexed them in that space (equal identity shares, other not)."""
+        seq_id = data.draw(st.sampled_from(sorted(self.model.seqs)))
+        self.lookup(self.model.seqs[seq_id].tokens, space)
 
     @precondition(lambda self: bool(self.model.seqs))
     @rule(data=st.data())
@@ -290,23 +322,23 @@ class ManagerConformance(RuleBasedStateMachine):
         """Look up a live sequence's own tokens: the hits the model expects most."""
         seq_id = data.draw(st.sampled_from(sorted(self.model.seqs)))
         seq = self.model.seqs[seq_id]
-        self.lookup(seq.tokens, seq.namespace)
+        self.lookup(seq.tokens, seq.space)
 
-    @rule(tokens=TOKENS, namespace=NAMESPACES, num_pages=st.integers(0, 4))
-    def adopt(self, tokens: list[int], namespace: str, num_pages: int) -> None:
+    @rule(tokens=TOKENS, space=SPACES, num_pages=st.integers(0, 4))
+    def adopt(self, tokens: list[int], space: Space, num_pages: int) -> None:
         """Pages found below the pool (a lower tier) indexed after the pool's hits,
         as if committed, and left evictable (subjects with ``adopt`` only)."""
         m = self.model
         adopt = getattr(self.subject, "adopt", None)
         if adopt is None:
             return
-        call = partial(adopt, tokens, num_pages, namespace=namespace)
-        hits = m.hit_pages(namespace, tokens)
+        call = partial(adopt, tokens, num_pages, **_space_args(space))
+        hits = m.hit_pages(space, tokens)
         if len(hits) + num_pages > max(len(tokens) - 1, 0) // m.page_size:
             return self.expect_error(BadRequest, call)
         prefixes = []  # the run stops before a prefix already indexed
         for i in range(len(hits), len(hits) + num_pages):
-            prefix = m.prefix_id(namespace, tokens, i + 1)
+            prefix = m.prefix_id(space, tokens, i + 1)
             if prefix in m.index:
                 break
             prefixes.append(prefix)
@@ -318,7 +350,7 @@ class ManagerConformance(RuleBasedStateMachine):
             return
         held = m.refcounts()
         m.lru = [page for page in m.lru if page not in hits]
-        m.seqs[-1] = ModelSeq(namespace, [], list(hits))  # the hits, pinned while it takes
+        m.seqs[-1] = ModelSeq(space, [], list(hits))  # the hits, pinned while it takes
         m.take(got)
         del m.seqs[-1]
         for prefix, page in zip(prefixes, got, strict=True):
@@ -326,7 +358,7 @@ class ManagerConformance(RuleBasedStateMachine):
             m.events.append((True, prefix, page))
         m.lru += [page for page in reversed(hits + got) if page not in held]
 
-    @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace"]))
+    @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace", "salt", "lora"]))
     def bad_input(self, seq_id: int, bad: str) -> None:
         if bad == "token":
             call = partial(self.subject.allocate, 100 + seq_id, [1, -1])
@@ -334,8 +366,12 @@ class ManagerConformance(RuleBasedStateMachine):
             if seq_id not in self.model.seqs:
                 return
             call = partial(self.subject.extend, seq_id, -1)
-        else:
+        elif bad == "namespace":
             call = partial(self.subject.lookup, [1], namespace="x" * 1000)
+        elif bad == "salt":  # 86 characters, 258 bytes of UTF-8: over the 256-byte bound
+            call = partial(self.subject.allocate, 100 + seq_id, [1], salt="\u20ac" * 86)
+        else:
+            call = partial(self.subject.lookup, [1], lora="x" * 257)
         self.expect_error(BadRequest, call)
 
     # -- invariants ------------------------------------------------------------
@@ -393,6 +429,12 @@ class ManagerConformance(RuleBasedStateMachine):
                 f"snapshot lists {entry.key.hex()} before its parent"
             )
             seen.add(entry.key)
+
+
+def _space_args(space: Space) -> dict[str, str]:
+    """The key-space keyword arguments of a call in ``space``."""
+    namespace, lora, salt = space
+    return {"namespace": namespace, "salt": salt, "lora": lora}
 
 
 def make_state_machine(factory: Factory) -> type[ManagerConformance]:

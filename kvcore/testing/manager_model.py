@@ -2,8 +2,10 @@
 holds a subject to: docs/architecture.md's state machine in the plainest terms,
 written for obviousness rather than speed.
 
-* Prefixes are keyed by their token tuples, ``(namespace, tokens from 0 to the
-  end of a full page)``; they are hashed (spec/hashing.md) only to name them in
+* Prefixes are keyed by their token tuples, ``(key space, tokens from 0 to the
+  end of a full page)``, a key space being ``(namespace, lora, salt)``: prefixes of
+  different key spaces are different prefixes, so they never share a page; they are
+  hashed (spec/hashing.md) only to name them in
   events and snapshots (:meth:`Model.key`, :meth:`Model.event`).
 * Pages are the ids the subject hands out; the model never picks one, it checks
   that the subject's pick is one the policy allows (:meth:`Model.take`).
@@ -33,7 +35,8 @@ from kvcore.prefix import (
     root_key,
 )
 
-PrefixId = tuple[str, tuple[int, ...]]  # (namespace, tokens from 0 to the end of a full page)
+Space = tuple[str, str, str]  # (namespace, lora, salt): a key space (spec/hashing.md)
+PrefixId = tuple[Space, tuple[int, ...]]  # (key space, tokens from 0 to the end of a full page)
 ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
 
 
@@ -41,7 +44,7 @@ ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
 class ModelSeq:
     """One live sequence as the model sees it; the machine's rules change every field."""
 
-    namespace: str
+    space: Space  # fixed at allocate; a fork's child inherits it
     tokens: list[int]
     pages: list[int]
     committed: int = 0  # leading pages already offered to the index
@@ -67,13 +70,13 @@ class Model:
     def indexed_pages(self) -> set[int]:
         return set(self.index.values())
 
-    def prefix_id(self, namespace: str, tokens: Sequence[int], num_pages: int) -> PrefixId:
-        return (namespace, tuple(tokens[: num_pages * self.page_size]))
+    def prefix_id(self, space: Space, tokens: Sequence[int], num_pages: int) -> PrefixId:
+        return (space, tuple(tokens[: num_pages * self.page_size]))
 
-    def hit_pages(self, namespace: str, tokens: Sequence[int]) -> list[int]:
+    def hit_pages(self, space: Space, tokens: Sequence[int]) -> list[int]:
         pages: list[int] = []
         for i in range(max(len(tokens) - 1, 0) // self.page_size):
-            page = self.index.get(self.prefix_id(namespace, tokens, i + 1))
+            page = self.index.get(self.prefix_id(space, tokens, i + 1))
             if page is None:
                 break
             pages.append(page)
@@ -109,7 +112,7 @@ class Model:
         indexed = self.indexed_pages()
         upto = seq.tokens[: start + len(tokens)]
         for i in range(seq.committed, len(upto) // self.page_size):
-            prefix = self.prefix_id(seq.namespace, upto, i + 1)
+            prefix = self.prefix_id(seq.space, upto, i + 1)
             if prefix not in self.index and seq.pages[i] not in indexed:
                 self.index[prefix] = seq.pages[i]
                 indexed.add(seq.pages[i])
@@ -118,26 +121,29 @@ class Model:
 
     def key(self, prefix: PrefixId) -> PrefixKey:
         """The prefix key of spec/hashing.md for a prefix (the root for no tokens)."""
-        namespace, tokens = prefix
-        key = root_key(namespace)
+        space, tokens = prefix
+        key = root_key(*space)
         for i in range(len(tokens) // self.page_size):
             page = tokens[i * self.page_size : (i + 1) * self.page_size]
             key = page_key(key, encode_tokens(page))
         return key
 
     def event(self, event: ModelEvent) -> PageEvent:
-        stored, (namespace, tokens), page = event
+        stored, (space, tokens), page = event
         if stored:
-            parent = (namespace, tokens[: len(tokens) - self.page_size])
+            namespace, lora, salt = space
+            parent = (space, tokens[: len(tokens) - self.page_size])
             page_tokens = b"".join(t.to_bytes(4, "little") for t in tokens[-self.page_size :])
             return PageStored(
-                self.key((namespace, tokens)),
+                self.key((space, tokens)),
                 self.key(parent),
                 PageId(page),
                 page_tokens,
                 namespace,
+                lora=lora,
+                salt=salt,
             )
-        return PageRemoved(self.key((namespace, tokens)), PageId(page))
+        return PageRemoved(self.key((space, tokens)), PageId(page))
 
     def release(self, pages: Sequence[int]) -> None:
         counts = self.refcounts()
