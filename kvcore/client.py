@@ -88,6 +88,8 @@ class Client:
         curve_keypair: tuple[bytes, bytes] | None = None,
         trusted_uids: tuple[int, ...] = (),
         name: str = "",
+        shard: int = 0,
+        shards: int = 0,
     ) -> None:
         self.endpoint = endpoint
         self.pool = pool
@@ -102,6 +104,9 @@ class Client:
         self._curve = curve_server_key
         self._keypair = curve_keypair
         self._name = name
+        self.shard = shard  # the region mapped (a tensor-parallel rank); kept by reconnect
+        self.shards = 1  # the pool's regions, from AttachOk
+        self._expected_shards = shards
         self._codec = ClientCodec()
         self._next_id = 0
         self._closed = False
@@ -134,7 +139,10 @@ class Client:
         ``layout``; the daemon must allow it), ``curve_server_key`` and
         ``curve_keypair`` (tcp://: the daemon's public key, this client's key pair
         as ``kvcore keys`` writes it), ``trusted_uids`` (ipc://: uids besides this
-        one and root whose daemon socket to trust), ``name``.
+        one and root whose daemon socket to trust), ``name``, ``shard`` (the region of
+        a sharded pool to map: the tensor-parallel rank; BadRequest if the pool has no
+        such shard) and ``shards`` (the shard count expected, LayoutMismatch if the
+        pool's differs; 0: any; for an ephemeral pool, its count).
         """
         return cls(endpoint or default_endpoint(), pool, namespace, **options)
 
@@ -164,9 +172,12 @@ class Client:
             ephemeral=self._ephemeral,
             pid=os.getpid(),
             name=self._name,
+            shard=self.shard,
+            shards=self._expected_shards,
         )
         ok = self._call(body, msg.AttachOk)
         self.session, self.epoch = ok.session, ok.epoch
+        self.shards = ok.shards
         self.attach_info = ok
         self.layout = KVLayout(**msgspec.structs.asdict(ok.layout))
         self.lease_s = ok.lease_ms / 1000
@@ -192,7 +203,7 @@ class Client:
 
     def reconnect(self) -> None:
         """Attach again (after StaleEpoch, NotAttached or LeaseLost): a new session, the pool
-        remapped."""
+        remapped (the same shard)."""
         self.session = self.epoch = 0
         self._lost = self._acked = False
         self._attach()

@@ -43,6 +43,8 @@ NonNeg = Annotated[int, Meta(ge=0)]
 Token = U32
 # At most 256 UTF-8 *bytes* (the daemon checks bytes; a schema can bound only characters).
 Namespace = Annotated[str, Meta(max_length=256)]
+# A cache salt or LoRA adapter name: "" for none, else at most 256 UTF-8 bytes, like Namespace.
+KeyPart = Annotated[str, Meta(max_length=256)]
 
 # Stable error codes carried by ErrorBody.code (spec/protocol.md, "Errors").
 ERROR_CODES: tuple[str, ...] = (
@@ -128,12 +130,14 @@ class AttachOk(_Message):
     version: int
     pool: str
     device: str  # "cpu" or "cuda:N" (the daemon's numbering; map CudaMemory.device_uuid)
-    layout: PoolLayout
-    memory: Memory
+    layout: PoolLayout  # of one shard (every shard has it)
+    memory: Memory  # the region of shard ``shard``
     lease_ms: int  # the session expires this long after its last request
     max_frame_bytes: int
     max_batch: int
     events: str = ""  # PUB endpoint of the event stream, "" if off
+    shard: int = 0  # the shard mapped (Attach.shard)
+    shards: int = 1  # regions of the pool (tensor-parallel ranks); page p is p in each
 
 
 class Empty(_Message):
@@ -281,6 +285,8 @@ class Attach(_Op, tag="attach"):
     ephemeral: bool = False  # create a fresh private pool of ``layout`` (daemon flag needed)
     pid: NonNeg = 0  # informational
     name: Annotated[str, Meta(max_length=256)] = ""  # informational
+    shard: NonNeg = 0  # the region to map (tensor-parallel rank); bad_request if >= shards
+    shards: NonNeg = 0  # expected shard count (0: any); ephemeral: the new pool's (0: 1)
 
 
 class Detach(_Op, tag="detach"):
@@ -302,6 +308,8 @@ class Allocate(_Op, tag="allocate"):
     seq: U64
     tokens: list[Token]
     namespace: Namespace | None = None  # None: the session's namespace
+    salt: KeyPart = ""  # cache salt (vLLM cache_salt) of the key space; "" for none
+    lora: KeyPart = ""  # LoRA adapter name of the key space; "" for none
 
 
 class Extend(_Op, tag="extend"):
@@ -342,6 +350,8 @@ class Lookup(_Op, tag="lookup"):
 
     tokens: list[Token]
     namespace: Namespace | None = None
+    salt: KeyPart = ""  # as Allocate
+    lora: KeyPart = ""  # as Allocate
 
 
 class BlockTable(_Op, tag="block_table"):
@@ -446,6 +456,8 @@ class PageStoredEvent(_Message, tag="stored", tag_field="kind"):
     tokens: list[int] = msgspec.field(default_factory=list)  # the page's page_size tokens
     namespace: str = ""  # the namespace the page was committed in
     medium: str = ""  # "": committed by an engine; else the tier it was promoted from
+    lora: str = ""  # the LoRA adapter of its key space ("" none); parent of page 0: the root
+    salt: str = ""  # the cache salt of its key space ("" none); of (namespace, lora, salt)
 
 
 class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):

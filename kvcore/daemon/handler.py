@@ -265,13 +265,25 @@ class Handler:
             want, num_pages=want.num_pages or have.num_pages
         ):
             raise LayoutMismatch(f"pool {pool.name!r} has layout {pool.layout}; expected {want}")
+        if body.shards and body.shards != pool.shards:
+            raise LayoutMismatch(
+                f"pool {pool.name!r} has {pool.shards} shard(s); the client expects "
+                f"{body.shards} (one per tensor-parallel rank): serve it with "
+                f"--pool ...,shards={body.shards}"
+            )
+        memory = pool.memory(body.shard)  # BadRequest past the last shard
         pid = peer.pid if peer is not None and peer.pid is not None else body.pid
         watch = peer is not None and peer.pid is not None  # the kernel's pid: safe to watch
         session = self.sessions.open(
             pool.name, body.namespace, grant, pid, watch, body.name, time.monotonic()
         )
         log.info(
-            "session %x attached to pool %r (pid %d, %r)", session.id, pool.name, pid, body.name
+            "session %x attached to pool %r shard %d (pid %d, %r)",
+            session.id,
+            pool.name,
+            body.shard,
+            pid,
+            body.name,
         )
         return msg.AttachOk(
             session=session.id,
@@ -280,11 +292,13 @@ class Handler:
             pool=pool.name,
             device=pool.device,
             layout=have,
-            memory=pool.region.describe(),
+            memory=memory,
             lease_ms=int(self.sessions.lease_s * 1000),
             max_frame_bytes=self.codec.max_frame_bytes,
             max_batch=self.codec.max_batch,
             events=self.events_endpoint,
+            shard=body.shard,
+            shards=pool.shards,
         )
 
     def _ephemeral_pool(self, body: msg.Attach) -> Pool:
@@ -293,12 +307,13 @@ class Handler:
         if body.layout is None or body.layout.num_pages == 0:
             raise BadRequest("an ephemeral pool needs a full layout (num_pages > 0)")
         layout = KVLayout(**msgspec.structs.asdict(body.layout))
-        pool = self.pools.open(body.pool, "cpu", layout, ephemeral=True)
+        pool = self.pools.open(body.pool, "cpu", layout, ephemeral=True, shards=max(body.shards, 1))
         log.info(
-            "ephemeral pool %r opened: %d pages x %d tokens",
+            "ephemeral pool %r opened: %d pages x %d tokens, %d shard(s)",
             pool.name,
             layout.num_pages,
             layout.page_size,
+            pool.shards,
         )
         self.ledger.open_pool(pool.name, layout.page_size, Limits(session_sequences=65536))
         return pool

@@ -274,5 +274,7 @@ def _wire(event: PageEvent) -> msg.Event:
             tokens.tolist(),
             event.namespace,
             medium=event.medium,
+            lora=event.lora,
+            salt=event.salt,
         )
     return msg.PageRemovedEvent(event.key, event.page, medium=event.medium)
