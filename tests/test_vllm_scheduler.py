@@ -4,6 +4,7 @@ vLLM's scheduler calls it (no engine: requests and blocks are stand-ins)."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,8 +19,8 @@ from vllm.v1.request import RequestStatus
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
-from kvcore.integrations.vllm.metadata import ConnectorConfig, StepReport
-from kvcore.integrations.vllm.scheduler import SchedulerSide
+from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan, StepReport
+from kvcore.integrations.vllm.scheduler import HOLD_PASSES, SchedulerSide
 
 MAX_REQUEST_TOKENS = 400
 
@@ -32,6 +33,12 @@ class FakeRequest:
     prompt_token_ids: list[int]
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
@@ -94,21 +101,35 @@ def finish(side: SchedulerSide, req: FakeRequest, status: RequestStatus) -> None
     side.finished(req)
 
 
-def schedule(side: SchedulerSide, req: FakeRequest) -> None:
+def ask(side: SchedulerSide, req: FakeRequest, computed: int = 0) -> int:
+    """vLLM's get_num_new_matched_tokens, asked again (next pass) while the answer
+    is on its way, as vLLM's scheduler does."""
+    for _ in range(100):
+        external = side.num_new_matched_tokens(req, computed)
+        if external is not None:
+            return external
+        side.wait_idle()
+    raise AssertionError("no answer from the daemon link")
+
+
+def schedule(side: SchedulerSide, req: FakeRequest) -> StepPlan:
     """One scheduling pass that admits ``req`` with its whole prompt."""
     blocks: FakeBlocks = side.kv_cache_manager
-    external = side.num_new_matched_tokens(req, 0)
+    external = ask(side, req)
     side.after_alloc(req, blocks.of(req.request_id), external, 0)
-    side.build_plan(FakeOutput({req.request_id: len(req.prompt_token_ids) - external}))
+    return side.build_plan(FakeOutput({req.request_id: len(req.prompt_token_ids) - external}))
 
 
 def test_a_request_asked_about_and_not_scheduled_holds_nothing(
     side: SchedulerSide, daemon: DaemonProcess
 ) -> None:
     req = FakeRequest("asked", MODEL.prompt(150, 1))
-    assert side.num_new_matched_tokens(req, 0) == 0
-    assert side.num_new_matched_tokens(req, 0) == 0  # asked again
-    side.build_plan(FakeOutput())  # vLLM scheduled something else
+    assert side.num_new_matched_tokens(req, 0) is None  # the allocation is on its way
+    assert ask(side, req) == 0  # asked again: nothing cached
+    assert held(daemon.endpoint)[0] == 1  # pinned while vLLM may schedule it
+    for _ in range(HOLD_PASSES + 1):  # vLLM schedules something else, pass after pass
+        side.build_plan(FakeOutput())
+    side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)
 
 
@@ -116,37 +137,108 @@ def test_a_request_aborted_before_it_was_scheduled_holds_nothing(
     side: SchedulerSide, daemon: DaemonProcess
 ) -> None:
     req = FakeRequest("aborted", MODEL.prompt(150, 2))
-    side.num_new_matched_tokens(req, 0)
-    finish(side, req, RequestStatus.FINISHED_ABORTED)  # no step follows
+    assert side.num_new_matched_tokens(req, 0) is None
+    finish(side, req, RequestStatus.FINISHED_ABORTED)  # before its answer came; no step follows
+    side.wait_idle()
+    side.wait_idle()  # the answer arrived and its free went out
+    assert held(daemon.endpoint) == (0, 0)
+    again = FakeRequest("aborted-later", MODEL.prompt(150, 3))
+    ask(side, again)
+    finish(side, again, RequestStatus.FINISHED_ABORTED)  # answered, never scheduled
+    side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)
 
 
-def test_commits_and_frees_go_out_with_the_report_in_one_round_trip(
+def test_no_hook_waits_for_the_daemon_and_commits_and_frees_arrive(
     side: SchedulerSide, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    callers: list[str] = []
+    batch = side.link.client.batch
+
+    def counted() -> Any:
+        callers.append(threading.current_thread().name)
+        return batch()
+
+    monkeypatch.setattr(side.link.client, "batch", counted)
     reqs = [FakeRequest(f"r{i}", MODEL.prompt(100 + i, 10 + i)) for i in range(2)]
     for req in reqs:
         schedule(side, req)
+    side.wait_idle()
     assert held(daemon.endpoint)[0] == 2  # scheduled: their sequences are kept
-    finish(
-        side, reqs[1], RequestStatus.FINISHED_STOPPED
-    )  # a save of it is in flight: not yet freed
-    batches: list[int] = []
-    batch = side.client.batch
-
-    def counted() -> Any:
-        batches.append(1)
-        return batch()
-
-    monkeypatch.setattr(side.client, "batch", counted)
+    finish(side, reqs[1], RequestStatus.FINISHED_STOPPED)  # a save in flight: not yet freed
     full = {req.request_id: len(req.prompt_token_ids) // PAGE_SIZE for req in reqs}
     side.on_report(StepReport([1], full, sorted(full)))  # vLLM's update_connector_output
-    assert len(batches) == 1  # both commits and the free, no take_events needed
+    side.wait_idle()
     for req in reqs:
         assert hit_tokens(daemon.endpoint, req.prompt_token_ids) == full[req.request_id] * PAGE_SIZE
     assert held(daemon.endpoint)[0] == 1
     finish(side, reqs[0], RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)
+    assert callers and set(callers) == {"kvcore-link"}  # every round trip on the link's thread
+
+
+def test_generated_pages_are_saved_and_committed_after_the_prompt(
+    side: SchedulerSide, daemon: DaemonProcess
+) -> None:
+    req = FakeRequest("gen", MODEL.prompt(70, 40))  # 2 full prompt pages, 6 tokens over
+    plan = schedule(side, req)
+    assert plan.saved == {"gen": 2}
+    req.num_computed_tokens = 70
+    decode = MODEL.prompt(81, 41)
+    req.output_token_ids.append(decode[0])  # sampled by the prefill step
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    for token in decode[1:]:  # one token a step; pages fill with generated tokens
+        plan = side.build_plan(FakeOutput({"gen": 1}))
+        req.num_computed_tokens += 1  # the K/V of the token sampled a step before
+        req.output_token_ids.append(token)
+        side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+        side.wait_idle()  # the link answers within a step or two in vLLM: here at once
+    finish(side, req, RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
+    history = req.all_token_ids[:-1]  # the last token's K/V was never computed
+    assert hit_tokens(daemon.endpoint, [*history, 0]) == len(history) // PAGE_SIZE * PAGE_SIZE
+    assert held(daemon.endpoint) == (0, 0)
+
+
+def test_save_generated_false_commits_the_prompt_pages_only(daemon: DaemonProcess) -> None:
+    extra = {"endpoint": daemon.endpoint, "namespace": "sched", "save_generated": "false"}
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
+    side.kv_cache_manager = FakeBlocks()
+    try:
+        req = FakeRequest("prompt-only", MODEL.prompt(70, 50))
+        plan = schedule(side, req)
+        req.num_computed_tokens = 70
+        side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+        for token in MODEL.prompt(64, 51):
+            plan = side.build_plan(FakeOutput({"prompt-only": 1}))
+            assert not plan.save_pages
+            req.output_token_ids.append(token)
+            req.num_computed_tokens += 1
+        finish(side, req, RequestStatus.FINISHED_STOPPED)
+        side.wait_idle()
+        assert hit_tokens(daemon.endpoint, req.all_token_ids) == 2 * PAGE_SIZE
+    finally:
+        side.close()
+
+
+def test_a_salted_request_hits_only_its_salt(side: SchedulerSide, daemon: DaemonProcess) -> None:
+    prompt = MODEL.prompt(100, 60)
+    first = FakeRequest("alice-1", prompt, cache_salt="alice")
+    plan = schedule(side, first)
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    finish(side, first, RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
+    assert ask(side, FakeRequest("bob", prompt, cache_salt="bob")) == 0
+    assert ask(side, FakeRequest("nobody", prompt)) == 0
+    assert ask(side, FakeRequest("alice-2", prompt, cache_salt="alice")) == 3 * PAGE_SIZE
+
+
+def test_a_request_with_prompt_embeddings_is_not_keyed(side: SchedulerSide) -> None:
+    req = FakeRequest("embeds", MODEL.prompt(100, 70))
+    req.prompt_embeds = object()  # type: ignore[attr-defined]
+    assert side.num_new_matched_tokens(req, 0) == 0  # at once: nothing sent
+    assert side.build_plan(FakeOutput({"embeds": 100})).save_pages == []
 
 
 def test_a_prompt_over_max_request_tokens_runs_without_kvcore_and_others_keep_it(
@@ -157,7 +249,7 @@ def test_a_prompt_over_max_request_tokens_runs_without_kvcore_and_others_keep_it
         FakeRequest(f"long{i}", MODEL.prompt(MAX_REQUEST_TOKENS + 50, 20 + i)) for i in range(2)
     ]
     for req in long:
-        assert side.num_new_matched_tokens(req, 0) == 0
+        assert ask(side, req) == 0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "bad_request" in warnings[0].getMessage(), warnings
     short = FakeRequest("short", MODEL.prompt(100, 30))
@@ -167,4 +259,5 @@ def test_a_prompt_over_max_request_tokens_runs_without_kvcore_and_others_keep_it
     side.on_report(StepReport([1], {}, ["short"]))  # its save done (none committed)
     for req in long:
         finish(side, req, RequestStatus.FINISHED_ABORTED)
+    side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)

@@ -8,13 +8,15 @@ vLLM loads it with no change to vLLM::
                      kv_connector_extra_config={"endpoint": ..., "pool": ..., "namespace": ...})
 
 (every key optional: kvcore's defaults; :class:`~.metadata.ConnectorConfig`). vLLM
-keeps its own KV blocks; kvcore's pool holds committed prompt pages that every
-attached engine can hit. The scheduler side (:mod:`.scheduler`) asks the daemon
-once per request and pins the hit; the worker side (:mod:`.worker`) copies pages
-between the mapped pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is
-what passes between them. vLLM's ``block_size`` must equal the pool's
-``page_size``; layouts are checked once, at ``register_kv_caches`` (the layout of
-vLLM's blocks comes from the attention backend; an unknown one is refused).
+keeps its own KV blocks; kvcore's pool holds committed pages (prompt and generated)
+that every attached engine can hit, keyed by the request's namespace, ``cache_salt``
+and LoRA adapter. The scheduler side (:mod:`.scheduler`) allocates once per request
+through an I/O thread (:mod:`.link`: vLLM's scheduler never waits for the daemon)
+and pins the hit; the worker side (:mod:`.worker`) copies pages between the mapped
+pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between
+them. vLLM's ``block_size`` must equal the pool's ``page_size``; layouts are checked
+once, at ``register_kv_caches`` (the layout of vLLM's blocks comes from the
+attention backend; an unknown one is refused).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
 endpoint; a daemon that stops answering turns requests into misses within
@@ -76,7 +78,9 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             from kvcore.integrations.vllm.scheduler import SchedulerSide
 
-            self._scheduler = SchedulerSide(config, vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerSide(
+                config, vllm_config.cache_config.block_size, self._kv_transfer_config.kv_role
+            )
         else:
             from kvcore.integrations.vllm.worker import WorkerSide
 

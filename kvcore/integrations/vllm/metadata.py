@@ -37,6 +37,7 @@ class ConnectorConfig:
     namespace: str = DEFAULT_NAMESPACE
     timeout_s: float = 5.0
     retry_s: float = 5.0
+    save_generated: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -51,7 +52,22 @@ class ConnectorConfig:
                 f"unknown kv_connector_extra_config keys for kvcore: {sorted(unknown)}"
             )
         config = cls(endpoint=str(extra.pop("endpoint", None) or default_endpoint()))
-        return replace(config, **{k: type(getattr(config, k))(v) for k, v in extra.items()})
+        return replace(config, **{k: _convert(k, v, getattr(config, k)) for k, v in extra.items()})
+
+
+def _convert(key: str, value: Any, default: Any) -> Any:
+    """``value`` as the type of ``default``; a bool from a bool or "true"/"false"
+    (JSON configs and command lines give either), BadRequest otherwise."""
+    if not isinstance(default, bool):
+        return type(default)(value)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise BadRequest(f"kv_connector_extra_config {key!r} must be true or false, got {value!r}")
 
 
 @dataclass(slots=True)

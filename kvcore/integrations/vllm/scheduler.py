@@ -2,96 +2,75 @@
 
 Life of a request (pages of ``page_size`` tokens = vLLM blocks)::
 
-    prompt    | hit pages (pinned)  | pages to save              | last page (partial) |
-              0                   hit                          full                 n tokens
-    lookup    allocate(seq, prompt): the hit is pinned and never covers the last token;
-              released again when vLLM does not schedule the request in that step
-    load      hit pages -> vLLM blocks, in the first step (StepPlan.load_*)
-    save      pages [hit, full) -> kvcore pages, in the step that computes them
-    commit    after the worker reports the copy done (StepReport), batched per step
+    tokens    | hit pages (pinned)  | pages to save (prompt, then generated) | partial |
+              0                   hit                                     full       n
+    ask       allocate(seq, tokens) is sent; vLLM is told "not yet" (None) and asks
+              again next pass, by when the answer (hit pages, pinned) is here
+    load      hit pages -> vLLM blocks, in the step vLLM schedules it (StepPlan.load_*)
+    save      full pages [hit, ...) -> kvcore pages, in the step that computes them;
+              generated pages too (``save_generated``), the sequence extended ahead
+    commit    after the worker reports the copy done (StepReport)
     release   free(seq) once the request finished and no copy of it is in flight
+
+The scheduler never waits for the daemon: every call goes through a
+:class:`~.link.DaemonLink` (one I/O thread, one batch per round trip) and its
+answers are taken at the next hook. A request waits for its own allocation (vLLM
+skips it for the passes until the answer is here, usually one), never anyone else's.
 
 Invariants: every page number in a StepPlan belongs to a sequence this session
 holds (so nobody else writes or evicts it while the copy runs); a page is
 committed only after the worker reported it saved; ``confirmed <= scheduled``
-(pages), both counted from the first page.
+(pages), both counted from the first page; a page is saved only once the
+sequence holds its tokens (``capacity``).
 
-vLLM's contract: ``get_num_new_matched_tokens`` may be asked many times and
-is to leave nothing behind. The allocate it makes (one round trip: the answer and
-the pin together, so a hit cannot be evicted between the two) belongs to that
-scheduling pass only: a request vLLM asked about and did not schedule
-(``update_state_after_alloc`` not called for it) is freed in the same step's
-``build_connector_meta``, and asked afresh next step.
+vLLM's contract: ``get_num_new_matched_tokens`` may be asked many times. A
+request answered and then not scheduled keeps its pin for at most
+:data:`HOLD_PASSES` scheduling passes (vLLM usually schedules it in the next one:
+it waited for memory or a batch slot), then it is freed and asked afresh; a
+request aborted while waiting is freed at ``request_finished``.
 
-Round trips: one ``allocate`` per request per scheduling pass that asks about it,
-and one batch for everything queued (commits and frees) at each point where vLLM
-hands a step or a request over: ``build_connector_meta`` (once per step, before
-the step runs), ``update_connector_output`` (the worker's report of finished
-copies) and ``request_finished`` (its free; an engine may go idle after it).
+Identity: a request's ``cache_salt`` and LoRA adapter select its key space on the
+daemon (spec/hashing.md), so different salts or adapters never share a page.
+Requests kvcore cannot key (multimodal inputs, prompt embeddings: their tokens do
+not say what the K/V holds) get 0 matched tokens and save nothing.
 
-Failures never fail vLLM. Out of pages: the request is a miss this pass (asked
-again, it allocates again). A refusal that is the request's own (any other error
-not in :data:`DAEMON_GONE`: a quota, a forbidden namespace, a prompt over
-``max_request_tokens``): that request runs without kvcore (asked again, it is not
-sent again), logged once per error code at WARNING. The daemon gone
-(:data:`DAEMON_GONE`: no answer, a restart, a lost lease): every request is a miss
-and for ``retry_s`` seconds (doubled after each failure in a row, up to a minute)
-the scheduler does not ask the daemon; then it attaches again.
+Roles: ``kv_producer`` saves and never loads, ``kv_consumer`` loads and never
+saves, ``kv_both`` (the default) does both. A producer's finished request is
+returned only once its commits are on the daemon (the link waited for them, at
+most ``timeout_s``): the consumer asked next finds them. That is the one wait.
+
+Failures never fail vLLM: a refused allocation (a quota, a forbidden namespace,
+a prompt over ``max_request_tokens``) makes its request run without kvcore; out
+of pages is a miss; the daemon gone makes every request a miss for ``retry_s``
+(:mod:`.link`).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvcore.client import Batch
-from kvcore.errors import (
-    BatchFailed,
-    KVCoreError,
-    LeaseLost,
-    NotAttached,
-    OutOfPages,
-    StaleEpoch,
-    Timeout,
+from kvcore.errors import LayoutMismatch
+from kvcore.integrations.vllm.link import (
+    Allocate,
+    Commit,
+    DaemonLink,
+    Done,
+    Extend,
+    Free,
 )
 from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
+from kvcore.results import Allocation, Extension
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvcore.vllm")
-MAX_RETRY_S = 60.0  # the longest quiet period after failures in a row
-DAEMON_GONE: tuple[type[KVCoreError], ...] = (Timeout, StaleEpoch, LeaseLost, NotAttached)
-"""Failures that mean the daemon (or this session on it) is gone; any other
-KVCoreError (OutOfPages, QuotaExceeded, Forbidden, BadRequest, ...) is one request's."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Commit:
-    """Publish ``tokens`` (from token ``start``, a page boundary) of sequence ``seq``."""
-
-    seq: int
-    tokens: list[int]
-    start: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Free:
-    seq: int
-
-
-def _queue(ops: Batch, queued: list[_Commit | _Free]) -> None:
-    """Queue the pending commits and frees on a batch, in order."""
-    for op in queued:
-        if isinstance(op, _Commit):
-            ops.commit(op.seq, op.tokens, start=op.start)
-        else:
-            ops.free(op.seq)
+HOLD_PASSES = 8  # scheduling passes an answered, unscheduled request keeps its pin
+EXTEND_PAGES = 4  # pages a sequence grows by at a time for generated tokens
 
 
 @dataclass(slots=True)
@@ -99,64 +78,102 @@ class _Tracked:
     """One request with a daemon sequence. Changed only by the scheduler side."""
 
     seq: int
-    request: Request  # vLLM's live object (num_computed_tokens, status)
+    request: Request  # vLLM's live object (num_computed_tokens, all_token_ids)
     pages: list[int]  # the sequence's block table in the pool
-    full: int  # full prompt pages: the most this request saves
+    capacity: int  # tokens the sequence holds on the daemon: pages below it may be saved
+    limit: int  # tokens: pages below it may be saved (prompt pages, or all)
     hit: int  # pages kvcore held at allocate (pinned by the sequence)
     confirmed: int  # leading pages kvcore holds now: hit, then reported saves
     scheduled: int  # leading pages that are held or have a save in a sent plan
     in_flight: int = 0  # sent plans with a copy of this request, not yet reported
+    extending: bool = False  # an extend is on its way
     finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """A request whose allocation of its first ``num_tokens`` tokens is on the way."""
+
+    seq: int
+    request: Request
+    num_tokens: int
+
+
+def identity(request: Request) -> tuple[str, str] | None:
+    """The request's key space on the daemon, ``(salt, lora)``; None if its tokens do
+    not determine its K/V (multimodal inputs, prompt embeddings)."""
+    if getattr(request, "prompt_embeds", None) is not None or getattr(request, "mm_features", None):
+        return None
+    lora = getattr(request, "lora_request", None)
+    return getattr(request, "cache_salt", None) or "", lora.lora_name if lora is not None else ""
+
+
+def _tokens(request: Request) -> list[int]:
+    """Every token of the request so far (prompt, then generated)."""
+    tokens: Any = getattr(request, "all_token_ids", None)
+    return list(tokens if tokens is not None else request.prompt_token_ids or ())
 
 
 class SchedulerSide:
     """Scheduler half of :class:`~kvcore.integrations.vllm.KvcoreConnector`."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, role: str = "kv_both") -> None:
         from kvcore.integrations.vllm.worker import attach
 
         self.config = config
-        self.client = attach(config, map_memory=False)
-        self.page_size = self.client.layout.page_size
+        client = attach(config, map_memory=False)
+        self.page_size = client.layout.page_size
         if block_size != self.page_size:
-            from kvcore.errors import LayoutMismatch
-
+            client.close()
             raise LayoutMismatch(
                 f"vLLM's block_size is {block_size}, pool {config.pool!r} has page_size "
                 f"{self.page_size}: run vLLM with --block-size {self.page_size} or the daemon "
                 f"with a pool of page_size={block_size}"
             )
+        self.link = DaemonLink(client, retry_s=config.retry_s, timeout_s=config.timeout_s)
+        self.loads = role != "kv_producer"
+        self.saves = role != "kv_consumer"
         self.stats = KvcoreStats()
         self._tracked: dict[str, _Tracked] = {}
+        self._asked: dict[str, _Asked] = {}  # requests whose allocation is on the way
+        self._misses: set[str] = set()  # allocation failed: answer 0 once
+        self._cancelled: set[int] = set()  # seqs of requests that finished while asked
         self._loads: list[tuple[int, int]] = []  # (pool page, vLLM block) for the next plan
         self._load_requests: set[str] = set()
-        self._queued: list[_Commit | _Free] = []  # sent with the next round trip
-        self._unscheduled: set[str] = set()  # allocated while asked, not (yet) scheduled
+        self._unscheduled: dict[str, int] = {}  # answered, not scheduled: passes since
         self._without: set[str] = set()  # requests the daemon refused: run without kvcore
-        self._warned: set[str] = set()  # error codes logged at WARNING once already
         self._step = 0
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
-        self._quiet_until = 0.0  # monotonic time before which the daemon is not asked
-        self._stale = False  # a call failed: attach again before the next one
-        self._retry_s = config.retry_s  # the next quiet period, seconds
         self.kv_cache_manager: KVCacheManager | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.link.client.epoch
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------
 
-    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit, block aligned) that
-        kvcore holds and pins for this request. A request not tracked is allocated, for
-        this scheduling pass only (``build_plan`` frees it unless vLLM scheduled it)."""
-        tracked = self._tracked.get(request.request_id)
+        kvcore holds and pins for this request; None while its allocation is on the
+        way (vLLM asks again next pass)."""
+        self._absorb()
+        req_id = request.request_id
+        tracked = self._tracked.get(req_id)
         if tracked is None:
-            if request.request_id in self._without:
+            if req_id in self._asked:
+                return None
+            if req_id in self._misses:
+                self._misses.discard(req_id)
                 return 0
-            tracked = self._allocate(request)
-            if tracked is None:
+            if not self._allocate(request):
                 return 0
-            self._unscheduled.add(request.request_id)
-        prompt = len(request.prompt_token_ids or ())
-        held = min(tracked.confirmed, (prompt - 1) // self.page_size) * self.page_size
+            time.sleep(0)  # let the link's thread send it now
+            return None
+        self._unscheduled.setdefault(req_id, 0)
+        if not self.loads:
+            return 0
+        num_tokens = len(_tokens(request))
+        held = min(tracked.confirmed, (num_tokens - 1) // self.page_size) * self.page_size
         return max(0, held - num_computed_tokens)
 
     def after_alloc(
@@ -168,7 +185,7 @@ class SchedulerSide:
     ) -> None:
         """vLLM scheduled the request: keep its sequence, and plan the load of the
         ``num_external_tokens`` after vLLM's own hit."""
-        self._unscheduled.discard(request.request_id)
+        self._unscheduled.pop(request.request_id, None)
         tracked = self._tracked.get(request.request_id)
         if tracked is None or num_external_tokens <= 0:
             return
@@ -181,14 +198,15 @@ class SchedulerSide:
         self.stats.add("external_hit_tokens", num_external_tokens)
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
-        """This step's loads and saves; frees what vLLM asked about and did not
-        schedule, and sends what is queued first."""
-        for req_id in self._unscheduled:
-            self._release(req_id)
-        self._unscheduled.clear()
-        self.flush()
+        """This step's loads and saves; frees what vLLM kept waiting too long."""
+        self._absorb()
+        for req_id in list(self._unscheduled):
+            self._unscheduled[req_id] += 1
+            if self._unscheduled[req_id] > HOLD_PASSES:
+                del self._unscheduled[req_id]
+                self._release(req_id)
         self._step += 1
-        plan = StepPlan(step=self._step, epoch=self.client.epoch)
+        plan = StepPlan(step=self._step, epoch=self.epoch)
         plan.load_pages = [p for p, _ in self._loads]
         plan.load_blocks = [b for _, b in self._loads]
         touched = set(self._load_requests)
@@ -198,7 +216,8 @@ class SchedulerSide:
             if tracked is None or tracked.finished:
                 continue
             computed = tracked.request.num_computed_tokens + n
-            upto = min(tracked.full, computed // self.page_size)
+            self._grow(req_id, tracked, computed)
+            upto = min(tracked.limit, computed, tracked.capacity) // self.page_size
             if upto <= tracked.scheduled:
                 continue
             assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
@@ -215,24 +234,31 @@ class SchedulerSide:
 
     def on_report(self, report: StepReport) -> None:
         """The worker finished steps: commit what it saved, release finished requests."""
+        self._absorb()
         for req_id, upto in report.saved.items():
             tracked = self._tracked.get(req_id)
             if tracked is None or upto <= tracked.confirmed:
                 continue
             start = tracked.confirmed * self.page_size
-            tokens = list(tracked.request.prompt_token_ids or ())[start : upto * self.page_size]
-            self._queued.append(_Commit(tracked.seq, tokens, start))
+            tokens = _tokens(tracked.request)[start : upto * self.page_size]
+            if len(tokens) < (upto - tracked.confirmed) * self.page_size:
+                continue  # not every token of the pages is known yet: commit later
+            self.link.send(Commit(tracked.seq, tokens, start))
             tracked.confirmed = upto
+        finished_commits = False
         for req_id in report.requests:
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
-            tracked.in_flight -= 1
-            if tracked.in_flight < 0:  # a report of a plan sent before a reconnect
-                tracked.in_flight = 0
+            tracked.in_flight = max(0, tracked.in_flight - 1)  # < 0: a plan before a reconnect
             if tracked.finished and tracked.in_flight == 0:
+                finished_commits |= tracked.confirmed > tracked.hit
                 self._release(req_id)
-        self.flush()  # the step's commits and frees, one round trip
+        if finished_commits and not self.loads:
+            # a producer's answer means its pages are in kvcore (the consumer asks next)
+            self.link.wait_idle(self.config.timeout_s)
+        else:
+            time.sleep(0)  # hand the link's thread the GIL: the commits go out now
 
     def on_preempted(self, req_id: str) -> None:
         """vLLM dropped the request's blocks: saves planned but not reported restart
@@ -243,120 +269,114 @@ class SchedulerSide:
             tracked.scheduled = tracked.confirmed
 
     def finished(self, request: Request) -> None:
-        """The request finished or was aborted: release it once no copy is in flight.
-        The free goes out now: vLLM may run no further step (an abort comes between
-        steps; the last request's finish may end the engine's loop)."""
-        self._without.discard(request.request_id)
-        self._unscheduled.discard(request.request_id)
-        tracked = self._tracked.get(request.request_id)
+        """The request finished or was aborted: release it once no copy is in flight."""
+        req_id = request.request_id
+        self._without.discard(req_id)
+        self._misses.discard(req_id)
+        self._unscheduled.pop(req_id, None)
+        asked = self._asked.pop(req_id, None)
+        if asked is not None:
+            self._cancelled.add(asked.seq)  # freed when its allocation arrives
+        tracked = self._tracked.get(req_id)
         if tracked is None:
             return
         tracked.finished = True
         if tracked.in_flight == 0:
-            self._release(request.request_id)
-            self.flush()
+            self._release(req_id)
 
-    def flush(self) -> None:
-        """Send the queued commits and frees in one round trip (nothing if none). An op
-        the daemon refuses is dropped (logged) and the ops after it are sent again; a
-        whole batch refused (too many tokens for one request) goes op by op."""
-        queued, self._queued = self._queued, []
-        if not queued or not self._ask():
-            return
-        one_by_one = False
-        while queued:
-            sent = queued[:1] if one_by_one else queued
-            try:
-                with self.client.batch() as ops:
-                    _queue(ops, sent)
-                queued = queued[len(sent) :]
-            except BatchFailed as exc:
-                if not self._failed(type(sent[exc.batch_index]).__name__[1:].lower(), exc):
-                    return
-                queued = queued[exc.batch_index + 1 :]
-            except KVCoreError as exc:
-                if not self._failed("commit/free", exc):
-                    return
-                if one_by_one:
-                    queued = queued[1:]
-                one_by_one = True
+    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every call sent so far was answered, and take the answers."""
+        idle = self.link.wait_idle(timeout_s)
+        self._absorb()
+        return idle
 
     def close(self) -> None:
+        self._absorb()
         for req_id in list(self._tracked):
             self._release(req_id)
-        self.flush()
-        self.client.close()
+        self.link.close()
 
     # -- internals -----------------------------------------------------------------------
 
-    def _allocate(self, request: Request) -> _Tracked | None:
-        prompt = list(request.prompt_token_ids or ())
-        if len(prompt) < 2 or not self._ask():
-            return None
+    def _allocate(self, request: Request) -> bool:
+        """Send the request's allocation; False if it runs without kvcore."""
+        key_space = identity(request)
+        tokens = _tokens(request)
+        if (
+            key_space is None
+            or len(tokens) < 2
+            or request.request_id in self._without
+            or self.link.quiet()
+        ):
+            return False
         seq = random.getrandbits(63) or 1
-        try:
-            alloc = self.client.allocate(seq, prompt)
-        except KVCoreError as exc:
-            if self._failed(f"allocate of {request.request_id}", exc) and not isinstance(
-                exc, OutOfPages
-            ):
-                self._without.add(request.request_id)  # it runs without kvcore
-            return None
+        self._asked[request.request_id] = _Asked(seq, request, len(tokens))
+        self.link.send(Allocate(request.request_id, seq, tokens, *key_space))
+        return True
+
+    def _absorb(self) -> None:
+        """Take the link's answers: sequences arrive, grow, or were refused."""
+        for done in self.link.take():
+            if done.kind == "reconnected":  # the old sequences died with the old session
+                self._tracked.clear()
+                self._asked.clear()
+                self._unscheduled.clear()
+                self._cancelled.clear()
+            elif done.kind == "allocated":
+                assert isinstance(done.result, Allocation)
+                self._allocated(done, done.result)
+            elif done.kind == "extended":
+                assert isinstance(done.result, Extension)
+                self._extended(done, done.result)
+            elif self._asked_seq(done.req_id) == done.seq:  # a failed or refused allocation
+                del self._asked[done.req_id]
+                (self._misses if done.kind == "failed" else self._without).add(done.req_id)
+            elif (tracked := self._tracked.get(done.req_id)) and tracked.seq == done.seq:
+                tracked.limit = min(tracked.limit, tracked.capacity)  # no room to grow
+                tracked.extending = False
+
+    def _allocated(self, done: Done, alloc: Allocation) -> None:
+        if self._asked_seq(done.req_id) != done.seq:  # finished while asked, or stale
+            self._cancelled.discard(done.seq)
+            self.link.send(Free(done.seq))
+            return
+        asked = self._asked.pop(done.req_id)
+        request = asked.request
         hit = alloc.num_cached_tokens // self.page_size
-        full = len(prompt) // self.page_size
-        tracked = _Tracked(seq, request, list(alloc.pages), full, hit, confirmed=hit, scheduled=hit)
-        self._tracked[request.request_id] = tracked
-        return tracked
+        limit = 0  # tokens
+        if self.saves and self.config.save_generated:
+            limit = 1 << 62
+        elif self.saves:
+            limit = len(request.prompt_token_ids or ()) // self.page_size * self.page_size
+        self._tracked[done.req_id] = _Tracked(
+            done.seq, request, list(alloc.pages), asked.num_tokens, limit, hit, hit, hit
+        )
+        self._unscheduled.setdefault(done.req_id, 0)
+
+    def _extended(self, done: Done, ext: Extension) -> None:
+        tracked = self._tracked.get(done.req_id)
+        if tracked is None or tracked.seq != done.seq:
+            return  # released meanwhile (its free follows the extend)
+        for src, dst in ext.copies:  # a copy-on-write of the (partial, unsaved) last page
+            tracked.pages[tracked.pages.index(src)] = dst
+        tracked.pages += ext.new_pages
+        tracked.capacity += EXTEND_PAGES * self.page_size
+        tracked.extending = False
+
+    def _grow(self, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """Extend the sequence ahead of the generated tokens it will save: when the
+        step's tokens come within a page of its end, by :data:`EXTEND_PAGES` pages."""
+        if tracked.extending or tracked.limit <= tracked.capacity:
+            return
+        if computed + self.page_size > tracked.capacity:
+            tracked.extending = True
+            self.link.send(Extend(req_id, tracked.seq, EXTEND_PAGES * self.page_size))
+
+    def _asked_seq(self, req_id: str) -> int:
+        asked = self._asked.get(req_id)
+        return asked.seq if asked is not None else 0
 
     def _release(self, req_id: str) -> None:
         tracked = self._tracked.pop(req_id)
-        self._queued.append(_Free(tracked.seq))
-
-    def _ask(self) -> bool:
-        """Whether to call the daemon now; after a failure, first attach again."""
-        if time.monotonic() < self._quiet_until:
-            return False
-        if self._stale:
-            try:
-                self.client.reconnect()
-            except KVCoreError as exc:
-                self._failed("attach", exc)
-                return False
-            self._stale = False
-            self._retry_s = self.config.retry_s
-            self._tracked.clear()  # the old sequences died with the old session
-            self._queued.clear()
-            self._unscheduled.clear()
-        return True
-
-    def _failed(self, what: str, exc: KVCoreError) -> bool:
-        """A failed call; True if it was one request's (the daemon is fine). Out of
-        pages: a miss, logged at INFO; any other refusal (quota, forbidden, too many
-        tokens, ...): logged at WARNING once per error code. The daemon silent, gone
-        or restarted (:data:`DAEMON_GONE`): vLLM goes on without kvcore for
-        ``retry_s`` seconds, then attaches again (a restarted daemon has a new epoch
-        and an empty pool)."""
-        if not isinstance(exc, DAEMON_GONE):
-            if isinstance(exc, OutOfPages):
-                log.info("kvcore: %s: %s", what, exc)
-            elif exc.code not in self._warned:
-                self._warned.add(exc.code)
-                log.warning(
-                    "kvcore: %s refused (%s: %s); it runs without kvcore (logged "
-                    "once per error code)",
-                    what,
-                    exc.code,
-                    exc,
-                )
-            return True
-        self._quiet_until = time.monotonic() + self._retry_s
-        self._stale = True
-        log.warning(
-            "kvcore: %s failed (%s: %s); treating requests as misses for %.0f s",
-            what,
-            type(exc).__name__,
-            exc,
-            self._retry_s,
-        )
-        self._retry_s = min(2 * self._retry_s, MAX_RETRY_S)  # each failure in a row doubles it
-        return False
+        self._unscheduled.pop(req_id, None)
+        self.link.send(Free(tracked.seq))

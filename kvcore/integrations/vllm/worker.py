@@ -4,9 +4,10 @@ The worker attaches its own session (it holds no sequence; the scheduler side
 does) only to map the pool zero-copy. Per step it runs the :class:`StepPlan`:
 loads before the forward (``start_load_kv``; synchronous, so every layer is
 loaded before attention reads it), saves after it (``wait_for_save``; one
-gather/scatter per layer, then a device sync), and reports the saves in a
-:class:`StepReport` that the scheduler turns into commits. No K/V crosses the
-socket; no Python loop runs per token.
+gather/scatter per layer, never waited for on a GPU), and reports each save, once
+its copy is complete, in a :class:`StepReport` that the scheduler turns into
+commits. A worker of a tensor-parallel engine maps the shard of its rank
+(:mod:`.ranks`). No K/V crosses the socket; no Python loop runs per token.
 
 A plan whose epoch is not the mapped pool's (the daemon restarted) is run on a
 fresh mapping; if the worker cannot attach, its loads are reported as failed
@@ -16,6 +17,7 @@ blocks (vLLM recomputes them) and its saves are skipped (never committed).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -29,12 +31,14 @@ from kvcore.integrations.vllm.pages import (
     check_layout,
     copy_pages,
 )
+from kvcore.integrations.vllm.ranks import TensorRank
 
 log = logging.getLogger("kvcore.vllm")
 
 
-def attach(config: ConnectorConfig, *, map_memory: bool) -> Client:
-    """A session on the configured pool; a clear Timeout if no daemon answers."""
+def attach(config: ConnectorConfig, *, map_memory: bool, **options: Any) -> Client:
+    """A session on the configured pool; a clear Timeout if no daemon answers.
+    ``options`` go to Client.connect (a worker's shard)."""
     try:
         return Client.connect(
             config.endpoint,
@@ -43,6 +47,7 @@ def attach(config: ConnectorConfig, *, map_memory: bool) -> Client:
             timeout_s=config.timeout_s,
             map_memory=map_memory,
             name="vllm",
+            **options,
         )
     except Timeout:
         raise Timeout(
@@ -57,10 +62,14 @@ class WorkerSide:
 
     def __init__(self, config: ConnectorConfig) -> None:
         self.config = config
-        self.client = attach(config, map_memory=True)
+        rank = TensorRank.current()
+        self.client = attach(config, map_memory=True, **rank.connect_options())
+        rank.check(self.client, config.pool)
         self.stats = KvcoreStats()
         self._blocks: list[torch.Tensor] = []  # per layer: [B, 2, N, H, D] views of vLLM's caches
         self._report = StepReport()
+        self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
+        self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
         self._failed_blocks: set[int] = set()
 
     def register(self, caches: dict[str, torch.Tensor], layout: HeadLayout) -> None:
@@ -93,8 +102,13 @@ class WorkerSide:
         self.stats.add("loaded_pages", len(plan.load_pages))
 
     def save(self, plan: StepPlan) -> None:
-        """Copy the plan's new full pages out of vLLM, sync, and report them saved."""
+        """Copy the plan's new full pages out of vLLM and report them saved once the
+        copy is complete (commit after write). On a CPU the copy is done on return; on
+        a GPU it is queued on the current stream (anything that later reuses the
+        blocks runs after it) and reported one step later (:meth:`take_report`): the
+        step itself never waits for it."""
         saved = plan.saved
+        pending: torch.cuda.Event | None = None
         if plan.save_pages:
             if self._mapped(plan.epoch):
                 pool = self.client.kv_caches
@@ -104,18 +118,37 @@ class WorkerSide:
                 dst = torch.tensor(plan.save_pages, dtype=torch.int64, device=pool[0].device)
                 for layer, blocks in enumerate(self._blocks):
                     copy_pages(blocks, src, pool[layer], dst)
-                _sync(pool[0].device)  # commit after write: the copy is complete
+                if pool[0].device.type == "cuda":
+                    pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    pending.record()
                 self.stats.add("saved_pages", len(plan.save_pages))
             else:
                 saved = {}
-        if plan.requests:
-            self._report.steps.append(plan.step)
-            self._report.saved.update(saved)
-            self._report.requests.extend(plan.requests)
+        if not plan.requests:
+            return
+        report = StepReport([plan.step], dict(saved), list(plan.requests))
+        if pending is not None:
+            self._step_saves.append((pending, report))
+        else:
+            self._merge(report)
 
     def take_report(self) -> StepReport | None:
+        """The steps finished since the last call. A GPU save is reported by the call
+        after the one of its step (its copy waited for then, long done): every
+        tensor-parallel rank reports the same steps at the same call, so the
+        scheduler's min over ranks (StepReport.aggregate) never commits a page one
+        rank has not copied yet."""
+        for event, earlier in self._unsynced:
+            event.synchronize()
+            self._merge(earlier)
+        self._unsynced, self._step_saves = self._step_saves, []
         report, self._report = self._report, StepReport()
         return report if report.steps else None
+
+    def _merge(self, report: StepReport) -> None:
+        self._report.steps += report.steps
+        self._report.saved.update(report.saved)
+        self._report.requests += report.requests
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
