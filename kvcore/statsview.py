@@ -113,7 +113,7 @@ def pool_table(pools: list[dict[str, Any]]) -> Any:
         shape = (
             f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
             f"p{lay['page_size']} {lay['dtype']}"
-        )
+        ) + (f" x{p['shards']} shards" if p.get("shards", 1) > 1 else "")
         hit_rate = p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0
         table.add_row(
             p["name"],

@@ -75,8 +75,9 @@ def daemon() -> Iterator[DaemonProcess]:
 
 @pytest.fixture
 def side(daemon: DaemonProcess) -> Iterator[SchedulerSide]:
-    config = ConnectorConfig.from_extra({"endpoint": daemon.endpoint, "namespace": "sched"})
-    started = SchedulerSide(config, PAGE_SIZE)
+    # ask_wait_ms 0: every answer comes a pass later, the path a busy daemon takes
+    extra = {"endpoint": daemon.endpoint, "namespace": "sched", "ask_wait_ms": 0}
+    started = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
     started.kv_cache_manager = FakeBlocks()
     try:
         yield started
@@ -131,6 +132,19 @@ def test_a_request_asked_about_and_not_scheduled_holds_nothing(
         side.build_plan(FakeOutput())
     side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)
+
+
+def test_an_idle_daemon_answers_within_the_pass(daemon: DaemonProcess) -> None:
+    extra = {"endpoint": daemon.endpoint, "namespace": "sched", "ask_wait_ms": 1000}
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
+    try:
+        req = FakeRequest("at-once", MODEL.prompt(150, 4))
+        assert side.num_new_matched_tokens(req, 0) == 0  # no "not yet": no pass lost
+        finish(side, req, RequestStatus.FINISHED_ABORTED)
+        side.wait_idle()
+        assert held(daemon.endpoint) == (0, 0)
+    finally:
+        side.close()
 
 
 def test_a_request_aborted_before_it_was_scheduled_holds_nothing(

@@ -193,6 +193,7 @@ class PoolStats(_Message):
     ephemeral: bool = False
     event_seq_no: int = 0  # seq_no of the pool's last published event
     tiers: list[TierStats] = []  # the pool's lower tiers, top down (docs/concepts.md, "Tiers")
+    shards: int = 1  # regions of ``layout`` (one per tensor-parallel rank), pages shared
 
 
 class TierStats(_Message):

@@ -25,7 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "kernels": "paged decode/prefill time and bandwidth per backend",
     "e2e": "transformers generate() with the kvcore cache vs DynamicCache",
     "load": "N client processes of random operations with page markers (clobbers, p99, RSS)",
-    "vllm": "two vLLM instances sharing a prefix through the kvcore connector",
+    "vllm": "two vLLM instances sharing kvcore: shared prefix, no hit, RAG, chat; vLLM's prefix cache on and off",
     "tiers": "hit rates with host/disk tiers below the pool; promotion bandwidth; remote fetch",
 }
 

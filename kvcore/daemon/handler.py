@@ -411,6 +411,7 @@ class Handler:
                     ephemeral=pool.ephemeral,
                     event_seq_no=self.pools.last_seq_no(pool.name),
                     tiers=pool.tier_stats(),
+                    shards=pool.shards,
                 )
             )
         sessions = [

@@ -112,6 +112,7 @@ class DaemonLink:
         self._inbox: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._idle = threading.Condition()
+        self._answered = threading.Condition()  # notified on each record posted
         self._pending = 0  # ops sent to the thread and not yet handled
         self._quiet_until = 0.0  # monotonic time before which nothing is sent
         self._stale = False  # a call failed: attach again before the next one
@@ -131,6 +132,11 @@ class DaemonLink:
                 return  # bounded: an unpublished page is a later miss
             self._pending += 1
         self._inbox.put(op)
+
+    def wait_answer(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for a record to take; whether one is there."""
+        with self._answered:
+            return self._answered.wait_for(lambda: not self._done.empty(), timeout_s)
 
     def take(self) -> list[Done]:
         """Every record posted since the last call, in order."""
@@ -173,7 +179,7 @@ class DaemonLink:
                 log.exception("kvcore: the daemon link failed; requests are misses")
                 for op in ops:
                     if isinstance(op, Allocate):
-                        self._done.put(Done("failed", op.req_id, op.seq))
+                        self._answer(Done("failed", op.req_id, op.seq))
             with self._idle:
                 self._pending -= len(ops)
                 self._idle.notify_all()
@@ -208,14 +214,19 @@ class DaemonLink:
                     return
                 ops = ops[1:]
 
+    def _answer(self, done: Done) -> None:
+        with self._answered:
+            self._done.put(done)
+            self._answered.notify_all()
+
     def _post(self, ops: list[Op], results: list[object]) -> None:
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Allocate):
                 assert isinstance(result, Allocation), result
-                self._done.put(Done("allocated", op.req_id, op.seq, result))
+                self._answer(Done("allocated", op.req_id, op.seq, result))
             elif isinstance(op, Extend):
                 assert isinstance(result, Extension), result
-                self._done.put(Done("extended", op.req_id, op.seq, result))
+                self._answer(Done("extended", op.req_id, op.seq, result))
 
     def _refused(self, op: Op, exc: KVCoreError) -> bool:
         """One op failed; True if it was the op's own fault (the daemon is fine). Out of
@@ -226,7 +237,7 @@ class DaemonLink:
         if isinstance(exc, DAEMON_GONE):
             self._gone(what, exc)
             if isinstance(op, Allocate):
-                self._done.put(Done("failed", op.req_id, op.seq))
+                self._answer(Done("failed", op.req_id, op.seq))
             return False
         if isinstance(exc, OutOfPages):
             log.info("kvcore: %s: %s", what, exc)
@@ -241,14 +252,14 @@ class DaemonLink:
             )
         if isinstance(op, Allocate | Extend):
             failed = isinstance(op, Allocate) and isinstance(exc, OutOfPages)
-            self._done.put(Done("failed" if failed else "refused", op.req_id, op.seq, error=exc))
+            self._answer(Done("failed" if failed else "refused", op.req_id, op.seq, error=exc))
         return True
 
     def _drop(self, ops: list[Op]) -> None:
         """Ops not sent because the daemon went away: allocations are misses."""
         for op in ops:
             if isinstance(op, Allocate):
-                self._done.put(Done("failed", op.req_id, op.seq))
+                self._answer(Done("failed", op.req_id, op.seq))
 
     def _gone(self, what: str, exc: KVCoreError) -> None:
         self._quiet_until = time.monotonic() + self._retry_s
@@ -274,7 +285,7 @@ class DaemonLink:
                 return False
             self._stale = False
             self._retry_s = self._retry_first
-            self._done.put(Done("reconnected"))
+            self._answer(Done("reconnected"))
         return True
 
 

@@ -38,6 +38,7 @@ class ConnectorConfig:
     timeout_s: float = 5.0
     retry_s: float = 5.0
     save_generated: bool = True
+    ask_wait_ms: float = 2.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -4,18 +4,22 @@ Life of a request (pages of ``page_size`` tokens = vLLM blocks)::
 
     tokens    | hit pages (pinned)  | pages to save (prompt, then generated) | partial |
               0                   hit                                     full       n
-    ask       allocate(seq, tokens) is sent; vLLM is told "not yet" (None) and asks
-              again next pass, by when the answer (hit pages, pinned) is here
+    ask       allocate(seq, tokens) is sent; the answer (hit pages, pinned) is
+              waited for within the pass's ask_wait_ms, else vLLM is told "not yet"
+              (None) and asks again next pass
     load      hit pages -> vLLM blocks, in the step vLLM schedules it (StepPlan.load_*)
     save      full pages [hit, ...) -> kvcore pages, in the step that computes them;
               generated pages too (``save_generated``), the sequence extended ahead
     commit    after the worker reports the copy done (StepReport)
     release   free(seq) once the request finished and no copy of it is in flight
 
-The scheduler never waits for the daemon: every call goes through a
+The scheduler does not wait for the daemon: every call goes through a
 :class:`~.link.DaemonLink` (one I/O thread, one batch per round trip) and its
-answers are taken at the next hook. A request waits for its own allocation (vLLM
-skips it for the passes until the answer is here, usually one), never anyone else's.
+answers are taken at the next hook. The one bounded exception: a scheduling pass
+waits, in all, at most ``ask_wait_ms`` (default 2 ms; 0: never) for the answers
+about the new requests it asks about, which an idle daemon gives in well under a
+millisecond; a request whose answer is later waits for the next pass (vLLM skips
+it meanwhile), never anyone else's.
 
 Invariants: every page number in a StepPlan belongs to a sequence this session
 holds (so nobody else writes or evicts it while the copy runs); a page is
@@ -142,6 +146,7 @@ class SchedulerSide:
         self._load_requests: set[str] = set()
         self._unscheduled: dict[str, int] = {}  # answered, not scheduled: passes since
         self._without: set[str] = set()  # requests the daemon refused: run without kvcore
+        self._pass_deadline: float | None = None  # when this pass stops waiting for answers
         self._step = 0
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self.kv_cache_manager: KVCacheManager | None = None
@@ -155,20 +160,23 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit, block aligned) that
         kvcore holds and pins for this request; None while its allocation is on the
-        way (vLLM asks again next pass)."""
+        way past this pass's ``ask_wait_ms`` (vLLM asks again next pass)."""
         self._absorb()
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
         if tracked is None:
-            if req_id in self._asked:
-                return None
-            if req_id in self._misses:
+            if req_id not in self._asked:
+                if req_id in self._misses:
+                    self._misses.discard(req_id)
+                    return 0
+                if not self._allocate(request):
+                    return 0
+            tracked = self._wait_for(req_id)
+            if tracked is None:
+                if req_id in self._asked:
+                    return None  # asked again next pass
                 self._misses.discard(req_id)
-                return 0
-            if not self._allocate(request):
-                return 0
-            time.sleep(0)  # let the link's thread send it now
-            return None
+                return 0  # refused, or a miss
         self._unscheduled.setdefault(req_id, 0)
         if not self.loads:
             return 0
@@ -200,6 +208,7 @@ class SchedulerSide:
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
         """This step's loads and saves; frees what vLLM kept waiting too long."""
         self._absorb()
+        self._pass_deadline = None  # the pass is over: the next one may wait again
         for req_id in list(self._unscheduled):
             self._unscheduled[req_id] += 1
             if self._unscheduled[req_id] > HOLD_PASSES:
@@ -283,6 +292,18 @@ class SchedulerSide:
         tracked.finished = True
         if tracked.in_flight == 0:
             self._release(req_id)
+
+    def _wait_for(self, req_id: str) -> _Tracked | None:
+        """The request's sequence if its answer comes within what is left of this
+        pass's ``ask_wait_ms`` (an idle daemon answers in well under a millisecond;
+        waiting for it here saves the request a pass); None otherwise."""
+        deadline = self._pass_deadline
+        if deadline is None:
+            deadline = self._pass_deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
+        while req_id in self._asked and (left := deadline - time.monotonic()) > 0:
+            self.link.wait_answer(left)
+            self._absorb()
+        return self._tracked.get(req_id)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every call sent so far was answered, and take the answers."""
