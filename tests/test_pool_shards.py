@@ -101,6 +101,8 @@ def test_two_ranks_write_their_own_shard_and_share_one_prefix_index(
             stats = books.stats()
             assert stats.total_pages == 16  # pages count once: page p is p in every shard
             assert stats.cached_pages == 3
+            (pool,) = books.daemon_stats().pools
+            assert pool.shards == 2  # what `kvcore stats` shows
             books.free(2)
             books.check_integrity()
     finally:
