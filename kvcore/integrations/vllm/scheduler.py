@@ -5,8 +5,8 @@ Life of a request (pages of ``page_size`` tokens = vLLM blocks)::
     tokens    | hit pages (pinned)  | pages to save (prompt, then generated) | partial |
               0                   hit                                     full       n
     ask       allocate(seq, tokens) is sent; the answer (hit pages, pinned) is
-              waited for within the pass's ask_wait_ms, else vLLM is told "not yet"
-              (None) and asks again next pass
+              waited for at most ask_wait_ms, else vLLM is told "not yet" (None)
+              and asks again next pass
     load      hit pages -> vLLM blocks, in the step vLLM schedules it (StepPlan.load_*)
     save      full pages [hit, ...) -> kvcore pages, in the step that computes them;
               generated pages too (``save_generated``), the sequence extended ahead
@@ -15,11 +15,11 @@ Life of a request (pages of ``page_size`` tokens = vLLM blocks)::
 
 The scheduler does not wait for the daemon: every call goes through a
 :class:`~.link.DaemonLink` (one I/O thread, one batch per round trip) and its
-answers are taken at the next hook. The one bounded exception: a scheduling pass
-waits, in all, at most ``ask_wait_ms`` (default 2 ms; 0: never) for the answers
-about the new requests it asks about, which an idle daemon gives in well under a
-millisecond; a request whose answer is later waits for the next pass (vLLM skips
-it meanwhile), never anyone else's.
+answers are taken at the next hook. The one bounded exception: the answer about
+a new request is waited for at most ``ask_wait_ms`` (default 2 ms; 0: never),
+which an idle daemon gives in under a millisecond; once one is late, the rest of
+that pass waits for none. A request whose answer is late waits for the next pass
+(vLLM skips it meanwhile), never anyone else's.
 
 Invariants: every page number in a StepPlan belongs to a sequence this session
 holds (so nobody else writes or evicts it while the copy runs); a page is
@@ -141,12 +141,11 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._asked: dict[str, _Asked] = {}  # requests whose allocation is on the way
         self._misses: set[str] = set()  # allocation failed: answer 0 once
-        self._cancelled: set[int] = set()  # seqs of requests that finished while asked
         self._loads: list[tuple[int, int]] = []  # (pool page, vLLM block) for the next plan
         self._load_requests: set[str] = set()
         self._unscheduled: dict[str, int] = {}  # answered, not scheduled: passes since
         self._without: set[str] = set()  # requests the daemon refused: run without kvcore
-        self._pass_deadline: float | None = None  # when this pass stops waiting for answers
+        self._pass_late = False  # an answer came late in this pass: wait for no more
         self._step = 0
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self.kv_cache_manager: KVCacheManager | None = None
@@ -160,7 +159,7 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit, block aligned) that
         kvcore holds and pins for this request; None while its allocation is on the
-        way past this pass's ``ask_wait_ms`` (vLLM asks again next pass)."""
+        way past ``ask_wait_ms`` (vLLM asks again next pass)."""
         self._absorb()
         req_id = request.request_id
         tracked = self._tracked.get(req_id)
@@ -208,7 +207,7 @@ class SchedulerSide:
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
         """This step's loads and saves; frees what vLLM kept waiting too long."""
         self._absorb()
-        self._pass_deadline = None  # the pass is over: the next one may wait again
+        self._pass_late = False  # the pass is over: the next one may wait again
         for req_id in list(self._unscheduled):
             self._unscheduled[req_id] += 1
             if self._unscheduled[req_id] > HOLD_PASSES:
@@ -283,9 +282,7 @@ class SchedulerSide:
         self._without.discard(req_id)
         self._misses.discard(req_id)
         self._unscheduled.pop(req_id, None)
-        asked = self._asked.pop(req_id, None)
-        if asked is not None:
-            self._cancelled.add(asked.seq)  # freed when its allocation arrives
+        self._asked.pop(req_id, None)  # its allocation, when it arrives, is freed
         tracked = self._tracked.get(req_id)
         if tracked is None:
             return
@@ -294,15 +291,17 @@ class SchedulerSide:
             self._release(req_id)
 
     def _wait_for(self, req_id: str) -> _Tracked | None:
-        """The request's sequence if its answer comes within what is left of this
-        pass's ``ask_wait_ms`` (an idle daemon answers in well under a millisecond;
-        waiting for it here saves the request a pass); None otherwise."""
-        deadline = self._pass_deadline
-        if deadline is None:
-            deadline = self._pass_deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
-        while req_id in self._asked and (left := deadline - time.monotonic()) > 0:
-            self.link.wait_answer(left)
-            self._absorb()
+        """The request's sequence if its answer comes within ``ask_wait_ms`` (an idle
+        daemon answers in under a millisecond: waiting here saves the request a
+        pass); None otherwise. Once an answer was late in a pass, the rest of the pass
+        does not wait (the daemon is busy: its answers come with the next pass)."""
+        if not self._pass_late:
+            deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
+            while req_id in self._asked and (left := deadline - time.monotonic()) > 0:
+                self.link.wait_answer(left)
+                self._absorb()
+            self._pass_late = req_id in self._asked
+        self._absorb()
         return self._tracked.get(req_id)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
@@ -342,7 +341,6 @@ class SchedulerSide:
                 self._tracked.clear()
                 self._asked.clear()
                 self._unscheduled.clear()
-                self._cancelled.clear()
             elif done.kind == "allocated":
                 assert isinstance(done.result, Allocation)
                 self._allocated(done, done.result)
@@ -358,7 +356,6 @@ class SchedulerSide:
 
     def _allocated(self, done: Done, alloc: Allocation) -> None:
         if self._asked_seq(done.req_id) != done.seq:  # finished while asked, or stale
-            self._cancelled.discard(done.seq)
             self.link.send(Free(done.seq))
             return
         asked = self._asked.pop(done.req_id)
