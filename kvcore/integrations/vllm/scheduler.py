@@ -90,7 +90,7 @@ class _Tracked:
     confirmed: int  # leading pages kvcore holds now: hit, then reported saves
     scheduled: int  # leading pages that are held or have a save in a sent plan
     in_flight: int = 0  # sent plans with a copy of this request, not yet reported
-    extending: bool = False  # an extend is on its way
+    extending: int = 0  # tokens of the extend on its way (0: none)
     finished: bool = False
 
 
@@ -352,7 +352,7 @@ class SchedulerSide:
                 (self._misses if done.kind == "failed" else self._without).add(done.req_id)
             elif (tracked := self._tracked.get(done.req_id)) and tracked.seq == done.seq:
                 tracked.limit = min(tracked.limit, tracked.capacity)  # no room to grow
-                tracked.extending = False
+                tracked.extending = 0
 
     def _allocated(self, done: Done, alloc: Allocation) -> None:
         if self._asked_seq(done.req_id) != done.seq:  # finished while asked, or stale
@@ -361,11 +361,13 @@ class SchedulerSide:
         asked = self._asked.pop(done.req_id)
         request = asked.request
         hit = alloc.num_cached_tokens // self.page_size
+        prompt = len(request.prompt_token_ids or ())
         limit = 0  # tokens
-        if self.saves and self.config.save_generated:
-            limit = 1 << 62
+        if self.saves and self.config.save_generated:  # the last token sampled has no K/V
+            limit = prompt + (getattr(request, "max_tokens", None) or 1 << 40) - 1
         elif self.saves:
-            limit = len(request.prompt_token_ids or ()) // self.page_size * self.page_size
+            limit = prompt
+        limit = limit // self.page_size * self.page_size
         self._tracked[done.req_id] = _Tracked(
             done.seq, request, list(alloc.pages), asked.num_tokens, limit, hit, hit, hit
         )
@@ -378,17 +380,18 @@ class SchedulerSide:
         for src, dst in ext.copies:  # a copy-on-write of the (partial, unsaved) last page
             tracked.pages[tracked.pages.index(src)] = dst
         tracked.pages += ext.new_pages
-        tracked.capacity += EXTEND_PAGES * self.page_size
-        tracked.extending = False
+        tracked.capacity += tracked.extending
+        tracked.extending = 0
 
     def _grow(self, req_id: str, tracked: _Tracked, computed: int) -> None:
         """Extend the sequence ahead of the generated tokens it will save: when the
-        step's tokens come within a page of its end, by :data:`EXTEND_PAGES` pages."""
+        step's tokens come within a page of its end, by :data:`EXTEND_PAGES` pages at
+        most (no further than ``limit``: the pages its ``max_tokens`` can fill)."""
         if tracked.extending or tracked.limit <= tracked.capacity:
             return
         if computed + self.page_size > tracked.capacity:
-            tracked.extending = True
-            self.link.send(Extend(req_id, tracked.seq, EXTEND_PAGES * self.page_size))
+            tracked.extending = min(EXTEND_PAGES * self.page_size, tracked.limit - tracked.capacity)
+            self.link.send(Extend(req_id, tracked.seq, tracked.extending))
 
     def _asked_seq(self, req_id: str) -> int:
         asked = self._asked.get(req_id)
