@@ -86,7 +86,7 @@ def test_the_deployment_secret_reaches_the_disk_tier(tmp_path: Path) -> None:
     """--pool tier_secret_file= (as the TOML's secret_file) keys the disk tier's entries;
     a secret others may read is refused at start."""
     secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(32))
+    secret.write_text(os.urandom(32).hex())  # as docs/tiers.md makes one: text, not raw bytes
     secret.chmod(0o600)
     spec = f"name=a,num_pages=8,disk_tier={tmp_path / 'd'},disk_tier_size=1MiB"
     pool = parse_pool_spec(f"{spec},tier_secret_file={secret},tier_encrypt=false")
