@@ -35,6 +35,7 @@ class FakeRequest:
     status: RequestStatus = RequestStatus.WAITING
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -246,6 +247,26 @@ def test_a_salted_request_hits_only_its_salt(side: SchedulerSide, daemon: Daemon
     assert ask(side, FakeRequest("bob", prompt, cache_salt="bob")) == 0
     assert ask(side, FakeRequest("nobody", prompt)) == 0
     assert ask(side, FakeRequest("alice-2", prompt, cache_salt="alice")) == 3 * PAGE_SIZE
+
+
+def test_no_daemon_work_for_what_vllm_holds_itself(
+    side: SchedulerSide, daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[object] = []
+    send = side.link.send
+    monkeypatch.setattr(side.link, "send", lambda op: (sent.append(op), send(op)))
+    # 3 full pages + 4 tokens, 1 new token: vLLM's own hit of 3 pages leaves nothing to
+    # load (the last token is never a hit) and nothing to save (no page fills)
+    held_locally = FakeRequest("local", MODEL.prompt(100, 80), max_tokens=1)
+    assert side.num_new_matched_tokens(held_locally, 3 * PAGE_SIZE) == 0
+    assert side.build_plan(FakeOutput({"local": 4})).save_pages == []
+    assert sent == []  # not asked at all
+    one_short = FakeRequest("short", MODEL.prompt(100, 81), max_tokens=1)
+    assert ask(side, one_short, 2 * PAGE_SIZE) == 0  # page 2 is this request's to save
+    assert len(sent) == 1
+    finish(side, one_short, RequestStatus.FINISHED_ABORTED)
+    side.wait_idle()
+    assert held(daemon.endpoint) == (0, 0)
 
 
 def test_a_request_with_prompt_embeddings_is_not_keyed(side: SchedulerSide) -> None:

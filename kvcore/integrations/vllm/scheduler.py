@@ -168,7 +168,7 @@ class SchedulerSide:
                 if req_id in self._misses:
                     self._misses.discard(req_id)
                     return 0
-                if not self._allocate(request):
+                if self._covered(request, num_computed_tokens) or not self._allocate(request):
                     return 0
             tracked = self._wait_for(req_id)
             if tracked is None:
@@ -361,17 +361,36 @@ class SchedulerSide:
         asked = self._asked.pop(done.req_id)
         request = asked.request
         hit = alloc.num_cached_tokens // self.page_size
+        self._tracked[done.req_id] = _Tracked(
+            done.seq,
+            request,
+            list(alloc.pages),
+            asked.num_tokens,
+            self._limit(request),
+            hit,
+            hit,
+            hit,
+        )
+        self._unscheduled.setdefault(done.req_id, 0)
+
+    def _limit(self, request: Request) -> int:
+        """Tokens, a whole number of pages: the pages below it are the most this request
+        may save (its prompt's, or every page its ``max_tokens`` can fill)."""
         prompt = len(request.prompt_token_ids or ())
-        limit = 0  # tokens
+        limit = 0
         if self.saves and self.config.save_generated:  # the last token sampled has no K/V
             limit = prompt + (getattr(request, "max_tokens", None) or 1 << 40) - 1
         elif self.saves:
             limit = prompt
-        limit = limit // self.page_size * self.page_size
-        self._tracked[done.req_id] = _Tracked(
-            done.seq, request, list(alloc.pages), asked.num_tokens, limit, hit, hit, hit
-        )
-        self._unscheduled.setdefault(done.req_id, 0)
+        return limit // self.page_size * self.page_size
+
+    def _covered(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether vLLM's own hit already holds every page kvcore could load into this
+        request or save from it: then the daemon is not asked at all."""
+        loadable = 0
+        if self.loads:
+            loadable = (len(_tokens(request)) - 1) // self.page_size * self.page_size
+        return num_computed_tokens >= max(loadable, self._limit(request))
 
     def _extended(self, done: Done, ext: Extension) -> None:
         tracked = self._tracked.get(done.req_id)
