@@ -49,6 +49,7 @@ from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.prefix import (
+    KeySpace,
     PageEvent,
     PageStored,
     PrefixIndex,
@@ -84,12 +85,9 @@ __all__ = [
 ]
 
 
-_KeySpace = tuple[str, str, str]  # (namespace, lora, salt): what a root key hashes
-
-
 @dataclass(slots=True)
 class _Sequence:
-    space: _KeySpace
+    space: KeySpace
     root: PrefixKey  # root_key(*space)
     pages: list[PageId]  # block table; only grows, except copy-on-write of the last page
     num_tokens: int
@@ -124,8 +122,8 @@ class Manager:
         # the last key space (namespace, lora, salt); and the keys of the last prompt matched (root, token
         # bytes, keys of its first pages, at most the pages a hit may cover),
         # compared by bytes, never by identity (see _match).
-        default: _KeySpace = (DEFAULT_NAMESPACE, "", "")
-        self._root_memo: tuple[_KeySpace, PrefixKey] = (default, root_key(*default))
+        default = KeySpace(DEFAULT_NAMESPACE)
+        self._root_memo: tuple[KeySpace, PrefixKey] = (default, root_key(*default))
         self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
     # -- operations -------------------------------------------------------------
@@ -146,7 +144,7 @@ class Manager:
         under it, its forks inherit it. OutOfPages if the pages do not fit;
         BadRequest if a key-space field is not a str of at most 256 UTF-8 bytes."""
         self.check_new(seq_id)
-        space = (namespace, lora, salt)
+        space = KeySpace(namespace, lora, salt)
         root = self._root(space)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
@@ -247,8 +245,10 @@ class Manager:
                     f"page {pages[i]} (page {first + i} of sequence {seq_id}) was committed "
                     "with other tokens"
                 )
-        namespace, lora, salt = seq.space
-        self._index.insert_chain(parent, new, pages, token_bytes, namespace, lora=lora, salt=salt)
+        space = seq.space
+        self._index.insert_chain(
+            parent, new, pages, token_bytes, space.namespace, lora=space.lora, salt=space.salt
+        )
         keys += new
 
     def _check_resent(
@@ -303,7 +303,7 @@ class Manager:
         brings pages up from them, as allocate does (kvcore.daemon.tiering): that
         changes which pages are cached and queues their events, never any sequence
         (docs/concepts.md, "Tiers")."""
-        root = self._root((namespace, lora, salt))
+        root = self._root(KeySpace(namespace, lora, salt))
         _, pages = self._match(root, encode_tokens(tokens))
         refcounts = self._refcounts
         evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
@@ -331,7 +331,7 @@ class Manager:
         indexed in the key space (``namespace``, ``salt``, ``lora``), and the room
         beside them (:class:`PrefixPlan`). Read-only, like :meth:`lookup`; hashes
         every page a hit may cover."""
-        root = self._root((namespace, lora, salt))
+        root = self._root(KeySpace(namespace, lora, salt))
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(root, token_bytes)
@@ -366,7 +366,7 @@ class Manager:
         lookup's; ``medium`` labels their stored events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
         if the run reaches the last token (a hit never covers it).
         """
-        root = self._root((namespace, lora, salt))
+        root = self._root(KeySpace(namespace, lora, salt))
         token_bytes = encode_tokens(tokens)
         if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
             raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -568,7 +568,7 @@ class Manager:
             raise UnknownSequence(f"no live sequence {seq_id!r}")
         return seq
 
-    def _root(self, space: _KeySpace) -> PrefixKey:
+    def _root(self, space: KeySpace) -> PrefixKey:
         """root_key(namespace, lora, salt), memoized for the last key space; BadRequest
         (from root_key) unless each is a str of at most 256 UTF-8 bytes."""
         memo = self._root_memo

@@ -34,7 +34,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from typing import NewType
+from typing import NamedTuple, NewType
 
 import msgspec
 
@@ -76,6 +76,15 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
     if _BIG_ENDIAN:
         packed.byteswap()
     return packed.tobytes()
+
+
+class KeySpace(NamedTuple):
+    """What a root key hashes, in that order (spec/hashing.md): a sequence's key space.
+    ``root_key(*space)`` is its root."""
+
+    namespace: str
+    lora: str = ""
+    salt: str = ""
 
 
 def root_key(namespace: str, lora: str = "", salt: str = "") -> PrefixKey:

@@ -40,7 +40,7 @@ the removed event of a spilled page carries the medium now holding it.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from kvcore_ipc import messages as msg
 
@@ -49,7 +49,7 @@ from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
 from kvcore.layout import KVLayout
 from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit, Stats
-from kvcore.prefix import PageEvent, PageRemoved, PageStored, PrefixKey
+from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
 from kvcore.tiers.secret import keyring_of
@@ -58,14 +58,6 @@ from kvcore.tiers.transfer import gather_pages, scatter_pages
 if TYPE_CHECKING:
     import torch
     from prometheus_client.core import Metric
-
-
-class KeySpace(NamedTuple):
-    """The key-space arguments of one allocate or lookup, as they pass to plan and adopt."""
-
-    namespace: str
-    salt: str
-    lora: str
 
 
 def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
@@ -125,7 +117,7 @@ class TieredManager:
         """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
         the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
-        space = KeySpace(namespace, salt, lora)
+        space = KeySpace(namespace, lora, salt)
         self._promote(tokens, space, for_allocate=True)
         try:
             return self.manager.allocate(seq_id, tokens, namespace=namespace, salt=salt, lora=lora)
@@ -143,7 +135,7 @@ class TieredManager:
         """:meth:`Manager.lookup`, after promoting what the tiers hold of the rest of
         the chain (as far as free and evictable pages allow): not read-only, it may
         change which pages are cached (never a sequence); see the module docstring."""
-        self._promote(tokens, KeySpace(namespace, salt, lora), for_allocate=False)
+        self._promote(tokens, KeySpace(namespace, lora, salt), for_allocate=False)
         self._spill()
         return self.manager.lookup(tokens, namespace=namespace, salt=salt, lora=lora)
 
@@ -236,7 +228,7 @@ class TieredManager:
         space, so pages of another salt or adapter are never found below either.
         OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
         never raises for a tier's miss."""
-        ns, salt, lora = space
+        ns, lora, salt = space
         plan = self.manager.plan(tokens, namespace=ns, salt=salt, lora=lora)
         if for_allocate and plan.num_new > plan.room:
             raise OutOfPages(f"need {plan.num_new} pages, {plan.room} free or evictable")
