@@ -91,7 +91,7 @@ Op = Allocate | Extend | Commit | Free
 class Done:
     """What the scheduler learns from the thread. ``kind``: ``allocated`` (``result``
     an Allocation), ``extended`` (an Extension), ``refused`` (the op's request runs
-    without kvcore from now on; ``error`` says why), ``failed`` (an allocation that
+    without kvcore from now on; the link logged why), ``failed`` (an allocation that
     did not run: a miss, ask again later), ``reconnected`` (a new session: forget
     every sequence)."""
 
@@ -99,7 +99,6 @@ class Done:
     req_id: str = ""
     seq: int = 0
     result: Allocation | Extension | None = None
-    error: KVCoreError | None = None
 
 
 class DaemonLink:
@@ -177,9 +176,7 @@ class DaemonLink:
                 self._handle(ops)
             except Exception:  # never let the thread die: vLLM would wait forever
                 log.exception("kvcore: the daemon link failed; requests are misses")
-                for op in ops:
-                    if isinstance(op, Allocate):
-                        self._answer(Done("failed", op.req_id, op.seq))
+                self._drop(ops)
             with self._idle:
                 self._pending -= len(ops)
                 self._idle.notify_all()
@@ -252,11 +249,12 @@ class DaemonLink:
             )
         if isinstance(op, Allocate | Extend):
             failed = isinstance(op, Allocate) and isinstance(exc, OutOfPages)
-            self._answer(Done("failed" if failed else "refused", op.req_id, op.seq, error=exc))
+            self._answer(Done("failed" if failed else "refused", op.req_id, op.seq))
         return True
 
     def _drop(self, ops: list[Op]) -> None:
-        """Ops not sent because the daemon went away: allocations are misses."""
+        """Ops that did not run (the daemon gone, or the link failed): allocations are
+        answered as misses; the rest are dropped."""
         for op in ops:
             if isinstance(op, Allocate):
                 self._answer(Done("failed", op.req_id, op.seq))

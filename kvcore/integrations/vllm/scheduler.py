@@ -179,8 +179,7 @@ class SchedulerSide:
         self._unscheduled.setdefault(req_id, 0)
         if not self.loads:
             return 0
-        num_tokens = len(_tokens(request))
-        held = min(tracked.confirmed, (num_tokens - 1) // self.page_size) * self.page_size
+        held = min(tracked.confirmed * self.page_size, self._loadable(request))
         return max(0, held - num_computed_tokens)
 
     def after_alloc(
@@ -387,10 +386,13 @@ class SchedulerSide:
     def _covered(self, request: Request, num_computed_tokens: int) -> bool:
         """Whether vLLM's own hit already holds every page kvcore could load into this
         request or save from it: then the daemon is not asked at all."""
-        loadable = 0
-        if self.loads:
-            loadable = (len(_tokens(request)) - 1) // self.page_size * self.page_size
+        loadable = self._loadable(request) if self.loads else 0
         return num_computed_tokens >= max(loadable, self._limit(request))
+
+    def _loadable(self, request: Request) -> int:
+        """Tokens, a whole number of pages: the most a hit may cover (never the last
+        token, whose forward produces the next one)."""
+        return (len(_tokens(request)) - 1) // self.page_size * self.page_size
 
     def _extended(self, done: Done, ext: Extension) -> None:
         tracked = self._tracked.get(done.req_id)
