@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -29,6 +28,7 @@ from vllm_helpers import (
     loadable,
     pool_flag,
     post,
+    settle,
     start_proxy,
     vllm_available,
     write_lora,
@@ -95,14 +95,9 @@ def pool(endpoint: str) -> tuple[int, int, int, int]:
 
 
 def settled(endpoint: str, timeout_s: float = 10.0) -> tuple[int, int, int, int]:
-    """:func:`pool` once no sequence is held: every request the engines ran is freed,
-    so its commits (sent before its free) are in. The connector sends them from its
-    own thread: an engine's answer may come back before they reach the daemon."""
-    deadline = time.monotonic() + timeout_s
-    while (now := pool(endpoint))[2:] != (0, 0):
-        assert time.monotonic() < deadline, f"sequences still held after {timeout_s} s: {now}"
-        time.sleep(0.05)
-    return now
+    """:func:`pool` once no sequence is held (kvcore.bench.vllm_engine.settle)."""
+    s = settle(endpoint, timeout_s)
+    return s.cached_pages, s.query_tokens, s.held_pages, s.num_sequences
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, **per_prompt: Any) -> Any:

@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcore.demo_model import TinyLlama
+
+if TYPE_CHECKING:
+    from kvcore.results import Stats
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
 MODEL = TinyLlama(
@@ -268,6 +272,25 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def settle(endpoint: str, timeout_s: float = 30.0) -> Stats:
+    """The pool's stats once the daemon at ``endpoint`` holds no sequence: every request
+    the engines ran is freed, so its commits (sent before its free) are in. The
+    connector sends them from its own thread, so an engine's answer may come back
+    before they land; the next engine's lookup must not race them. RuntimeError
+    after ``timeout_s``."""
+    from kvcore.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with Client.connect(endpoint, map_memory=False, heartbeat=False) as client:
+            stats = client.stats()
+        if stats.held_pages == 0 and stats.num_sequences == 0:
+            return stats
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the daemon still holds sequences after {timeout_s} s: {stats}")
+        time.sleep(0.02)
 
 
 def write_lora(directory: Path, seed: int, rank: int = 8) -> Path:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvcore.bench.vllm_engine import MODEL, Engine
+from kvcore.bench.vllm_engine import MODEL, Engine, settle
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,22 +59,10 @@ class Engines:
     pb: Engine
     endpoint: str
 
-    def settle(self, timeout_s: float = 30.0) -> None:
-        """Wait until the daemon holds no sequence: every request the engines ran is
-        freed, so its commits (sent before its free) are in. The connector sends them
-        from its own thread, so an engine's answer may come back before they land; the
-        next engine's lookup must not race them. Not part of any measured time."""
-        from kvcore.client import Client
-
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with Client.connect(self.endpoint, map_memory=False, heartbeat=False) as client:
-                stats = client.stats()
-            if stats.held_pages == 0 and stats.num_sequences == 0:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon still holds sequences after {timeout_s} s: {stats}")
-            time.sleep(0.02)
+    def settle(self) -> None:
+        """Wait until the daemon holds no sequence (:func:`~.vllm_engine.settle`); not
+        part of any measured time."""
+        settle(self.endpoint)
 
 
 NO_HIT_BURSTS = 4  # bursts per round of no_hit
