@@ -11,6 +11,7 @@ Token ranges of one sequence, page_size = 4, 10 tokens::
     pages      [  p7   ] [  p2   ] [  p5 ]     block table = [7, 2, 5]
     committed  key0      key1                  full pages published by commit()
     a prefix hit covers at most (n - 1) // page_size pages: never the last token
+    (n // page_size for a caller that computes nothing: allocate(compute_last=False))
 
 The Manager does no I/O. Changes of the prefix index queue
 :class:`~kvcore.prefix.PageStored` / :class:`~kvcore.prefix.PageRemoved` events
@@ -136,11 +137,14 @@ class Manager:
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
         lora: str = "",
+        compute_last: bool = True,
     ) -> Allocation:
         """Start sequence ``seq_id`` holding ``tokens``: reuse the longest committed
         prefix of whole pages in its key space (``namespace``, cache ``salt``, LoRA
-        adapter ``lora``; "" for none) and add fresh pages for the rest; a hit never
-        covers the last token. The sequence keeps the key space: its commits publish
+        adapter ``lora``; "" for none) and add fresh pages for the rest. With
+        ``compute_last`` (an engine, which needs the last token's logits) a hit never
+        covers the last token; without (a store that only moves whole pages) it may
+        cover every full page. The sequence keeps the key space: its commits publish
         under it, its forks inherit it. OutOfPages if the pages do not fit;
         BadRequest if a key-space field is not a str of at most 256 UTF-8 bytes."""
         self.check_new(seq_id)
@@ -148,7 +152,9 @@ class Manager:
         root = self._root(space)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
-        keys, hit_pages = self._match(root, token_bytes)
+        keys, hit_pages = self._match(
+            root, token_bytes, _hit_limit(num_tokens, self._page_size, compute_last)
+        )
         num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
         self._check_room(num_new, self._room(hit_pages))
         self._pages.retain(hit_pages)
@@ -296,15 +302,18 @@ class Manager:
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
         lora: str = "",
+        compute_last: bool = True,
     ) -> PrefixHit:
         """What allocate of ``tokens`` in the key space (``namespace``, ``salt``,
-        ``lora``) would serve from the cache now (:class:`PrefixHit`). Read-only: no
+        ``lora``) with ``compute_last`` would serve from the cache now (:class:`PrefixHit`). Read-only: no
         pins, no LRU update, no stats, no events. A daemon pool with lower tiers first
         brings pages up from them, as allocate does (kvcore.daemon.tiering): that
         changes which pages are cached and queues their events, never any sequence
         (docs/concepts.md, "Tiers")."""
         root = self._root(KeySpace(namespace, lora, salt))
-        _, pages = self._match(root, encode_tokens(tokens))
+        token_bytes = encode_tokens(tokens)
+        limit = _hit_limit(len(token_bytes) // 4, self._page_size, compute_last)
+        _, pages = self._match(root, token_bytes, limit)
         refcounts = self._refcounts
         evictable = [refcounts[page] for page in pages].count(0)  # unreferenced: in the LRU
         return PrefixHit(len(pages) * self._page_size, evictable)
@@ -334,8 +343,8 @@ class Manager:
         root = self._root(KeySpace(namespace, lora, salt))
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
-        keys, hit_pages = self._match(root, token_bytes)
         limit = _hit_limit(num_tokens, self._page_size)
+        keys, hit_pages = self._match(root, token_bytes, limit)
         rest = token_bytes[: limit * 4 * self._page_size]
         keys += chain_keys(keys[-1] if keys else root, rest, self._page_size, len(keys))
         num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
@@ -370,8 +379,8 @@ class Manager:
         token_bytes = encode_tokens(tokens)
         if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
             raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
-        keys, hit_pages = self._match(root, token_bytes)
         max_pages = _hit_limit(len(token_bytes) // 4, self._page_size)
+        keys, hit_pages = self._match(root, token_bytes, max_pages)
         if len(hit_pages) + num_pages > max_pages:
             raise BadRequest(
                 f"adopt of {num_pages} pages after {len(hit_pages)} hits "
@@ -493,18 +502,19 @@ class Manager:
         seq.num_tokens += num_tokens
         return Extension(list(fresh), copies)
 
-    def _match(self, root: PrefixKey, token_bytes: bytes) -> tuple[list[PrefixKey], list[PageId]]:
-        """Keys and pages of the longest indexed run of leading full pages, leaving
-        at least the last token uncovered. Hashes one page past the match at most,
+    def _match(
+        self, root: PrefixKey, token_bytes: bytes, max_pages: int
+    ) -> tuple[list[PrefixKey], list[PageId]]:
+        """Keys and pages of the longest indexed run of leading full pages, at most
+        ``max_pages`` (:func:`_hit_limit`). Hashes one page past the match at most,
         and none of the leading pages whose bytes equal the last call's (same root):
         a lookup then an allocate of one prompt hash it once, and prompts that share
         a system prefix reuse its keys."""
         page_size = self._page_size
         stride = 4 * page_size
-        max_pages = _hit_limit(len(token_bytes) // 4, page_size)
         memo = self._match_memo
         if memo is not None and memo[0] == root and memo[1] == token_bytes:
-            known = memo[2]  # keys of this prompt's first pages, at most max_pages
+            known = memo[2]  # keys of this prompt's first pages, at most one past a match
         else:
             known = []
             if memo is not None and memo[0] == root:  # keep the keys of equal leading pages
@@ -521,7 +531,7 @@ class Manager:
             self._match_memo = (root, token_bytes, known)
         get = self._entries.get
         pages: list[PageId] = []
-        for key in known:
+        for key in known[:max_pages]:
             entry = get(key)
             if entry is None:
                 return known[: len(pages)], pages
@@ -578,6 +588,7 @@ class Manager:
         return memo[1]
 
 
-def _hit_limit(num_tokens: int, page_size: int) -> int:
-    """Pages a prefix hit of ``num_tokens`` tokens may cover: never the last token."""
-    return max(num_tokens - 1, 0) // page_size
+def _hit_limit(num_tokens: int, page_size: int, compute_last: bool = True) -> int:
+    """Pages a prefix hit of ``num_tokens`` tokens may cover: every full page, less
+    the last token when the caller computes it (``compute_last``)."""
+    return max(num_tokens - compute_last, 0) // page_size

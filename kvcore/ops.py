@@ -192,8 +192,9 @@ def _allocate(
     namespace: str | None = None,
     salt: str = "",
     lora: str = "",
+    compute_last: bool = True,
 ) -> msg.Allocate:
-    return msg.Allocate(seq_id, _tokens(tokens), namespace, salt, lora)
+    return msg.Allocate(seq_id, _tokens(tokens), namespace, salt, lora, compute_last)
 
 
 def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit:
@@ -201,9 +202,14 @@ def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit
 
 
 def _lookup(
-    tokens: Sequence[int], *, namespace: str | None = None, salt: str = "", lora: str = ""
+    tokens: Sequence[int],
+    *,
+    namespace: str | None = None,
+    salt: str = "",
+    lora: str = "",
+    compute_last: bool = True,
 ) -> msg.Lookup:
-    return msg.Lookup(_tokens(tokens), namespace, salt, lora)
+    return msg.Lookup(_tokens(tokens), namespace, salt, lora, compute_last)
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
@@ -249,7 +255,12 @@ allocate = Operation(
     serve=lambda m, r, ns: msg.AllocateOk(
         *_allocation(
             m.allocate(
-                r.seq, r.tokens, namespace=_namespace(r.namespace, ns), salt=r.salt, lora=r.lora
+                r.seq,
+                r.tokens,
+                namespace=_namespace(r.namespace, ns),
+                salt=r.salt,
+                lora=r.lora,
+                compute_last=r.compute_last,
             )
         )
     ),
@@ -305,7 +316,15 @@ lookup = Operation(
     msg.Lookup,
     _lookup,
     serve=lambda m, r, ns: msg.LookupOk(
-        *_hit(m.lookup(r.tokens, namespace=_namespace(r.namespace, ns), salt=r.salt, lora=r.lora))
+        *_hit(
+            m.lookup(
+                r.tokens,
+                namespace=_namespace(r.namespace, ns),
+                salt=r.salt,
+                lora=r.lora,
+                compute_last=r.compute_last,
+            )
+        )
     ),
     decode=lambda r: PrefixHit(r.num_cached_tokens, r.num_evictable_pages),
     work=lambda r, b: len(r.tokens),

@@ -311,6 +311,7 @@ class Allocate(_Op, tag="allocate"):
     namespace: Namespace | None = None  # None: the session's namespace
     salt: KeyPart = ""  # cache salt (vLLM cache_salt) of the key space; "" for none
     lora: KeyPart = ""  # LoRA adapter name of the key space; "" for none
+    compute_last: bool = True  # False: a hit may cover the last token (a store, not an engine)
 
 
 class Extend(_Op, tag="extend"):
@@ -353,6 +354,7 @@ class Lookup(_Op, tag="lookup"):
     namespace: Namespace | None = None
     salt: KeyPart = ""  # as Allocate
     lora: KeyPart = ""  # as Allocate
+    compute_last: bool = True  # as Allocate
 
 
 class BlockTable(_Op, tag="block_table"):

@@ -113,14 +113,17 @@ class TieredManager:
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
         lora: str = "",
+        compute_last: bool = True,
     ) -> Allocation:
         """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
         the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
         space = KeySpace(namespace, lora, salt)
-        self._promote(tokens, space, for_allocate=True)
+        self._promote(tokens, space, for_allocate=True, compute_last=compute_last)
         try:
-            return self.manager.allocate(seq_id, tokens, namespace=namespace, salt=salt, lora=lora)
+            return self.manager.allocate(
+                seq_id, tokens, namespace=namespace, salt=salt, lora=lora, compute_last=compute_last
+            )
         finally:
             self._spill()
 
@@ -131,13 +134,17 @@ class TieredManager:
         namespace: str = DEFAULT_NAMESPACE,
         salt: str = "",
         lora: str = "",
+        compute_last: bool = True,
     ) -> PrefixHit:
         """:meth:`Manager.lookup`, after promoting what the tiers hold of the rest of
         the chain (as far as free and evictable pages allow): not read-only, it may
         change which pages are cached (never a sequence); see the module docstring."""
-        self._promote(tokens, KeySpace(namespace, lora, salt), for_allocate=False)
+        space = KeySpace(namespace, lora, salt)
+        self._promote(tokens, space, for_allocate=False, compute_last=compute_last)
         self._spill()
-        return self.manager.lookup(tokens, namespace=namespace, salt=salt, lora=lora)
+        return self.manager.lookup(
+            tokens, namespace=namespace, salt=salt, lora=lora, compute_last=compute_last
+        )
 
     def extend(self, seq_id: int, num_tokens: int) -> Extension:
         try:
@@ -221,7 +228,9 @@ class TieredManager:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _promote(self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool) -> None:
+    def _promote(
+        self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool, compute_last: bool
+    ) -> None:
         """Bring the pages of ``tokens``' chain in key space ``space`` that the tiers
         hold, after the pool's own hits, into adopted pool pages, as many as the room
         beside the hits allows. Tier keys derive from prefix keys, which hash the key
@@ -229,9 +238,13 @@ class TieredManager:
         OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
         never raises for a tier's miss."""
         ns, lora, salt = space
+        num_new = self.manager.layout.pages_for(len(tokens))  # before the hits
+        if not compute_last:  # a hit may cover the last token: plan as if one followed
+            tokens = [*tokens, 0]
         plan = self.manager.plan(tokens, namespace=ns, salt=salt, lora=lora)
-        if for_allocate and plan.num_new > plan.room:
-            raise OutOfPages(f"need {plan.num_new} pages, {plan.room} free or evictable")
+        num_new -= plan.num_hit
+        if for_allocate and num_new > plan.room:
+            raise OutOfPages(f"need {num_new} pages, {plan.room} free or evictable")
         rest = plan.keys[plan.num_hit : plan.num_hit + plan.room]
         if not rest:
             return

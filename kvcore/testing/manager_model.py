@@ -73,9 +73,13 @@ class Model:
     def prefix_id(self, space: Space, tokens: Sequence[int], num_pages: int) -> PrefixId:
         return (space, tuple(tokens[: num_pages * self.page_size]))
 
-    def hit_pages(self, space: Space, tokens: Sequence[int]) -> list[int]:
+    def hit_pages(
+        self, space: Space, tokens: Sequence[int], compute_last: bool = True
+    ) -> list[int]:
+        """The indexed pages a hit of ``tokens`` covers: never the last token when the
+        caller computes it (``compute_last``), else every full page may hit."""
         pages: list[int] = []
-        for i in range(max(len(tokens) - 1, 0) // self.page_size):
+        for i in range(max(len(tokens) - compute_last, 0) // self.page_size):
             page = self.index.get(self.prefix_id(space, tokens, i + 1))
             if page is None:
                 break
