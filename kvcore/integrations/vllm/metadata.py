@@ -11,7 +11,7 @@ write). Page and block indices are ints; counts of pages, not tokens, unless nam
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,8 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvcore.errors import BadRequest
-from kvcore.paths import default_endpoint
+from kvcore.integrations.extra_config import parse_extra
 from kvcore.results import DEFAULT_NAMESPACE
 
 
@@ -42,33 +41,9 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """The config of vLLM's ``kv_connector_extra_config``: each key given is converted
-        to its field's type (that of the field's default), the rest keep the defaults
-        above; an empty or absent ``endpoint`` is the default daemon's. BadRequest for
-        an unknown key."""
-        extra = dict(extra or {})
-        unknown = set(extra) - {f.name for f in fields(cls)}
-        if unknown:
-            raise BadRequest(
-                f"unknown kv_connector_extra_config keys for kvcore: {sorted(unknown)}"
-            )
-        config = cls(endpoint=str(extra.pop("endpoint", None) or default_endpoint()))
-        return replace(config, **{k: _convert(k, v, getattr(config, k)) for k, v in extra.items()})
-
-
-def _convert(key: str, value: Any, default: Any) -> Any:
-    """``value`` as the type of ``default``; a bool from a bool or "true"/"false"
-    (JSON configs and command lines give either), BadRequest otherwise."""
-    if not isinstance(default, bool):
-        return type(default)(value)
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise BadRequest(f"kv_connector_extra_config {key!r} must be true or false, got {value!r}")
+        """The config of vLLM's ``kv_connector_extra_config`` (see
+        :func:`~kvcore.integrations.extra_config.parse_extra`)."""
+        return parse_extra(cls, extra, what="kv_connector_extra_config")
 
 
 @dataclass(slots=True)

@@ -1,0 +1,109 @@
+"""Pages between SGLang's host KV pool and a kvcore pool, as strided views.
+
+Both sides are seen as ``[pages, layers, 2, page_size, heads, head_dim]`` (K then
+V), without a copy: kvcore's pool is ``[layers, pages, 2, page_size, heads,
+head_dim]`` (kvcore.layout), SGLang's MHA host pool one ``kv_buffer`` in one of
+four layouts (its ``memory_pool_host``), with ``size`` = pages x page_size tokens:
+
+==================  ============================================  =================
+layout              kv_buffer                                     one page (flat)
+==================  ============================================  =================
+layer_first         [2, layers, size, heads, head_dim]            [2, layers, ps, h, d]
+page_first          [2, size, layers, heads, head_dim]            [2, ps, layers, h, d]
+page_first_direct   [2, pages, layers, ps, heads, head_dim]       [2, layers, ps, h, d]
+page_head           [2, pages, heads, ps, layers, head_dim]       [2, h, ps, layers, d]
+==================  ============================================  =================
+
+A copy of n pages is one gather and one scatter (``index_select`` and
+``index_copy_`` along the page dimension), whatever the layouts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def host_pages(kv_buffer: torch.Tensor, layout: str, page_size: int) -> torch.Tensor:
+    """``kv_buffer`` of an SGLang MHA host pool as ``[pages, layers, 2, ps, heads, d]``.
+    ValueError for a layout not in :data:`LAYOUTS` or a shape that does not fit it."""
+    if layout in ("layer_first", "page_first"):
+        _check_dims(kv_buffer, 5, layout)
+        size = kv_buffer.shape[2 if layout == "layer_first" else 1]  # tokens
+        if size % page_size:
+            raise ValueError(
+                f"an SGLang host pool of {size} tokens is not whole pages of {page_size}"
+            )
+        num_pages = size // page_size
+        if layout == "layer_first":  # [2, L, P*ps, H, D]
+            _, layers, _, heads, dim = kv_buffer.shape
+            view = kv_buffer.view(2, layers, num_pages, page_size, heads, dim)
+            return view.permute(2, 1, 0, 3, 4, 5)
+        _, _, layers, heads, dim = kv_buffer.shape  # page_first: [2, P*ps, L, H, D]
+        view = kv_buffer.view(2, num_pages, page_size, layers, heads, dim)
+        return view.permute(1, 3, 0, 2, 4, 5)
+    if layout == "page_first_direct":  # [2, P, L, ps, H, D]
+        _check_dims(kv_buffer, 6, layout)
+        return kv_buffer.permute(1, 2, 0, 3, 4, 5)
+    if layout == "page_head":  # [2, P, H, ps, L, D]
+        _check_dims(kv_buffer, 6, layout)
+        return kv_buffer.permute(1, 4, 0, 3, 2, 5)
+    raise ValueError(f"SGLang host layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
+def flat_page(page: torch.Tensor, layout: str) -> torch.Tensor:
+    """One page ``[layers, 2, ps, heads, d]`` in the order of ``layout``'s flat page
+    (SGLang's ``get_data_page(flat=True)``), as a contiguous 1-D tensor."""
+    order = _FLAT_ORDER[layout]
+    return page.permute(*order).contiguous().view(-1)
+
+
+def unflat_page(data: torch.Tensor, layout: str, shape: torch.Size) -> torch.Tensor:
+    """The inverse of :func:`flat_page`: ``data`` (``layout``'s flat page order) as a
+    ``[layers, 2, ps, heads, d]`` view, for a page of ``shape`` (that shape)."""
+    order = _FLAT_ORDER[layout]
+    permuted = [shape[i] for i in order]
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return data.reshape(permuted).permute(*inverse)
+
+
+def pool_pages(layer_views: list[torch.Tensor]) -> torch.Tensor:
+    """kvcore's per-layer views (``Client.kv_caches``: ``[pages, 2, ps, heads, d]``
+    each, one region, layer after layer) as ``[pages, layers, 2, ps, heads, d]``."""
+    import torch
+
+    first = layer_views[0]
+    if len(layer_views) > 1:
+        step = layer_views[1].storage_offset() - first.storage_offset()
+        if step != first.numel():
+            raise ValueError("kvcore's layer views are not one region, layer after layer")
+    shape = (len(layer_views), *first.shape)
+    full = torch.as_strided(first, shape, (first.numel(), *first.stride()), first.storage_offset())
+    return full.permute(1, 0, 2, 3, 4, 5)
+
+
+def copy_pages(
+    dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor
+) -> None:
+    """``dst[dst_pages[i]] = src[src_pages[i]]`` for every i, both ``[pages, ...]`` views
+    of equal page shape (indices: int64 tensors on the devices of ``dst`` and ``src``)."""
+    gathered = src.index_select(0, src_pages)
+    dst.index_copy_(0, dst_pages, gathered.to(dst.device, non_blocking=False))
+
+
+# [layers, 2, ps, heads, d] -> the flat page order of each layout
+_FLAT_ORDER: dict[str, tuple[int, ...]] = {
+    "layer_first": (1, 0, 2, 3, 4),  # [2, L, ps, H, D]
+    "page_first": (1, 2, 0, 3, 4),  # [2, ps, L, H, D]
+    "page_first_direct": (1, 0, 2, 3, 4),  # [2, L, ps, H, D]
+    "page_head": (1, 3, 2, 0, 4),  # [2, H, ps, L, D]
+}
+
+
+def _check_dims(tensor: torch.Tensor, dims: int, layout: str) -> None:
+    if tensor.dim() != dims:
+        raise ValueError(f"an SGLang {layout} kv_buffer has {dims} dims, got {tensor.dim()}")

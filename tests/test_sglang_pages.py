@@ -1,0 +1,125 @@
+"""SGLang's pages and keys in kvcore, without SGLang: the strided page views of its
+four MHA host layouts against the page slices its host pool takes (the shapes of
+SGLang 0.5.23's memory_pool_host), the round trip through a kvcore pool, and the
+key spaces. The real SGLang objects drive the backend in tests/test_sglang_storage.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.errors import BadRequest
+from kvcore.integrations.sglang.keys import MIN_PAGE_SIZE, Identity, page_tokens, space_salt
+from kvcore.integrations.sglang.pages import (
+    LAYOUTS,
+    copy_pages,
+    flat_page,
+    host_pages,
+    pool_pages,
+    unflat_page,
+)
+from kvcore.layout import KVLayout
+
+
+def kv_buffer(layout: str, pages: int, layers: int, ps: int, heads: int, dim: int) -> torch.Tensor:
+    """An SGLang MHA host pool's kv_buffer (init_kv_buffer's dims), filled with distinct values."""
+    size = pages * ps
+    dims = {
+        "layer_first": (2, layers, size, heads, dim),
+        "page_first": (2, size, layers, heads, dim),
+        "page_first_direct": (2, pages, layers, ps, heads, dim),
+        "page_head": (2, pages, heads, ps, layers, dim),
+    }[layout]
+    return torch.arange(torch.Size(dims).numel(), dtype=torch.float32).view(dims)
+
+
+def sglang_page(buffer: torch.Tensor, layout: str, page: int, ps: int) -> torch.Tensor:
+    """The slice SGLang's get_data_page(page * ps) takes, flattened."""
+    if layout == "layer_first":
+        return buffer[:, :, page * ps : (page + 1) * ps].flatten()
+    if layout == "page_first":
+        return buffer[:, page * ps : (page + 1) * ps].flatten()
+    return buffer[:, page : page + 1].flatten()
+
+
+GEOMETRY = st.tuples(
+    st.sampled_from(LAYOUTS),
+    st.integers(1, 4),  # pages
+    st.integers(1, 3),  # layers
+    st.sampled_from([1, 2, 8]),  # page size (tokens)
+    st.integers(1, 3),  # heads
+    st.integers(1, 5),  # head dim
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(GEOMETRY)
+def test_page_views_are_sglangs_pages(geometry: tuple[str, int, int, int, int, int]) -> None:
+    layout, pages, layers, ps, heads, dim = geometry
+    buffer = kv_buffer(layout, pages, layers, ps, heads, dim)
+    view = host_pages(buffer, layout, ps)
+    assert view.shape == (pages, layers, 2, ps, heads, dim)
+    assert view.data_ptr() == buffer.data_ptr()  # a view, not a copy
+    for page in range(pages):
+        expected = sglang_page(buffer, layout, page, ps)
+        assert torch.equal(flat_page(view[page], layout), expected)
+        assert torch.equal(unflat_page(expected, layout, view[page].shape), view[page])
+    # K is [:, :, 0], V is [:, :, 1], in every layout: SGLang keeps them as kv_buffer[0] / [1]
+    assert torch.equal(view[:, :, 0].flatten().sort().values, buffer[0].flatten().sort().values)
+
+
+@settings(max_examples=30, deadline=None)
+@given(GEOMETRY, st.data())
+def test_pages_round_trip_through_a_kvcore_pool(
+    geometry: tuple[str, int, int, int, int, int], data: st.DataObject
+) -> None:
+    layout, pages, layers, ps, heads, dim = geometry
+    source = host_pages(kv_buffer(layout, pages, layers, ps, heads, dim), layout, ps)
+    kv = KVLayout(layers, heads, dim, ps, "float32", num_pages=6)
+    memory = torch.full((kv.total_bytes // 4,), float("nan"))
+    pool = pool_pages(kv.layer_views(memory))
+    src = data.draw(st.permutations(range(pages)))
+    dst = data.draw(st.lists(st.integers(0, 5), min_size=pages, max_size=pages, unique=True))
+    copy_pages(pool, torch.tensor(dst), source, torch.tensor(src))
+    for s, d in zip(src, dst, strict=True):  # in kvcore's layout: layer l of page d
+        for layer, view in enumerate(kv.layer_views(memory)):
+            assert torch.equal(view[d], source[s, layer])
+    back = host_pages(torch.zeros_like(kv_buffer(layout, pages, layers, ps, heads, dim)), layout, ps)
+    copy_pages(back, torch.tensor(src), pool, torch.tensor(dst))
+    assert torch.equal(back, source)
+
+
+def test_an_unknown_layout_or_a_partial_page_is_refused() -> None:
+    with pytest.raises(ValueError, match="page_unified"):
+        host_pages(torch.zeros(2, 1, 8, 1, 1), "page_unified", 8)
+    with pytest.raises(ValueError, match="whole pages"):
+        host_pages(torch.zeros(2, 1, 12, 1, 1), "layer_first", 8)
+
+
+IDENTITY = Identity(model="m", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Identity(model="m2", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1),
+        Identity(model="m", tp_rank=1, tp_size=2, pp_rank=0, pp_size=1),
+        Identity(model="m", tp_rank=0, tp_size=4, pp_rank=0, pp_size=1),
+        Identity(model="m", tp_rank=0, tp_size=2, pp_rank=1, pp_size=2),
+    ],
+)
+def test_another_model_or_shard_is_another_key_space(other: Identity) -> None:
+    assert space_salt(other) != space_salt(IDENTITY)
+    assert len(space_salt(other).encode()) <= 256  # kvcore's bound on a salt
+
+
+def test_equal_identities_share_a_key_space_and_keys_fill_a_page() -> None:
+    same = Identity(model="m", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
+    assert space_salt(same) == space_salt(IDENTITY)
+    tokens = page_tokens("a" * 64, 64)
+    assert len(tokens) == 64 and tokens[8:] == [0] * 56 and all(0 <= t < 2**32 for t in tokens)
+    assert page_tokens("a" * 64, 64) == tokens != page_tokens("b" * 64, 64)
+    with pytest.raises(BadRequest, match=f"at least {MIN_PAGE_SIZE} tokens"):
+        page_tokens("a", MIN_PAGE_SIZE - 1)
