@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "load": "N client processes of random operations with page markers (clobbers, p99, RSS)",
     "vllm": "two vLLM instances sharing kvcore: shared prefix, no hit, RAG, chat; vLLM's prefix cache on and off",
     "tiers": "hit rates with host/disk tiers below the pool; promotion bandwidth; remote fetch",
+    "sglang": "SGLang's HiCache storage calls on kvcore vs a plain host store, pages/s (needs SGLang)",
 }
 
 
