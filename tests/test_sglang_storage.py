@@ -1,0 +1,136 @@
+"""kvcore as SGLang's HiCache storage, driven by SGLang 0.5.23's own code: its dynamic
+factory loads ``kvcore.integrations.sglang.KVCoreStorage`` by name, its cache
+controller's backup and prefetch threads call it (tests/sglang_harness.py, in SGLang's
+venv), and separate processes share pages through one real daemon, byte for byte.
+Skips without the SGLang venv (tests/install.sh builds it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sglang_helpers import HarnessError, run_harness, sglang_venv
+
+from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
+
+PAGE = 16
+LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "bfloat16"}
+POOL = (
+    "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=16,dtype=bfloat16,num_pages=64"
+)
+WRITTEN = list(range(1000, 1000 + 4 * PAGE + 5))  # 4 whole pages; the tree cuts the tail
+SHARED_HEAD = WRITTEN[: 2 * PAGE] + list(range(7000, 7000 + 2 * PAGE))  # 2 pages in common
+NEVER = list(range(9000, 9000 + 3 * PAGE))
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    sglang_venv()  # skip before starting anything
+    with DaemonProcess.private("--pool", POOL) as d:
+        yield d
+
+
+def spec(
+    op: str,
+    endpoint: str,
+    host_layout: str,
+    prompts: list[list[int]],
+    extra: dict[str, Any] | None = None,
+    **more: Any,
+) -> dict:
+    """A harness spec: kvcore's backend by SGLang's dynamic factory; ``extra`` adds
+    kvcore's keys to the extra config, ``more`` the harness's own (model_name, tp_rank...)."""
+    return {
+        "op": op,
+        "backend": "dynamic",
+        "extra_config": {
+            "backend_name": "kvcore",
+            "module_path": "kvcore.integrations.sglang",
+            "class_name": "KVCoreStorage",
+            "interface_v1": 1,
+            "prefetch_threshold": PAGE,  # SGLang's own key: it takes it out
+            "endpoint": endpoint,
+            **(extra or {}),
+        },
+        "layout": {**LAYOUT, "page_size": PAGE, "host_layout": host_layout},
+        "model_name": "kvcore/tiny",
+        "prompts": prompts,
+        **more,
+    }
+
+
+def stats(daemon: DaemonProcess) -> tuple[int, int]:
+    """(held pages, cached pages) of the daemon's pool."""
+    with Client.connect(daemon.endpoint, map_memory=False) as client:
+        s = client.stats()
+        return s.held_pages, s.cached_pages
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("wrote_in", "read_in", "seed"),
+    [("layer_first", "page_first", 1), ("page_first_direct", "page_head", 2)],
+)
+def test_two_sglang_processes_share_pages_through_one_daemon(
+    daemon: DaemonProcess, wrote_in: str, read_in: str, seed: int
+) -> None:
+    """Process 1 backs a prompt up, process 2 (another host layout) prefetches it and two
+    other prompts: exactly the written pages hit, byte for byte; nothing stays held."""
+    prompts = [[t + 100_000 * seed for t in p] for p in (WRITTEN, SHARED_HEAD, NEVER)]
+    w = run_harness(spec("write", daemon.endpoint, wrote_in, prompts[:1], seed=seed))
+    assert w["backend_class"] == "kvcore.integrations.sglang.storage.KVCoreStorage"
+    assert (w["page_set"], w["controller"]) == ("_page_set_zero_copy", "HybridCacheController")
+    (wrote,) = w["prompts"]
+    assert wrote["completed_tokens"] == 4 * PAGE
+    held, cached = stats(daemon)
+    assert held == 0 and cached >= 4
+
+    f = run_harness(spec("fetch", daemon.endpoint, read_in, prompts, seed=seed))
+    full, head, never = f["prompts"]
+    assert f["page_get"] == "_page_get_zero_copy"
+    assert full["keys"] == wrote["keys"]
+    assert full["hit_tokens"] == full["fetched_tokens"] == 4 * PAGE
+    assert full["sha256"] == wrote["sha256"] == full["expected_sha256"]
+    assert head["hit_tokens"] == head["fetched_tokens"] == 2 * PAGE
+    assert head["page_sha256"] == wrote["page_sha256"][:2]
+    assert never["hit_tokens"] == never["fetched_tokens"] == 0
+    assert stats(daemon)[0] == 0  # the fetch pinned pages only while it copied
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("identity", "hit"),
+    [
+        ({}, 4 * PAGE),  # the same model and shard: shared
+        ({"model_name": "kvcore/other"}, 0),
+        ({"tp_rank": 1, "tp_size": 2}, 0),
+        ({"extra": {"namespace": "tenant-b"}}, 0),
+    ],
+)
+def test_other_models_shards_and_namespaces_never_share(
+    daemon: DaemonProcess, identity: dict[str, Any], hit: int
+) -> None:
+    written = WRITTEN[: 4 * PAGE]
+    run_harness(spec("write", daemon.endpoint, "layer_first", [written]))
+    (got,) = run_harness(spec("fetch", daemon.endpoint, "layer_first", [written], **identity))[
+        "prompts"
+    ]
+    assert got["hit_tokens"] == got["fetched_tokens"] == hit
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_of_another_layout_is_refused_naming_both(daemon: DaemonProcess) -> None:
+    wrong = spec("write", daemon.endpoint, "layer_first", [WRITTEN])
+    wrong["layout"]["num_kv_heads"] = 4
+    with pytest.raises(HarnessError, match="LayoutMismatch"):
+        run_harness(wrong)
+
+
+@pytest.mark.timeout(120)
+def test_no_daemon_is_an_error_naming_the_endpoint(tmp_path: Any) -> None:
+    endpoint = f"ipc://{tmp_path}/none.sock"
+    gone = spec("write", endpoint, "layer_first", [WRITTEN], extra={"timeout_s": 1})
+    with pytest.raises(HarnessError, match="none\\.sock"):
+        run_harness(gone)
