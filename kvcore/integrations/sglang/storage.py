@@ -33,7 +33,15 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvcore.client import Batch, Client
-from kvcore.errors import BatchFailed, KVCoreError, LeaseLost, NotAttached, StaleEpoch, Timeout
+from kvcore.errors import (
+    BatchFailed,
+    KVCoreError,
+    LayoutMismatch,
+    LeaseLost,
+    NotAttached,
+    StaleEpoch,
+    Timeout,
+)
 from kvcore.integrations.extra_config import parse_extra
 from kvcore.integrations.sglang.keys import Identity, page_tokens, space_salt
 from kvcore.integrations.sglang.pages import (
@@ -111,15 +119,34 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         if self.client is not None:
             self.client.reconnect()
         else:
-            self.client = Client.connect(
-                self.config.endpoint,
-                self.config.pool,
-                self.config.namespace,
+            self.client = self._connect()
+        self._pool = pool_pages(self.client.kv_caches)
+
+    def _connect(self) -> Client:
+        """The session; Timeout and LayoutMismatch say what to start or change."""
+        assert self._layout is not None
+        config = self.config
+        try:
+            return Client.connect(
+                config.endpoint,
+                config.pool,
+                config.namespace,
                 layout=self._layout,
-                timeout_s=self.config.timeout_s,
+                timeout_s=config.timeout_s,
                 name="sglang",
             )
-        self._pool = pool_pages(self.client.kv_caches)
+        except Timeout:
+            raise Timeout(
+                f"no kvcore daemon answers at {config.endpoint} within {config.timeout_s} s: "
+                f"start one (`kvcore serve --pool ...`) or set 'endpoint' in "
+                f"--hicache-storage-backend-extra-config"
+            ) from None
+        except LayoutMismatch as exc:
+            fields = {"name": config.pool, **self._layout.to_dict(), "num_pages": "N"}
+            flag = ",".join(f"{k}={v}" for k, v in fields.items())
+            raise LayoutMismatch(
+                f"{exc}; SGLang's host pool needs `kvcore serve --pool {flag}`"
+            ) from None
 
     def close(self) -> None:
         if self.client is not None:
