@@ -65,12 +65,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     pool = ",".join(f"{k}={v}" for k, v in {"name": "default", **layout.to_dict()}.items())
     with DaemonProcess.private("--pool", pool) as daemon:
-        host = _host_pool(layout, args.host_layout, 2 * args.pages)
-        kvcore_store = _kvcore_backend(daemon.endpoint, host)
+        host = host_pool(layout, args.host_layout, 2 * args.pages)
+        kvcore_store = kvcore_backend(daemon.endpoint, host)
         plain = HostCopyStore(host, args.pages)
         rounds = []
         for r in range(-1, args.rounds):  # round -1 warms up: every page touched once
-            keys = _keys(layout.page_size, args.pages, seed=r + 1)
+            keys = page_keys(layout.page_size, args.pages, seed=r + 1)
             _fill(host, args.pages, seed=r + 1)
             sets, gets, match = {}, {}, True
             stores: list[tuple[str, Any]] = [("plain", plain), ("kvcore", kvcore_store)]
@@ -173,7 +173,7 @@ class HostCopyStore:
         copy_pages(dst, pages(dst_ids), src, pages(src_ids))
 
 
-def _host_pool(layout: KVLayout, host_layout: str, num_pages: int) -> Any:
+def host_pool(layout: KVLayout, host_layout: str, num_pages: int) -> Any:
     """SGLang's real MHA host pool on CPU, of ``num_pages`` pages (over the device pool
     its constructor takes, on CPU too)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -207,8 +207,9 @@ def _host_pool(layout: KVLayout, host_layout: str, num_pages: int) -> Any:
     )
 
 
-def _kvcore_backend(endpoint: str, host: Any) -> Any:
-    """The backend as SGLang builds it: by its dynamic factory, then the host pool."""
+def kvcore_backend(endpoint: str, host: Any, **extra: Any) -> Any:
+    """The backend as SGLang builds it: by its dynamic factory, then the host pool;
+    ``extra``: more of kvcore's extra-config keys."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
@@ -229,6 +230,7 @@ def _kvcore_backend(endpoint: str, host: Any) -> Any:
             "class_name": "KVCoreStorage",
             "interface_v1": 1,
             "endpoint": endpoint,
+            **extra,
         },
     )
     backend = StorageBackendFactory.create_backend("dynamic", config, host)
@@ -236,7 +238,7 @@ def _kvcore_backend(endpoint: str, host: Any) -> Any:
     return backend
 
 
-def _keys(page_size: int, num_pages: int, seed: int) -> list[str]:
+def page_keys(page_size: int, num_pages: int, seed: int) -> list[str]:
     """SGLang's page keys (its hash chain) of a random prompt of ``num_pages`` pages."""
     from sglang.srt.mem_cache.utils import get_hash_str
 
