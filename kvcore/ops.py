@@ -33,6 +33,7 @@ heartbeat, stats, check, batch) touch no Manager and live in the handler.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -162,13 +163,19 @@ class Queued(Generic[P]):
 
 
 def _describe(function: Callable[..., Any], op: Operation[Any, Any], queued: bool = False) -> None:
-    """Give a bound operation the name, signature and docstring of its Manager method."""
+    """Give a bound operation the name, signature and docstring of its Manager method
+    (runs on every attribute access: the docstring is built once per op)."""
     function.__name__ = function.__qualname__ = op.name
+    function.__doc__ = _doc(op, queued)
+    function.__signature__ = op.signature  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _doc(op: Operation[Any, Any], queued: bool) -> str:
     doc = inspect.getdoc(op.method) or ""
     if queued:
         doc = f"Queue ``{op.name}``; Batch.run() returns its result in order.\n\n{doc}"
-    function.__doc__ = f"{doc}\n\nWire: ``{op.name}`` -> {op.result.__name__} (spec/protocol.md)."
-    function.__signature__ = op.signature  # type: ignore[attr-defined]
+    return f"{doc}\n\nWire: ``{op.name}`` -> {op.result.__name__} (spec/protocol.md)."
 
 
 def _tokens(tokens: Sequence[int]) -> list[int]:
