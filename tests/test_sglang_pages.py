@@ -86,7 +86,9 @@ def test_pages_round_trip_through_a_kvcore_pool(
     for s, d in zip(src, dst, strict=True):  # in kvcore's layout: layer l of page d
         for layer, view in enumerate(kv.layer_views(memory)):
             assert torch.equal(view[d], source[s, layer])
-    back = host_pages(torch.zeros_like(kv_buffer(layout, pages, layers, ps, heads, dim)), layout, ps)
+    back = host_pages(
+        torch.zeros_like(kv_buffer(layout, pages, layers, ps, heads, dim)), layout, ps
+    )
     copy_pages(back, torch.tensor(src), pool, torch.tensor(dst))
     assert torch.equal(back, source)
 
