@@ -70,26 +70,39 @@ def stats(daemon: DaemonProcess) -> tuple[int, int]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("wrote_in", "read_in", "seed"),
-    [("layer_first", "page_first", 1), ("page_first_direct", "page_head", 2)],
+    ("wrote_in", "read_in", "v1", "seed"),
+    [
+        ("layer_first", "page_first", 1, 1),
+        ("page_first_direct", "page_head", 1, 2),
+        ("page_head", "layer_first", 0, 3),  # SGLang's generic calls: flat page tensors
+    ],
 )
 def test_two_sglang_processes_share_pages_through_one_daemon(
-    daemon: DaemonProcess, wrote_in: str, read_in: str, seed: int
+    daemon: DaemonProcess, wrote_in: str, read_in: str, v1: int, seed: int
 ) -> None:
     """Process 1 backs a prompt up, process 2 (another host layout) prefetches it and two
     other prompts: exactly the written pages hit, byte for byte; nothing stays held."""
     prompts = [[t + 100_000 * seed for t in p] for p in (WRITTEN, SHARED_HEAD, NEVER)]
-    w = run_harness(spec("write", daemon.endpoint, wrote_in, prompts[:1], seed=seed))
+    extra = {"interface_v1": v1}
+    w = run_harness(spec("write", daemon.endpoint, wrote_in, prompts[:1], extra, seed=seed))
     assert w["backend_class"] == "kvcore.integrations.sglang.storage.KVCoreStorage"
-    assert (w["page_set"], w["controller"]) == ("_page_set_zero_copy", "HybridCacheController")
+    page_set, page_get = (
+        ("_page_set_zero_copy", "_page_get_zero_copy")
+        if v1
+        else (
+            "_generic_page_set",
+            "_generic_page_get",
+        )
+    )
+    assert (w["page_set"], w["controller"]) == (page_set, "HybridCacheController")
     (wrote,) = w["prompts"]
     assert wrote["completed_tokens"] == 4 * PAGE
     held, cached = stats(daemon)
     assert held == 0 and cached >= 4
 
-    f = run_harness(spec("fetch", daemon.endpoint, read_in, prompts, seed=seed))
+    f = run_harness(spec("fetch", daemon.endpoint, read_in, prompts, extra, seed=seed))
     full, head, never = f["prompts"]
-    assert f["page_get"] == "_page_get_zero_copy"
+    assert f["page_get"] == page_get
     assert full["keys"] == wrote["keys"]
     assert full["hit_tokens"] == full["fetched_tokens"] == 4 * PAGE
     assert full["sha256"] == wrote["sha256"] == full["expected_sha256"]
