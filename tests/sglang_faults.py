@@ -7,7 +7,7 @@ Prints one JSON line per step and waits for a line on stdin before the next, so 
 can stop and restart the daemon between steps:
 
 1. ``stored``: 8 pages set in one call on a pool of 4 (the pool takes 4; the rest are
-   misses, not exceptions);
+   misses, not exceptions); ``clear()`` keeps them; SGLang's StorageMetrics count them;
 2. (daemon stopped) ``gone``: exists / get / set answer misses, nothing raises;
 3. (daemon started again, same endpoint) ``back``: after ``retry_s`` the backend has
    attached again: a set stores, an exists finds it.
@@ -40,7 +40,18 @@ def main(endpoint: str) -> None:
     source = torch.arange(8 * LAYOUT.page_size)
     target = torch.arange(8 * LAYOUT.page_size, 16 * LAYOUT.page_size)
     stored = backend.batch_set_v1(keys, source)
-    step("stored", set=stored, exists=backend.batch_exists(keys))
+    backend.clear()  # SGLang's cache flush: the shared pages stay
+    got = backend.batch_get_v1(keys[:4], target[: 4 * LAYOUT.page_size])
+    metrics = backend.get_stats()
+    step(
+        "stored",
+        set=stored,
+        exists=backend.batch_exists(keys),
+        get=got,
+        backup_pgs=metrics.backup_pgs,
+        prefetch_pgs=metrics.prefetch_pgs,
+        after=backend.get_stats().backup_pgs,
+    )
     step(
         "gone",
         exists=backend.batch_exists(keys),

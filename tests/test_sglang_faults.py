@@ -1,5 +1,6 @@
 """KVCoreStorage under faults, in SGLang's venv with its real host pool and factory
-(tests/sglang_faults.py): a full pool makes the pages it cannot take misses; a daemon
+(tests/sglang_faults.py): a full pool makes the pages it cannot take misses; clear()
+keeps the shared pages; get_stats() is SGLang's StorageMetrics; a daemon
 that stops makes every call a miss without an exception in SGLang's threads; a daemon
 started again on the same endpoint is attached again after ``retry_s``."""
 
@@ -46,7 +47,9 @@ def test_misses_not_exceptions_and_attaching_again(tmp_path: Path) -> None:
     try:
         stored = next_step("stored")
         assert stored["set"] == [True] * 4 + [False] * 4  # 4 pages in the pool
-        assert stored["exists"] == 4
+        assert stored["exists"] == 4 and stored["get"] == [True] * 4  # clear() kept them
+        assert (stored["backup_pgs"], stored["prefetch_pgs"]) == ([4], [4])  # pages per call
+        assert stored["after"] == []  # get_stats hands each count over once
         daemon.stop()
         proc.stdin.write("\n")
         proc.stdin.flush()
