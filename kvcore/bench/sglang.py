@@ -44,15 +44,30 @@ BATCH = 128  # SGLang's STORAGE_BATCH_SIZE: pages per storage call
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=32, help="model layers")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads of one rank")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--host-layout", default="layer_first", help="SGLang's host pool layout")
-    parser.add_argument("--pages", type=int, default=128, help="pages stored and fetched a round")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a small layout (tests)")
+    parser.add_argument("--layers", type=int, default=32, help="model layers (default: 32)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=8, help="KV heads of one TP rank (default: 8)"
+    )
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default: 128)")
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=64,
+        help="tokens per page, SGLang's --page-size (default: 64)",
+    )
+    parser.add_argument("--dtype", default="bfloat16", help="KV dtype (default: bfloat16)")
+    parser.add_argument(
+        "--host-layout",
+        default="layer_first",
+        help="SGLang's host pool layout, --hicache-mem-layout (default: layer_first)",
+    )
+    parser.add_argument(
+        "--pages", type=int, default=128, help="pages stored and fetched a round (default: 128)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (default: 3)")
+    parser.add_argument(
+        "--quick", action="store_true", help="2 layers, 2 heads, 64 pages, 2 rounds (tests)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
