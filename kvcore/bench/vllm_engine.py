@@ -37,16 +37,16 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def write_model(directory: Path) -> Path:
-    """config.json + model.safetensors of :data:`MODEL` (seeded: equal in every process)."""
+def write_model(directory: Path, model: TinyLlama = MODEL) -> Path:
+    """config.json + model.safetensors of ``model`` (seeded: equal in every process)."""
     if not (directory / "config.json").exists():
-        MODEL.build("float32").save_pretrained(directory)
+        model.build("float32").save_pretrained(directory)
     return directory
 
 
-def pool_flag(num_pages: int = 512, name: str = "default") -> str:
-    """``kvcore serve --pool`` value that fits :data:`MODEL` at vLLM's block size."""
-    return MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
+def pool_flag(num_pages: int = 512, name: str = "default", model: TinyLlama = MODEL) -> str:
+    """``kvcore serve --pool`` value that fits ``model`` at vLLM's block size."""
+    return model.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
 
 
 ENGINE = r"""
@@ -329,6 +329,6 @@ def write_lora(directory: Path, seed: int, rank: int = 8) -> Path:
     return directory
 
 
-def block_bytes() -> int:
-    """Bytes of one vLLM block of :data:`MODEL` in float32, all layers (K and V)."""
-    return MODEL.num_layers * 2 * PAGE_SIZE * MODEL.num_kv_heads * MODEL.head_dim * 4
+def block_bytes(model: TinyLlama = MODEL) -> int:
+    """Bytes of one vLLM block of ``model`` in float32, all layers (K and V)."""
+    return model.num_layers * 2 * PAGE_SIZE * model.num_kv_heads * model.head_dim * 4
