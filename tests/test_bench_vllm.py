@@ -1,7 +1,8 @@
 """``kvcore bench vllm --quick``: every workload in both configurations (vLLM's prefix
 cache on and off), on real vLLM engines and a real daemon. Asserted: every key of the
 record, figures positive, and the connector's outputs equal plain vLLM's token for
-token. No timing is asserted: the figures live in the bench (docs/benchmarks.md)."""
+token but for greedy ties (the rule: tests/test_bench_ties.py). No timing is asserted:
+the figures live in the bench (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def test_outputs_equal_plain_vllm_in_every_workload(record: dict[str, Any], conf
     for workload in WORKLOADS:
         assert figures["workloads"][workload.name]["tokens_match"] is True, workload.name
     assert figures["tokens_match"] is True
+    ties = [figures["workloads"][w.name]["ties"] for w in WORKLOADS]
+    assert all(isinstance(n, int) and n >= 0 for n in ties) and figures["ties"] == sum(ties)
 
 
 def test_the_record_names_its_sizes(record: dict[str, Any]) -> None:

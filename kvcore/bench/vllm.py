@@ -21,8 +21,9 @@ runs every workload on fresh prompts:
 
 Figures are medians of the per-round values (all under ``per_repeat``); each
 workload's raw figures and ``tokens_match`` (the connector's outputs equal plain
-vLLM's) are under ``workloads``. The configuration with vLLM's prefix cache off has the
-same keys under ``prefix_cache_off``; the top-level ``tokens_match`` is over both.
+vLLM's but for greedy ties; ``ties`` counts those: kvcore/bench/vllm_workloads.py) are
+under ``workloads``. The configuration with vLLM's prefix cache off has the same keys
+under ``prefix_cache_off``; the top-level ``tokens_match`` and ``ties`` are over both.
 Without vLLM the record is ``{"skipped": reason}``.
 """
 
@@ -89,6 +90,7 @@ HEADLINE = (
         for k, (op, bound) in TARGETS.items()
     ),
     Figure("tokens_match", "outputs equal plain vLLM's, every workload, both configurations"),
+    Figure("ties", "outputs that part from plain's at a greedy tie (vLLM's own float noise)"),
 )
 
 #: (option, default, help) of each workload size; ``--quick`` replaces all of them by QUICK's.
@@ -169,6 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **on,
         OFF: off,
         "tokens_match": on["tokens_match"] and off["tokens_match"],
+        "ties": on["ties"] + off["ties"],
         "workload": {**dataclasses.asdict(sizes), "repeats": repeats, "page_size": PAGE_SIZE},
         "model": dataclasses.asdict(BENCH_MODEL),
         "cpu_count": os.cpu_count(),
@@ -255,6 +258,7 @@ def _record(outcomes: dict[str, list[Outcome]]) -> dict[str, Any]:
     for key, values in per_repeat.items():
         record[key] = statistics.median(values)
     record["tokens_match"] = all(o.match for runs in outcomes.values() for o in runs)
+    record["ties"] = sum(o.ties for runs in outcomes.values() for o in runs)
     record["per_repeat"] = {
         key: [round(v, 3) for v in values] for key, values in per_repeat.items()
     }
@@ -264,7 +268,8 @@ def _record(outcomes: dict[str, list[Outcome]]) -> dict[str, Any]:
 
 def _workload(unit: str, runs: list[Outcome]) -> dict[str, Any]:
     """One workload's rounds: the figure on each side (``ttft_ms`` in milliseconds or
-    ``throughput_tok_s``), hit fractions, its prompt tokens per round, tokens_match."""
+    ``throughput_tok_s``), hit fractions, its prompt tokens per round, tokens_match
+    and ties."""
     scale = 1e3 if unit == "ttft_ms" else 1.0
     return {
         unit: {
@@ -276,4 +281,5 @@ def _workload(unit: str, runs: list[Outcome]) -> dict[str, Any]:
         "external_hit_fraction": [round(o.external_tokens / o.prompt_tokens, 3) for o in runs],
         "prompt_tokens": runs[0].prompt_tokens,
         "tokens_match": all(o.match for o in runs),
+        "ties": sum(o.ties for o in runs),
     }

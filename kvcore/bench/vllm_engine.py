@@ -116,7 +116,7 @@ for line in sys.stdin:
         print(json.dumps(totals()), flush=True)
         continue
     params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
-                            detokenize=False)
+                            detokenize=False, logprobs=cmd.get("logprobs") or None)
     n = len(cmd["prompts"])
     salts = cmd.get("salts") or [None] * n
     adapters = cmd.get("loras") or [None] * n
@@ -129,19 +129,25 @@ for line in sys.stdin:
         engine.add_request(ids[-1], prompt(tokens, salts[i], embeds[i]), params,
                            lora_request=lora(adapters[i]))
     aborted = sorted(ids[i] for i in cmd.get("abort", []))
-    out, cached, ttft = {}, {}, {}
+    out, cached, ttft, top = {}, {}, {}, {}
     while engine.has_unfinished_requests():
         for o in engine.step():
             ttft.setdefault(o.request_id, time.perf_counter() - start)
             cached[o.request_id] = o.num_cached_tokens
             if o.finished:
                 out[o.request_id] = list(o.outputs[0].token_ids)
+                if params.logprobs:  # per token: [token, logprob] pairs, best first
+                    top[o.request_id] = [
+                        sorted(([t, p.logprob] for t, p in lp.items()), key=lambda x: -x[1])
+                        for lp in o.outputs[0].logprobs]
         if aborted:
             engine.abort_request(aborted)
             aborted = []
-    print(json.dumps({"tokens": [out.get(i) for i in ids], "cached": [cached.get(i, 0) for i in ids],
-                      "ttft": [ttft.get(i) for i in ids], "wall": time.perf_counter() - start}),
-          flush=True)
+    reply = {"tokens": [out.get(i) for i in ids], "cached": [cached.get(i, 0) for i in ids],
+             "ttft": [ttft.get(i) for i in ids], "wall": time.perf_counter() - start}
+    if params.logprobs:
+        reply["logprobs"] = [top.get(i) for i in ids]
+    print(json.dumps(reply), flush=True)
 """
 
 
@@ -237,12 +243,16 @@ class Engine:
         salts: list[str | None] | None = None,
         loras: list[Path | None] | None = None,
         embeds: list[bool] | None = None,
+        logprobs: int = 0,
     ) -> dict[str, Any]:
         """Greedy outputs of ``prompts`` (token ids), run as one batch. Per prompt,
         optional: ``salts[i]`` its ``cache_salt``; ``loras[i]`` the adapter directory it
         runs with (:func:`write_lora`; vLLM's ``lora_name`` is the directory's name);
         ``embeds[i]`` True to send it as its token embeddings (vLLM's ``EmbedsPrompt``,
-        rows of the model's ``embed_tokens``: the same computation as the token ids)."""
+        rows of the model's ``embed_tokens``: the same computation as the token ids).
+        ``logprobs`` > 0 adds ``logprobs``: per prompt, per output token, the
+        ``logprobs`` most likely tokens as ``[token, log-probability]``, best first
+        (vLLM's own, from the logits it sampled; the sampled token is among them)."""
         return self.call(
             op="generate",
             prompts=prompts,
@@ -251,6 +261,7 @@ class Engine:
             salts=salts,
             loras=None if loras is None else [None if p is None else str(p) for p in loras],
             embeds=embeds,
+            logprobs=logprobs,
         )
 
     def stats(self) -> dict[str, Any]:
