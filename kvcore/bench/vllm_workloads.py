@@ -76,6 +76,7 @@ class Engines:
 
 NO_HIT_BURSTS = 4  # bursts per round of no_hit
 TIE_NATS = 1e-4  # two log-probabilities this close are a greedy tie (module docstring)
+TOP = 2  # log-probabilities every compared call asks for: the two a tie is between
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +173,10 @@ def rag(e: Engines, s: Sizes, r: int) -> Outcome:
     for i, doc in enumerate(docs):  # which engine goes first alternates
         prompt = [doc + tokens(s.question_tokens, "question-b", r, i)]
         if i % 2:
-            plain.append(e.pb.generate(prompt, s.new_tokens, logprobs=2))
-        kv.append(e.b.generate(prompt, s.new_tokens, logprobs=2))
+            plain.append(e.pb.generate(prompt, s.new_tokens, logprobs=TOP))
+        kv.append(e.b.generate(prompt, s.new_tokens, logprobs=TOP))
         if not i % 2:
-            plain.append(e.pb.generate(prompt, s.new_tokens, logprobs=2))
+            plain.append(e.pb.generate(prompt, s.new_tokens, logprobs=TOP))
     return _outcome(kv, plain, s.docs * (s.doc_tokens + s.question_tokens), _external(e.b) - before)
 
 
@@ -195,13 +196,12 @@ def chat(e: Engines, s: Sizes, r: int) -> Outcome:
     for turn in range(1, s.turns + 1):
         engine, mirror = (e.a, e.pa) if turn % 2 else (e.b, e.pb)
         before = _external(engine)
-        answers = engine.generate(history, s.answer_tokens, logprobs=2)
-        mirrored = mirror.generate(history, s.answer_tokens, logprobs=2)
+        answers = engine.generate(history, s.answer_tokens, logprobs=TOP)
+        mirrored = mirror.generate(history, s.answer_tokens, logprobs=TOP)
         e.settle()  # this turn's commits are in before the other engine's turn looks up
-        if turn == 1:  # not measured, but compared
-            same, tied = _compare([answers], [mirrored])
-            match, ties = match and same, ties + tied
-        if turn >= 2:  # turn 1 hits nothing: not measured
+        if turn == 1:  # hits nothing: not measured, but compared
+            match, ties = _compare([answers], [mirrored])
+        else:
             kv.append(answers)
             plain.append(mirrored)
             prompt_tokens += sum(len(h) for h in history)
@@ -224,7 +224,7 @@ def warm_up(engines: Sequence[Engine], s: Sizes) -> None:
     """First calls pay for vLLM's warm-up: a burst on each engine, not measured."""
     burst = [tokens(s.longest_prompt(), "warm", i) for i in range(min(4, s.requests))]
     for engine in engines:
-        engine.generate(burst, 2, logprobs=2)  # as measured calls ask
+        engine.generate(burst, 2, logprobs=TOP)  # as measured calls ask
 
 
 def _burst(
@@ -241,11 +241,11 @@ def _burst(
     over a run: an engine that starts right after another runs a little slower or
     faster than after a pause (its predecessor's threads still spin, caches are cold),
     and always the same order would put that into the ratio."""
-    pl = plain.generate(prompts, new, logprobs=2) if plain_first else None
+    pl = plain.generate(prompts, new, logprobs=TOP) if plain_first else None
     before = _external(kvcore)
-    kv = kvcore.generate(prompts, new, logprobs=2)
+    kv = kvcore.generate(prompts, new, logprobs=TOP)
     external = _external(kvcore) - before
-    pl = pl or plain.generate(prompts, new, logprobs=2)
+    pl = pl or plain.generate(prompts, new, logprobs=TOP)
     outcome = _outcome([kv], [pl], sum(map(len, prompts)), external)
     return outcome if ttft else replace(outcome, kvcore=_throughput(kv), plain=_throughput(pl))
 
@@ -278,9 +278,9 @@ def _compare(kv: list[dict[str, Any]], plain: list[dict[str, Any]]) -> tuple[boo
                 continue
             pairs = enumerate(zip(ours, theirs, strict=False))
             at = next((i for i, (a, b) in pairs if a != b), None)  # None: lengths differ
-            best = [] if at is None else top[at][:2]
-            tie = len(best) == 2 and best[0][1] - best[1][1] <= TIE_NATS
-            if tie and at is not None and ours[at] in (best[0][0], best[1][0]):
+            best = [] if at is None else top[at][:TOP]
+            tie = len(best) == TOP and best[0][1] - best[1][1] <= TIE_NATS
+            if tie and ours[at] in (best[0][0], best[1][0]):
                 ties += 1
             else:
                 match = False
