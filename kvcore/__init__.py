@@ -13,6 +13,7 @@ from kvcore import errors
 from kvcore.errors import KVCoreError
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
+from kvcore.prefix import KeySpace
 
 if TYPE_CHECKING:
     from kvcore.client import Client
@@ -24,6 +25,7 @@ __all__ = [
     "Extension",
     "KVCoreError",
     "KVLayout",
+    "KeySpace",
     "Manager",
     "PrefixHit",
     "Stats",

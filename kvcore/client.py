@@ -62,7 +62,8 @@ from kvcore.errors import (
 from kvcore.layout import KVLayout
 from kvcore.ops import Operation, Queued
 from kvcore.paths import check_socket_path, default_endpoint
-from kvcore.results import DEFAULT_NAMESPACE, Stats
+from kvcore.prefix import DEFAULT_NAMESPACE
+from kvcore.results import Stats
 
 if TYPE_CHECKING:
     import torch

@@ -29,8 +29,9 @@ checked by :meth:`check_integrity` after every step of the conformance state mac
 * the memos (the last key space's root, the last prompt's page keys) hold what
   hashing would compute now.
 
-Key spaces: a sequence's pages are keyed under ``root(namespace, lora, salt)``
-(spec/hashing.md), fixed when it is allocated (a fork inherits it), so commit,
+Key spaces: a sequence's pages are keyed under the root of its
+:class:`~kvcore.prefix.KeySpace` (namespace, model, LoRA adapter, cache salt;
+spec/hashing.md), fixed when it is allocated (a fork inherits it), so commit,
 extend and fork take no key-space argument. Pages of different key spaces never
 share a key, hence never a page; equal key spaces share as one namespace did.
 
@@ -50,6 +51,7 @@ from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.prefix import (
+    DEFAULT_NAMESPACE,
     KeySpace,
     PageEvent,
     PageStored,
@@ -62,7 +64,6 @@ from kvcore.prefix import (
     root_key,
 )
 from kvcore.results import (
-    DEFAULT_NAMESPACE,
     Allocation,
     Extension,
     PageManager,
@@ -88,8 +89,8 @@ __all__ = [
 
 @dataclass(slots=True)
 class _Sequence:
-    space: KeySpace
-    root: PrefixKey  # root_key(*space)
+    space: KeySpace  # namespace resolved
+    root: PrefixKey  # root_key(space)
     pages: list[PageId]  # block table; only grows, except copy-on-write of the last page
     num_tokens: int
     keys: list[PrefixKey] = field(default_factory=list)  # keys of pages[:len(keys)]
@@ -120,11 +121,11 @@ class Manager:
         # page before anyone writes into it again.
         self._evicted: list[tuple[PrefixKey, PageId]] | None = [] if record_evictions else None
         # Memos of pure functions, so neither can change a result: the root key of
-        # the last key space (namespace, lora, salt); and the keys of the last prompt matched (root, token
+        # the last key space; and the keys of the last prompt matched (root, token
         # bytes, keys of its first pages, at most the pages a hit may cover),
         # compared by bytes, never by identity (see _match).
         default = KeySpace(DEFAULT_NAMESPACE)
-        self._root_memo: tuple[KeySpace, PrefixKey] = (default, root_key(*default))
+        self._root_memo: tuple[KeySpace, PrefixKey] = (default, root_key(default))
         self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
 
     # -- operations -------------------------------------------------------------
@@ -133,23 +134,21 @@ class Manager:
         self,
         seq_id: int,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> Allocation:
         """Start sequence ``seq_id`` holding ``tokens``: reuse the longest committed
-        prefix of whole pages in its key space (``namespace``, cache ``salt``, LoRA
-        adapter ``lora``; "" for none) and add fresh pages for the rest. With
+        prefix of whole pages in its key space ``space`` (a None namespace is
+        ``"default"``) and add fresh pages for the rest. With
         ``compute_last`` (an engine, which needs the last token's logits) a hit never
         covers the last token; without (a store that only moves whole pages) it may
         cover every full page. The sequence keeps the key space: its commits publish
         under it, its forks inherit it. OutOfPages if the pages do not fit;
         BadRequest if a key-space field is not a str of at most 256 UTF-8 bytes."""
         self.check_new(seq_id)
-        space = KeySpace(namespace, lora, salt)
-        root = self._root(space)
+        root = self._root(space)  # BadRequest for a bad key space
+        space = space.resolved()
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(
@@ -251,10 +250,7 @@ class Manager:
                     f"page {pages[i]} (page {first + i} of sequence {seq_id}) was committed "
                     "with other tokens"
                 )
-        space = seq.space
-        self._index.insert_chain(
-            parent, new, pages, token_bytes, space.namespace, lora=space.lora, salt=space.salt
-        )
+        self._index.insert_chain(parent, new, pages, token_bytes, seq.space)
         keys += new
 
     def _check_resent(
@@ -298,19 +294,17 @@ class Manager:
     def lookup(
         self,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> PrefixHit:
-        """What allocate of ``tokens`` in the key space (``namespace``, ``salt``,
-        ``lora``) with ``compute_last`` would serve from the cache now (:class:`PrefixHit`). Read-only: no
+        """What allocate of ``tokens`` in the key space ``space`` with ``compute_last``
+        would serve from the cache now (:class:`PrefixHit`). Read-only: no
         pins, no LRU update, no stats, no events. A daemon pool with lower tiers first
         brings pages up from them, as allocate does (kvcore.daemon.tiering): that
         changes which pages are cached and queues their events, never any sequence
         (docs/concepts.md, "Tiers")."""
-        root = self._root(KeySpace(namespace, lora, salt))
+        root = self._root(space)
         token_bytes = encode_tokens(tokens)
         limit = _hit_limit(len(token_bytes) // 4, self._page_size, compute_last)
         _, pages = self._match(root, token_bytes, limit)
@@ -331,16 +325,13 @@ class Manager:
     def plan(
         self,
         tokens: Sequence[int],
-        *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
+        space: KeySpace = KeySpace(),
     ) -> PrefixPlan:
         """The keys of ``tokens``' full pages that a hit may cover, how many lead
-        indexed in the key space (``namespace``, ``salt``, ``lora``), and the room
+        indexed in the key space ``space``, and the room
         beside them (:class:`PrefixPlan`). Read-only, like :meth:`lookup`; hashes
         every page a hit may cover."""
-        root = self._root(KeySpace(namespace, lora, salt))
+        root = self._root(space)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         limit = _hit_limit(num_tokens, self._page_size)
@@ -354,10 +345,8 @@ class Manager:
         self,
         tokens: Sequence[int],
         num_pages: int,
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         medium: str = "",
     ) -> list[int]:
         """Index fresh pages for the ``num_pages`` full pages of ``tokens`` that follow
@@ -371,11 +360,10 @@ class Manager:
 
         The adopted pages (and the evictable hit pages) end up evictable, most
         recently used, tail least recent; no sequence holds them; adopting nothing
-        changes nothing. The key space (``namespace``, ``salt``, ``lora``) is the
-        lookup's; ``medium`` labels their stored events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
+        changes nothing. The key space ``space`` is the lookup's; ``medium`` labels their stored events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
         if the run reaches the last token (a hit never covers it).
         """
-        root = self._root(KeySpace(namespace, lora, salt))
+        root = self._root(space)
         token_bytes = encode_tokens(tokens)
         if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
             raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
@@ -402,7 +390,7 @@ class Manager:
         self._pages.retain(hit_pages)  # so that the take below cannot evict them
         pages = self._pages.take(len(new), self._evict)
         chain_bytes = token_bytes[first * stride : (first + len(new)) * stride]
-        self._index.insert_chain(parent, new, pages, chain_bytes, namespace, medium, lora, salt)
+        self._index.insert_chain(parent, new, pages, chain_bytes, space.resolved(), medium)
         self._pages.release(reversed(hit_pages + pages), self._key_by_page)
         return list(pages)
 
@@ -464,7 +452,7 @@ class Manager:
             assert len(seq.keys) <= seq.num_tokens // self._page_size, (
                 f"sequence {seq_id}: a key for a page that is not full"
             )
-            assert seq.root == root_key(*seq.space), f"sequence {seq_id}: wrong root"
+            assert seq.root == root_key(seq.space), f"sequence {seq_id}: wrong root"
             references.update(seq.pages)
         self._pages.check_integrity(references, self._key_by_page)
         self._index.check_integrity()
@@ -475,7 +463,7 @@ class Manager:
                 chain_keys(root, token_bytes[: len(keys) * stride], self._page_size)
             ), "the match memo holds keys of other tokens"
         space, root = self._root_memo
-        assert root == root_key(*space), "the root memo holds another key space's root"
+        assert root == root_key(space), "the root memo holds another key space's root"
 
     # -- internals --------------------------------------------------------------
 
@@ -579,11 +567,14 @@ class Manager:
         return seq
 
     def _root(self, space: KeySpace) -> PrefixKey:
-        """root_key(namespace, lora, salt), memoized for the last key space; BadRequest
-        (from root_key) unless each is a str of at most 256 UTF-8 bytes."""
+        """root_key(space), memoized for the last key space; BadRequest (from
+        root_key) unless each part is a str of at most 256 UTF-8 bytes."""
+        if space.__class__ is not KeySpace:
+            raise BadRequest(f"a key space must be a KeySpace, got {space!r}")
+        space = space.resolved()
         memo = self._root_memo
         if space != memo[0] or any(v.__class__ is not str for v in space):
-            root = root_key(*space)  # raises for a field that is not a str
+            root = root_key(space)  # raises for a part that is not a str
             memo = self._root_memo = (space, root)
         return memo[1]
 

@@ -45,6 +45,7 @@ from msgspec.structs import astuple
 
 from kvcore.layout import cdiv
 from kvcore.manager import Allocation, Extension, Manager, PageManager, PrefixHit
+from kvcore.prefix import KeySpace
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -182,26 +183,33 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
     return tokens if isinstance(tokens, list) else list(tokens)
 
 
-def _namespace(requested: str | None, session: str) -> str:
-    return session if requested is None else requested
+def _space(request: msg.Allocate | msg.Lookup, session_namespace: str) -> KeySpace:
+    """The request's key space; a None namespace is the session's (fixed at attach)."""
+    namespace = session_namespace if request.namespace is None else request.namespace
+    return KeySpace(namespace, request.model, request.lora, request.salt)
 
 
 # -- encode: a call's arguments -> the request (client side) ----------------------------
-# ``namespace=None`` means the session's namespace (fixed at attach); ``salt`` and
-# ``lora`` ("" for none) complete the key space (spec/hashing.md) and are not granted:
-# they split a namespace, never reach outside it.
+# A key space's namespace None means the session's namespace (fixed at attach); the
+# model, adapter and salt ("" for none) complete it (spec/hashing.md) and are not
+# granted: they split a namespace, never reach outside it.
+
+
+def _parts(space: KeySpace) -> KeySpace:
+    if space.__class__ is not KeySpace:  # a str would unpack into four parts
+        raise TypeError(f"a key space must be a kvcore.KeySpace, got {space!r}")
+    return space
 
 
 def _allocate(
     seq_id: int,
     tokens: Sequence[int],
+    space: KeySpace = KeySpace(),
     *,
-    namespace: str | None = None,
-    salt: str = "",
-    lora: str = "",
     compute_last: bool = True,
 ) -> msg.Allocate:
-    return msg.Allocate(seq_id, _tokens(tokens), namespace, salt, lora, compute_last)
+    ns, model, lora, salt = _parts(space)
+    return msg.Allocate(seq_id, _tokens(tokens), ns, salt, lora, compute_last, model)
 
 
 def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit:
@@ -210,13 +218,12 @@ def _commit(seq_id: int, tokens: Sequence[int], *, start: int = 0) -> msg.Commit
 
 def _lookup(
     tokens: Sequence[int],
+    space: KeySpace = KeySpace(),
     *,
-    namespace: str | None = None,
-    salt: str = "",
-    lora: str = "",
     compute_last: bool = True,
 ) -> msg.Lookup:
-    return msg.Lookup(_tokens(tokens), namespace, salt, lora, compute_last)
+    ns, model, lora, salt = _parts(space)
+    return msg.Lookup(_tokens(tokens), ns, salt, lora, compute_last, model)
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
@@ -260,16 +267,7 @@ allocate = Operation(
     msg.Allocate,
     _allocate,
     serve=lambda m, r, ns: msg.AllocateOk(
-        *_allocation(
-            m.allocate(
-                r.seq,
-                r.tokens,
-                namespace=_namespace(r.namespace, ns),
-                salt=r.salt,
-                lora=r.lora,
-                compute_last=r.compute_last,
-            )
-        )
+        *_allocation(m.allocate(r.seq, r.tokens, _space(r, ns), compute_last=r.compute_last))
     ),
     decode=lambda r: Allocation(r.pages, r.num_cached_tokens),
     creates="seq",
@@ -323,15 +321,7 @@ lookup = Operation(
     msg.Lookup,
     _lookup,
     serve=lambda m, r, ns: msg.LookupOk(
-        *_hit(
-            m.lookup(
-                r.tokens,
-                namespace=_namespace(r.namespace, ns),
-                salt=r.salt,
-                lora=r.lora,
-                compute_last=r.compute_last,
-            )
-        )
+        *_hit(m.lookup(r.tokens, _space(r, ns), compute_last=r.compute_last))
     ),
     decode=lambda r: PrefixHit(r.num_cached_tokens, r.num_evictable_pages),
     work=lambda r, b: len(r.tokens),

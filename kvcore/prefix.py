@@ -1,21 +1,23 @@
 """Prefix keys and the prefix index.
 
 A prefix key names the content of one full page *and everything before it* in
-one namespace (spec/hashing.md fixes the bytes)::
+one key space (spec/hashing.md fixes the bytes)::
 
-    root(ns, lora, salt) = SHA-256( b"kvcore/prefix/v1" || TLV(0x01, utf8(ns))
-                                    [|| TLV(0x04, utf8(lora)) if lora]
-                                    [|| TLV(0x05, utf8(salt)) if salt] )
+    root(space)   = SHA-256( b"kvcore/prefix/v1" || TLV(0x01, utf8(namespace))
+                             [|| TLV(0x06, utf8(model)) if model]
+                             [|| TLV(0x04, utf8(lora)) if lora]
+                             [|| TLV(0x05, utf8(salt)) if salt] )
     key(page i)   = SHA-256( key(page i-1) || TLV(0x02, tokens of page i as u32 LE)
                              [|| TLV(0x03, extra)] )
     TLV(tag, v)   = u8(tag) || u32 LE(len(v) in bytes) || v
-    key(page -1)  = root(ns, lora, salt)
+    key(page -1)  = root(space)
 
-So equal keys mean equal key space (namespace, LoRA adapter, cache salt), equal
-extra inputs and equal tokens from the first token on, in every process, language
-and run; a cryptographic hash means nobody can force a collision into another
-tenant's cache. Without an adapter or a salt a root is the namespace's alone, as
-before either existed.
+So equal keys mean equal key space (:class:`KeySpace`: namespace, model, LoRA
+adapter, cache salt), equal extra inputs and equal tokens from the first token
+on, in every process, language and run; a cryptographic hash means nobody can
+force a collision into another tenant's cache. A part left empty adds nothing to
+the root, so a key space without a model, an adapter or a salt has the root its
+namespace had before any of them existed.
 
 The index maps key <-> page for committed pages, and remembers each key's
 parent key (for :meth:`PrefixIndex.snapshot`). A key is indexed at most once:
@@ -49,10 +51,10 @@ TAG_TOKENS = 0x02
 TAG_EXTRA = 0x03
 TAG_LORA = 0x04
 TAG_SALT = 0x05
+TAG_MODEL = 0x06
 KEY_BYTES = 32
-MAX_NAMESPACE_BYTES = 256
-MAX_LORA_BYTES = 256
-MAX_SALT_BYTES = 256
+MAX_KEY_PART_BYTES = 256  # each part of a key space, as UTF-8
+DEFAULT_NAMESPACE = "default"
 
 
 _TLV_HEAD = struct.Struct("<BI")
@@ -79,27 +81,46 @@ def encode_tokens(tokens: Sequence[int]) -> bytes:
 
 
 class KeySpace(NamedTuple):
-    """What a root key hashes, in that order (spec/hashing.md): a sequence's key space.
-    ``root_key(*space)`` is its root."""
+    """Everything besides the tokens that decides the K/V a page holds, in root order
+    (spec/hashing.md): the one value the core passes for "whose pages are these".
 
-    namespace: str
+    ``namespace`` is the tenant (None: the caller's default, ``"default"`` in a
+    Manager, the session's namespace over the wire); ``model`` the engine's model
+    identity (kvcore.integrations.identity: weights, dtypes, shard); ``lora`` the
+    LoRA adapter; ``salt`` the request's cache salt. ``""`` is "none" for the last
+    three and hashes nothing. Each part is at most 256 bytes of UTF-8. Adding a part:
+    a field here, its tag in :data:`ROOT_TAGS`, and the spec."""
+
+    namespace: str | None = None
+    model: str = ""
     lora: str = ""
     salt: str = ""
 
+    def resolved(self, namespace: str = DEFAULT_NAMESPACE) -> KeySpace:
+        """This space with ``namespace`` for a None namespace (the caller's default)."""
+        return self if self.namespace is not None else self._replace(namespace=namespace)
 
-def root_key(namespace: str, lora: str = "", salt: str = "") -> PrefixKey:
-    """The parent key of the first page of a key space: ``namespace``, LoRA adapter
-    ``lora`` and cache salt ``salt`` ("" for none; each at most 256 bytes of UTF-8,
-    BadRequest otherwise). An empty adapter or salt adds nothing to the hashed bytes."""
-    message = DOMAIN + _tlv(TAG_NAMESPACE, _utf8("namespace", namespace, MAX_NAMESPACE_BYTES))
-    if lora:
-        message += _tlv(TAG_LORA, _utf8("lora", lora, MAX_LORA_BYTES))
-    if salt:
-        message += _tlv(TAG_SALT, _utf8("salt", salt, MAX_SALT_BYTES))
+
+ROOT_TAGS = (TAG_NAMESPACE, TAG_MODEL, TAG_LORA, TAG_SALT)
+"""The tag of each :class:`KeySpace` field, in field order (the order they are hashed)."""
+assert len(ROOT_TAGS) == len(KeySpace._fields)
+
+
+def root_key(space: KeySpace) -> PrefixKey:
+    """The parent key of the first page of ``space`` (a None namespace is
+    ``"default"``). The namespace is always hashed, every other part only when not
+    ""; BadRequest unless each is a str of at most 256 bytes of UTF-8."""
+    namespace, *rest = space
+    message = DOMAIN + _tlv(
+        TAG_NAMESPACE, _utf8("namespace", DEFAULT_NAMESPACE if namespace is None else namespace)
+    )
+    for name, tag, value in zip(KeySpace._fields[1:], ROOT_TAGS[1:], rest, strict=True):
+        if value != "" or value.__class__ is not str:
+            message += _tlv(tag, _utf8(name, value))
     return PrefixKey(hashlib.sha256(message).digest())
 
 
-def _utf8(name: str, value: str, limit: int) -> bytes:
+def _utf8(name: str, value: str, limit: int = MAX_KEY_PART_BYTES) -> bytes:
     """``value`` as UTF-8; BadRequest unless it is a str of at most ``limit`` bytes."""
     if not isinstance(value, str):
         raise BadRequest(f"{name} must be a str, got {value!r}")
@@ -158,18 +179,16 @@ class PageStored(msgspec.Struct, frozen=True):
     built in C: one per committed page).
 
     ``tokens`` (the page's page_size tokens, u32 LE bytes) and the key space
-    (``namespace``, ``lora``, ``salt``) are what a consumer that hashes tokens
-    itself needs (vLLM-format events); index entries built without them leave
-    them empty."""
+    (namespace resolved) are what a consumer that hashes tokens itself needs
+    (vLLM-format events) and what keeps models apart for a router; index entries
+    built without them leave them empty."""
 
     key: PrefixKey
-    parent_key: PrefixKey  # root(namespace, lora, salt) for the first page of a chain
+    parent_key: PrefixKey  # root_key(space) for the first page of a chain
     page: PageId
     tokens: bytes = b""
-    namespace: str = ""
+    space: KeySpace = KeySpace("")
     medium: str = ""  # "": committed by an engine; else the lower tier it was promoted from
-    lora: str = ""  # the LoRA adapter of the key space; "" for none
-    salt: str = ""  # the cache salt of the key space; "" for none
 
 
 class PageRemoved(msgspec.Struct, frozen=True):
@@ -218,17 +237,15 @@ class PrefixIndex:
         keys: Sequence[PrefixKey],
         pages: Sequence[PageId],
         token_bytes: bytes = b"",
-        namespace: str = "",
+        space: KeySpace = KeySpace(""),
         medium: str = "",
-        lora: str = "",
-        salt: str = "",
     ) -> None:
         """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
         is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
         page (the first commit wins); the page passed for it stays private.
-        ``token_bytes`` (the chain's tokens, u32 LE, or empty), the key space
-        (``namespace``, ``lora``, ``salt``) and ``medium`` (where the bytes came
-        from: "" for a commit) label the entries and their events."""
+        ``token_bytes`` (the chain's tokens, u32 LE, or empty), the key space and
+        ``medium`` (where the bytes came from: "" for a commit) label the entries
+        and their events."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, events = self._stored, self._key_of, self._events
         stride = len(token_bytes) // len(keys) if keys else 0
@@ -237,7 +254,7 @@ class PrefixIndex:
             if key not in stored:
                 assert page not in key_of, f"page {page} is indexed under another key"
                 tokens = token_bytes[i * stride : (i + 1) * stride]
-                entry = PageStored(key, parent_key, page, tokens, namespace, medium, lora, salt)
+                entry = PageStored(key, parent_key, page, tokens, space, medium)
                 stored[key] = entry
                 key_of[page] = key
                 events.append(entry)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcore.layout import KVLayout
-from kvcore.prefix import PageEvent, PageStored, PrefixKey
-
-DEFAULT_NAMESPACE = "default"
+from kvcore.prefix import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE  # re-exported
+from kvcore.prefix import KeySpace, PageEvent, PageStored, PrefixKey
 
 
 @dataclass(slots=True)
@@ -112,10 +111,8 @@ class PageManager(Protocol):
         self,
         seq_id: int,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> Allocation: ...
     def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
@@ -125,10 +122,8 @@ class PageManager(Protocol):
     def lookup(
         self,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> PrefixHit: ...
     def block_table(self, seq_id: int) -> list[int]: ...

@@ -140,12 +140,14 @@ def test_disk_tier_survives_a_restart_and_a_corrupt_entry_is_a_miss(tmp_path: Pa
 def _chain_files(disk: Path, tokens: list[int]) -> list[Path]:
     """The disk tier's files of ``tokens``' full pages, in chain order."""
     from kvcore.layout import KVLayout
-    from kvcore.prefix import chain_keys, encode_tokens, root_key
+    from kvcore.prefix import KeySpace, chain_keys, encode_tokens, root_key
     from kvcore.tiers import layout_fingerprint
 
     layout = KVLayout(2, 1, 8, PAGE, "float32", POOL_PAGES)
     fp = layout_fingerprint(layout).hex()
-    keys = chain_keys(root_key("default"), encode_tokens(tokens[: PROMPT_PAGES * PAGE]), PAGE)
+    keys = chain_keys(
+        root_key(KeySpace("default")), encode_tokens(tokens[: PROMPT_PAGES * PAGE]), PAGE
+    )
     return [disk / f"{fp}-{key.hex()}.kv" for key in keys]
 
 

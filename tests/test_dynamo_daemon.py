@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import pytest
 from kvcore_ipc.messages import PageStoredEvent
 
+from kvcore import KeySpace
+
 if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.indexer") is None:
     pytest.skip(
         "Dynamo's indexer is not installed (pip install --no-deps ai-dynamo==1.6.1 "
@@ -57,9 +59,9 @@ def stack() -> Iterator[tuple[DaemonProcess, Indexer]]:
             indexer.close()
 
 
-def commit(client: Client, tokens: list[int], *, salt: str = "", lora: str = "") -> None:
+def commit(client: Client, tokens: list[int], space: KeySpace = KeySpace()) -> None:
     seq = random.getrandbits(63)
-    client.allocate(seq, tokens, salt=salt, lora=lora)
+    client.allocate(seq, tokens, space)
     client.commit(seq, tokens)  # the K/V bytes do not matter to the index
     client.free(seq)
 
@@ -96,14 +98,14 @@ def test_the_indexer_answers_per_salt_and_per_adapter(
     daemon, indexer = stack
     prompt = list(range(900, 913))  # 3 full pages + 1 token
     with Client.connect(daemon.endpoint, map_memory=False) as client:
-        commit(client, prompt, salt="dynamo-cache-salt:u1")
-        commit(client, prompt, lora="adapter-a")
+        commit(client, prompt, KeySpace(salt="dynamo-cache-salt:u1"))
+        commit(client, prompt, KeySpace(lora="adapter-a"))
         assert indexer.wait_for(prompt, 12, cache_salt="u1") == 12
         assert indexer.wait_for(prompt, 12, lora_name="adapter-a") == 12
         assert indexer.matched(prompt, cache_salt="u2") == 0
         assert indexer.matched(prompt, lora_name="adapter-b") == 0
         assert indexer.matched(prompt) == 0  # neither salt nor adapter: nothing committed
-        assert client.lookup(prompt, salt="dynamo-cache-salt:u2").num_cached_tokens == 0
+        assert client.lookup(prompt, KeySpace(salt="dynamo-cache-salt:u2")).num_cached_tokens == 0
 
 
 def test_a_salted_sequence_committed_page_by_page_stays_under_its_salt(
@@ -115,7 +117,9 @@ def test_a_salted_sequence_committed_page_by_page_stays_under_its_salt(
     prompt = list(range(1300, 1313))
     with Client.connect(daemon.endpoint, map_memory=False) as client:
         seq = random.getrandbits(63)
-        client.allocate(seq, prompt[: PAGE + 1], salt="dynamo-cache-salt:u7", lora="adapter-a")
+        client.allocate(
+            seq, prompt[: PAGE + 1], KeySpace(salt="dynamo-cache-salt:u7", lora="adapter-a")
+        )
         client.commit(seq, prompt[:PAGE])
         assert indexer.wait_for(prompt, PAGE, "adapter-a", "u7") == PAGE
         client.extend(seq, len(prompt) - PAGE - 1)

@@ -27,7 +27,7 @@ from kvcore_ipc.messages import PageStoredEvent
 from kvcore_ipc.vllm_events import VllmEventPublisher
 from vllm_events_helpers import batch, chain, free_port, removed
 
-from kvcore.prefix import encode_tokens, page_key, root_key
+from kvcore.prefix import KeySpace, encode_tokens, page_key, root_key
 
 PAGE = 4
 
@@ -150,7 +150,7 @@ def spaced_chain(
 ) -> list[PageStoredEvent]:
     """Stored events of ``tokens``' full pages in the default namespace's key space with
     adapter ``lora`` and cache salt ``salt``, keyed by kvcore (spec/hashing.md)."""
-    parent = root_key("default", lora, salt)
+    parent = root_key(KeySpace("default", lora=lora, salt=salt))
     events = []
     for i in range(len(tokens) // PAGE):
         page = tokens[i * PAGE : (i + 1) * PAGE]

@@ -7,7 +7,15 @@ import pytest
 from kvcore import KVLayout, Manager, PrefixHit, prefix
 from kvcore import manager as manager_module
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
-from kvcore.prefix import PageRemoved, PageStored, PrefixKey, chain_keys, encode_tokens, root_key
+from kvcore.prefix import (
+    KeySpace,
+    PageRemoved,
+    PageStored,
+    PrefixKey,
+    chain_keys,
+    encode_tokens,
+    root_key,
+)
 
 PAGE = 4
 
@@ -17,7 +25,7 @@ def make(num_pages: int = 16) -> Manager:
 
 
 def cached(m: Manager, tokens: list[int], namespace: str = "default") -> int:
-    return m.lookup(tokens, namespace=namespace).num_cached_tokens
+    return m.lookup(tokens, KeySpace(namespace=namespace)).num_cached_tokens
 
 
 def snapshot(m: Manager) -> tuple[object, ...]:
@@ -65,11 +73,11 @@ def test_pages_visible_only_after_commit() -> None:
 def test_namespaces_isolate() -> None:
     m = make()
     prompt = list(range(9))
-    m.allocate(1, prompt, namespace="a")
+    m.allocate(1, prompt, KeySpace(namespace="a"))
     m.commit(1, prompt)
     assert cached(m, prompt, "a") == 8
     assert cached(m, prompt, "b") == 0
-    assert m.allocate(2, prompt, namespace="b").num_cached_tokens == 0
+    assert m.allocate(2, prompt, KeySpace(namespace="b")).num_cached_tokens == 0
 
 
 def test_fork_shares_and_never_allocates() -> None:
@@ -164,8 +172,8 @@ def test_failures_are_typed_and_atomic() -> None:
         (BadRequest, lambda: m.commit(1, [1, 2], start=2)),  # not a page boundary
         (BadRequest, lambda: m.commit(1, [], start=-4)),
         (BadRequest, lambda: m.commit(1, list(range(3)), start=4)),  # past num_tokens
-        (BadRequest, lambda: m.lookup([1], namespace=7)),  # type: ignore[arg-type]
-        (BadRequest, lambda: m.plan([1], namespace=7)),  # type: ignore[arg-type]
+        (BadRequest, lambda: m.lookup([1], KeySpace(namespace=7))),  # type: ignore[arg-type]
+        (BadRequest, lambda: m.plan([1], KeySpace(namespace=7))),  # type: ignore[arg-type]
         (UnknownSequence, lambda: m.extend(True, 1)),  # hashes like the live sequence 1
         (UnknownSequence, lambda: m.free(1.0)),  # type: ignore[arg-type]
         (BadRequest, lambda: m.extend(1, True)),
@@ -300,11 +308,11 @@ def test_events_are_queued_in_order_and_taken_once() -> None:
     assert m.commit(1, a) == 2
     k0, k1 = (e.key for e in m.prefix_snapshot())
     p0, p1 = m.block_table(1)
-    root = root_key("default")
+    root = root_key(KeySpace("default"))
     t0, t1 = encode_tokens(a[:4]), encode_tokens(a[4:])  # the pages' tokens label the events
     assert m.take_events() == [
-        PageStored(k0, root, p0, t0, "default"),
-        PageStored(k1, k0, p1, t1, "default"),
+        PageStored(k0, root, p0, t0, KeySpace("default")),
+        PageStored(k1, k0, p1, t1, KeySpace("default")),
     ]
     assert m.take_events() == []
     m.free(1)
@@ -334,7 +342,7 @@ def test_prefix_snapshot_lists_parents_before_children() -> None:
 
 def chain_entries(m: Manager, tokens: list[int]) -> list[PageStored]:
     by_key = {e.key: e for e in m.prefix_snapshot()}
-    keys = chain_keys(root_key("default"), encode_tokens(tokens), PAGE)
+    keys = chain_keys(root_key(KeySpace("default")), encode_tokens(tokens), PAGE)
     return [by_key[k] for k in keys if k in by_key]
 
 
@@ -355,7 +363,7 @@ def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(prefix, "page_key", counting)
     monkeypatch.setattr(manager_module, "page_key", counting)
     query = [*prompt[:30], 99, 98, 97]  # pages 0-6 hit, page 7 differs
-    assert m.lookup(query, namespace="b").num_cached_tokens == 0  # nothing in "b"
+    assert m.lookup(query, KeySpace(namespace="b")).num_cached_tokens == 0  # nothing in "b"
     assert calls == 1  # page 0's key in "b" misses: nothing more is hashed
     assert m.lookup(query).num_cached_tokens == 28
     assert calls == 9  # seven hits and the first miss, in "default"
@@ -365,7 +373,9 @@ def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyP
     other = [*query[:28], 5, 5, 5, 5, 5]  # pages 0-6 as query's, page 7 other bytes
     assert m.lookup(other).num_cached_tokens == 28
     assert calls == 10  # only page 7 hashed: the leading pages kept their keys
-    assert m.lookup(query, namespace="b").num_cached_tokens == 0  # other root: hashed again
+    assert (
+        m.lookup(query, KeySpace(namespace="b")).num_cached_tokens == 0
+    )  # other root: hashed again
     assert calls == 11
     m.check_integrity()  # which also recomputes the memo's keys
 
@@ -396,7 +406,9 @@ def test_plan_names_the_keys_a_hit_may_cover_and_the_room_beside_it() -> None:
     m.take_events()
     before = snapshot(m)
     plan = m.plan(prompt)
-    assert plan.keys == list(chain_keys(root_key("default"), encode_tokens(prompt[:16]), PAGE))
+    assert plan.keys == list(
+        chain_keys(root_key(KeySpace("default")), encode_tokens(prompt[:16]), PAGE)
+    )
     assert (plan.num_hit, plan.room, plan.num_new) == (2, 8 - 2, 5 - 2)
     assert plan.num_hit * PAGE == cached(m, prompt)
     assert snapshot(m) == before and m.take_events() == []  # read-only

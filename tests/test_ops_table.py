@@ -15,7 +15,7 @@ from kvcore import ops
 from kvcore.client import Batch, Client
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
-from kvcore.prefix import MAX_NAMESPACE_BYTES
+from kvcore.prefix import MAX_KEY_PART_BYTES
 
 SPEC = Path(__file__).resolve().parents[1] / "spec"
 
@@ -51,7 +51,7 @@ def test_schema_has_every_request_and_result() -> None:
         assert op.__name__ in schema["$defs"]
         assert op.Result.__name__ in schema["messages"]["results"]
     namespace = schema["$defs"]["Allocate"]["properties"]["namespace"]["anyOf"][0]
-    assert namespace["maxLength"] == MAX_NAMESPACE_BYTES  # the spec's 256 bytes, as characters
+    assert namespace["maxLength"] == MAX_KEY_PART_BYTES  # the spec's 256 bytes, as characters
 
 
 def test_client_and_batch_methods_come_from_the_table() -> None:

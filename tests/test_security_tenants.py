@@ -17,7 +17,7 @@ import zmq
 from curve_helpers import curve_tenants
 from kvcore_ipc.events import EventSubscriber
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import Forbidden, KVCoreError
 
@@ -73,9 +73,11 @@ def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -
         with _as(curve, "alice", pool="a", namespace="alice") as alice:
             assert alice.lookup(prompt).num_cached_tokens == 0
             with pytest.raises(Forbidden):
-                alice.lookup(prompt, namespace="bob")  # no reading another tenant's prefixes
+                alice.lookup(
+                    prompt, KeySpace(namespace="bob")
+                )  # no reading another tenant's prefixes
             with pytest.raises(Forbidden):
-                alice.allocate(2, prompt, namespace="bob")  # nor poisoning them
+                alice.allocate(2, prompt, KeySpace(namespace="bob"))  # nor poisoning them
             with pytest.raises(Forbidden):
                 alice.snapshot()  # every namespace's keys
             seen = alice.daemon_stats()
@@ -84,7 +86,7 @@ def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -
             everything = bob.daemon_stats()
             assert {p.name for p in everything.pools} == {"a", "b"}
             assert {s.namespace for s in everything.sessions} == {"alice", "bob"}
-            assert bob.lookup(prompt, namespace="alice").num_cached_tokens == 0  # ops may
+            assert bob.lookup(prompt, KeySpace(namespace="alice")).num_cached_tokens == 0  # ops may
             bob.check_integrity()
 
 
@@ -128,7 +130,7 @@ def _as_uid(uid: int, endpoint: str) -> dict[str, object]:
                     result["mapped"] = c.kv_caches[0].shape[0]
                     result["pools"] = [p.name for p in c.daemon_stats().pools]
                     try:
-                        c.lookup([1, 2, 3, 4, 5], namespace="root-only")
+                        c.lookup([1, 2, 3, 4, 5], KeySpace(namespace="root-only"))
                         result["other_ns"] = "ok"
                     except KVCoreError as exc:
                         result["other_ns"] = exc.code

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import (
     Forbidden,
@@ -132,7 +132,7 @@ def test_namespaces_share_prefix_hits_across_sessions_only_within(daemon: Daemon
         assert hit.num_cached_tokens == 12 and hit.pages[:3] == a.block_table(1)[:3]
         assert other.allocate(3, prompt).num_cached_tokens == 0
         assert (
-            other.lookup(prompt, namespace="tenant-a").num_cached_tokens == 12
+            other.lookup(prompt, KeySpace(namespace="tenant-a")).num_cached_tokens == 12
         )  # a per-call namespace overrides
         a.check_integrity()
 

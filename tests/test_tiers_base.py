@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-from kvcore.prefix import page_key, root_key
+from kvcore.prefix import KeySpace, page_key, root_key
 from kvcore.tiers import gather_pages, layout_fingerprint, prefix_of, scatter_pages, tier_key
 from kvcore.tiers.base import check_keys
 from kvcore.tiers.codec import HEADER_BYTES, check_entry, encode_header, header_names
@@ -38,7 +38,7 @@ def test_fingerprint_ignores_pool_size_only() -> None:
 
 def test_tier_keys_keep_layouts_and_namespaces_apart() -> None:
     tokens = bytes(4 * LAYOUT.page_size)
-    a, b = page_key(root_key("a"), tokens), page_key(root_key("b"), tokens)
+    a, b = page_key(root_key(KeySpace("a")), tokens), page_key(root_key(KeySpace("b")), tokens)
     fp = layout_fingerprint(LAYOUT)
     other = layout_fingerprint(dataclasses.replace(LAYOUT, head_dim=16))
     assert len({tier_key(fp, a), tier_key(fp, b), tier_key(other, a)}) == 3
@@ -51,7 +51,7 @@ def test_tier_keys_keep_layouts_and_namespaces_apart() -> None:
 
 @given(payload=st.binary(min_size=1, max_size=64), flip=st.integers(min_value=0))
 def test_codec_detects_any_flipped_byte(payload: bytes, flip: int) -> None:
-    key = tier_key(layout_fingerprint(LAYOUT), root_key("ns"))
+    key = tier_key(layout_fingerprint(LAYOUT), root_key(KeySpace("ns")))
     header = encode_header(key, payload)
     assert len(header) == HEADER_BYTES
     assert check_entry(key, header, payload, len(payload))
@@ -63,7 +63,7 @@ def test_codec_detects_any_flipped_byte(payload: bytes, flip: int) -> None:
 
 def test_codec_refuses_another_key_or_length() -> None:
     fp = layout_fingerprint(LAYOUT)
-    key, other = tier_key(fp, root_key("a")), tier_key(fp, root_key("b"))
+    key, other = tier_key(fp, root_key(KeySpace("a"))), tier_key(fp, root_key(KeySpace("b")))
     header = encode_header(key, b"x" * 8)
     assert not check_entry(other, header, b"x" * 8, 8)
     assert not check_entry(key, header, b"x" * 8, 16)

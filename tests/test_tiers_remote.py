@@ -18,7 +18,7 @@ from mooncake_helpers import SKIP_REASON, Master, _free_port, master_binary, sta
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
-from kvcore.prefix import chain_keys, encode_tokens, root_key
+from kvcore.prefix import KeySpace, chain_keys, encode_tokens, root_key
 from kvcore.tiers import RemoteConfig, RemoteTier, TierKey, layout_fingerprint, tier_keys
 from kvcore.tiers.remote import object_key
 
@@ -38,7 +38,7 @@ def chain(
     namespace: str, layout: KVLayout = LAYOUT, pages: int = 6, salt: int = 0
 ) -> list[TierKey]:
     tokens = encode_tokens([salt * 1000 + i for i in range(pages * layout.page_size)])
-    keys = list(chain_keys(root_key(namespace), tokens, layout.page_size))
+    keys = list(chain_keys(root_key(KeySpace(namespace)), tokens, layout.page_size))
     return tier_keys(layout_fingerprint(layout), keys)
 
 

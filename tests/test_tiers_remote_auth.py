@@ -17,7 +17,7 @@ import torch
 from mooncake_helpers import SKIP_REASON, Master, master_binary, start_master
 
 from kvcore.layout import KVLayout
-from kvcore.prefix import chain_keys, encode_tokens, root_key
+from kvcore.prefix import KeySpace, chain_keys, encode_tokens, root_key
 from kvcore.tiers import RemoteConfig, RemoteTier, TierKey, layout_fingerprint, tier_keys
 from kvcore.tiers.codec import HEADER_BYTES, Checksummed
 from kvcore.tiers.keyed import Keyed
@@ -41,7 +41,7 @@ NEXT = TierSecret.of(b"the next secret, also 32 bytes..")
 
 def chain(namespace: str, pages: int = 4) -> list[TierKey]:
     tokens = encode_tokens(list(range(pages * LAYOUT.page_size)))
-    keys = list(chain_keys(root_key(namespace), tokens, LAYOUT.page_size))
+    keys = list(chain_keys(root_key(KeySpace(namespace)), tokens, LAYOUT.page_size))
     return tier_keys(layout_fingerprint(LAYOUT), keys)
 
 

@@ -114,7 +114,7 @@ def test_vllm_decodes_an_adapters_salted_chain_as_it_publishes_one() -> None:
     from kvcore_ipc.vllm_events import VllmEventBatch, root_key, to_vllm
     from vllm_events_helpers import page_key
 
-    parent, stored = root_key("default", "adapter-a", "u1"), []
+    parent, stored = root_key("default", "", "adapter-a", "u1"), []
     for i in range(3):
         page = list(range(4 * i, 4 * i + 4))
         key = page_key(parent, page)

@@ -35,7 +35,10 @@ from msgspec import Meta, Struct
 
 R = TypeVar("R")
 
-PROTOCOL_VERSION = 1  # major: peers with different majors refuse each other
+# major: peers with different majors refuse each other. 2: key spaces name a model
+# (Allocate.model, Lookup.model): a v1 daemon would ignore the field and share pages
+# across models, so the two refuse each other.
+PROTOCOL_VERSION = 2
 
 U64 = Annotated[int, Meta(ge=0)]  # < 2**64; the daemon checks the upper bound
 U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
@@ -43,7 +46,8 @@ NonNeg = Annotated[int, Meta(ge=0)]
 Token = U32
 # At most 256 UTF-8 *bytes* (the daemon checks bytes; a schema can bound only characters).
 Namespace = Annotated[str, Meta(max_length=256)]
-# A cache salt or LoRA adapter name: "" for none, else at most 256 UTF-8 bytes, like Namespace.
+# A model identity, LoRA adapter name or cache salt: "" for none, else at most 256 UTF-8
+# bytes, like Namespace.
 KeyPart = Annotated[str, Meta(max_length=256)]
 
 # Stable error codes carried by ErrorBody.code (spec/protocol.md, "Errors").
@@ -312,6 +316,7 @@ class Allocate(_Op, tag="allocate"):
     salt: KeyPart = ""  # cache salt (vLLM cache_salt) of the key space; "" for none
     lora: KeyPart = ""  # LoRA adapter name of the key space; "" for none
     compute_last: bool = True  # False: a hit may cover the last token (a store, not an engine)
+    model: KeyPart = ""  # the engine's model identity of the key space; "" for none
 
 
 class Extend(_Op, tag="extend"):
@@ -355,6 +360,7 @@ class Lookup(_Op, tag="lookup"):
     salt: KeyPart = ""  # as Allocate
     lora: KeyPart = ""  # as Allocate
     compute_last: bool = True  # as Allocate
+    model: KeyPart = ""  # as Allocate
 
 
 class BlockTable(_Op, tag="block_table"):
@@ -460,7 +466,8 @@ class PageStoredEvent(_Message, tag="stored", tag_field="kind"):
     namespace: str = ""  # the namespace the page was committed in
     medium: str = ""  # "": committed by an engine; else the tier it was promoted from
     lora: str = ""  # the LoRA adapter of its key space ("" none); parent of page 0: the root
-    salt: str = ""  # the cache salt of its key space ("" none); of (namespace, lora, salt)
+    salt: str = ""  # the cache salt of its key space ("" none); of (namespace, model, lora, salt)
+    model: str = ""  # the model identity of its key space ("" none): routers keep models apart
 
 
 class PageRemovedEvent(_Message, tag="removed", tag_field="kind"):

@@ -13,16 +13,21 @@ A block hash is the low 64 bits of kvcore's 32-byte page key read big-endian, as
 vLLM derives its integer block hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
 Consecutive stored pages of one chain become one ``BlockStored``.
 
-Key spaces (spec/hashing.md: namespace, LoRA adapter, cache salt) are carried as
-vLLM carries a request's adapter and salt, so that a consumer that hashes tokens
-itself (Dynamo's indexer) keeps them apart; a router queries with the same values:
+Key spaces (spec/hashing.md: namespace, model, LoRA adapter, cache salt) are
+carried as vLLM carries a request's adapter and salt, so that a consumer that
+hashes tokens itself (Dynamo's indexer) keeps them apart; a router queries with
+the same values. (Block hashes come from kvcore's keys, which hash the whole key
+space: what follows only labels them, it never decides what a page holds.)
 
-* ``lora_name`` (:func:`lora_name_of`): the adapter name in the default namespace;
-  the namespace when a page of another namespace has no adapter (as before
-  adapters existed); the namespace, one NUL character and the adapter for
-  both; None for neither.
+* ``lora_name`` (:func:`lora_name_of`), for a key space without a model: the
+  adapter name in the default namespace; the namespace when a page of another
+  namespace has no adapter (as before adapters existed); the namespace, one NUL
+  character and the adapter for both; None for neither. With a model (every
+  engine's pages since model identities exist): the namespace, the adapter and
+  the model, joined by NUL characters (three parts, so never one of the forms
+  before).
 * ``extra_keys``, one entry per block as vLLM publishes them (untagged): the
-  ``lora_name`` on every block of an adapter's chain, then the salt on the
+  ``lora_name`` on every block of an adapter's or a model's chain, then the salt on the
   chain's first page (the block whose parent is the root); None for a block
   with neither, and no ``extra_keys`` at all for a batch without any. Dynamo
   1.6.1 reads a salt from the first block's entries only if it starts with
@@ -92,9 +97,11 @@ class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
-def lora_name_of(namespace: str, lora: str) -> str | None:
+def lora_name_of(namespace: str, lora: str, model: str = "") -> str | None:
     """The ``lora_name`` of a key space's stored events (module docstring)."""
     namespace = namespace or DEFAULT_NAMESPACE
+    if model:
+        return f"{namespace}\0{lora}\0{model}"
     if namespace == DEFAULT_NAMESPACE:
         return lora or None
     return f"{namespace}\0{lora}" if lora else namespace
@@ -113,9 +120,10 @@ def to_vllm(batch: EventBatch, page_size: int, medium: str | None) -> list[VllmE
         if isinstance(event, PageStoredEvent):
             tokens = list(event.tokens)
             namespace = event.namespace or DEFAULT_NAMESPACE
-            lora = lora_name_of(namespace, event.lora)
-            first = _is_root(event.parent, namespace, event.lora, event.salt)
-            extra = _extra_keys(lora if event.lora else None, event.salt if first else "")
+            lora = lora_name_of(namespace, event.lora, event.model)
+            first = event.parent == root_key(namespace, event.model, event.lora, event.salt)
+            labelled = event.lora or event.model
+            extra = _extra_keys(lora if labelled else None, event.salt if first else "")
             prev = out[-1] if out else None
             if (
                 isinstance(prev, BlockStored)
@@ -161,9 +169,11 @@ def _append_extra(stored: BlockStored, extra: list[str] | None) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def root_key(namespace: str, lora: str = "", salt: str = "") -> bytes:
+def root_key(namespace: str, model: str = "", lora: str = "", salt: str = "") -> bytes:
     """The key space's root key (spec/hashing.md), the parent of a chain's first page."""
     message = b"kvcore/prefix/v1" + _tlv(0x01, namespace)
+    if model:
+        message += _tlv(0x06, model)
     if lora:
         message += _tlv(0x04, lora)
     if salt:
@@ -174,10 +184,6 @@ def root_key(namespace: str, lora: str = "", salt: str = "") -> bytes:
 def _tlv(tag: int, value: str) -> bytes:
     raw = value.encode("utf-8")
     return bytes([tag]) + len(raw).to_bytes(4, "little") + raw
-
-
-def _is_root(parent: bytes, namespace: str, lora: str, salt: str) -> bool:
-    return parent == root_key(namespace, lora, salt)
 
 
 class VllmEventPublisher:

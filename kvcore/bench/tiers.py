@@ -35,7 +35,7 @@ from kvcore.bench.trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Manager, PageManager
-from kvcore.prefix import PrefixKey, chain_keys, encode_tokens, root_key
+from kvcore.prefix import KeySpace, PrefixKey, chain_keys, encode_tokens, root_key
 from kvcore.tiers import (
     DiskTier,
     HostTier,
@@ -110,7 +110,7 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [list(request.prompt) for request in trace.requests]
     distinct: set[PrefixKey] = set()
     for prompt in prompts:
-        distinct.update(chain_keys(root_key("default"), encode_tokens(prompt), page_size))
+        distinct.update(chain_keys(root_key(KeySpace("default")), encode_tokens(prompt), page_size))
     longest = max(cdiv(len(p), page_size) for p in prompts)
     pool_pages = max(int(len(distinct) / args.working_set), longest + 1)
     layout = KVLayout(page_size=page_size, num_pages=pool_pages, **SIM_LAYOUT)  # type: ignore[arg-type]

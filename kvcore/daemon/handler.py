@@ -46,7 +46,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import KVLayout
 from kvcore.ops import OPERATIONS, Operation, operation_of
-from kvcore.prefix import root_key
+from kvcore.prefix import KeySpace, root_key
 
 from .auth import Authority
 from .metrics import NamespaceUsage, RequestTimer, Snapshot
@@ -249,7 +249,7 @@ class Handler:
             raise VersionMismatch(
                 f"client speaks protocol v{body.version}; this daemon speaks v{msg.PROTOCOL_VERSION}"
             )
-        root_key(body.namespace)  # BadRequest if the namespace is over 256 bytes
+        root_key(KeySpace(body.namespace))  # BadRequest if the namespace is over 256 bytes
         peer = peer_of(raw, ipc=self.ipc) if raw is not None else None
         grant = self.authority.grant(peer) if peer is not None else self.authority.local()
         grant.check_pool(body.pool)

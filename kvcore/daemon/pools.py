@@ -272,9 +272,10 @@ def _wire(event: PageEvent) -> msg.Event:
             event.parent_key,
             event.page,
             tokens.tolist(),
-            event.namespace,
+            event.space.namespace or "",
             medium=event.medium,
-            lora=event.lora,
-            salt=event.salt,
+            lora=event.space.lora,
+            salt=event.space.salt,
+            model=event.space.model,
         )
     return msg.PageRemovedEvent(event.key, event.page, medium=event.medium)

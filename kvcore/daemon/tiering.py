@@ -48,7 +48,7 @@ from kvcore.allocator import PageId
 from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
 from kvcore.layout import KVLayout
-from kvcore.manager import DEFAULT_NAMESPACE, Allocation, Extension, Manager, PrefixHit, Stats
+from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
@@ -109,42 +109,32 @@ class TieredManager:
         self,
         seq_id: int,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> Allocation:
         """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
         the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
-        space = KeySpace(namespace, lora, salt)
         self._promote(tokens, space, for_allocate=True, compute_last=compute_last)
         try:
-            return self.manager.allocate(
-                seq_id, tokens, namespace=namespace, salt=salt, lora=lora, compute_last=compute_last
-            )
+            return self.manager.allocate(seq_id, tokens, space, compute_last=compute_last)
         finally:
             self._spill()
 
     def lookup(
         self,
         tokens: Sequence[int],
+        space: KeySpace = KeySpace(),
         *,
-        namespace: str = DEFAULT_NAMESPACE,
-        salt: str = "",
-        lora: str = "",
         compute_last: bool = True,
     ) -> PrefixHit:
         """:meth:`Manager.lookup`, after promoting what the tiers hold of the rest of
         the chain (as far as free and evictable pages allow): not read-only, it may
         change which pages are cached (never a sequence); see the module docstring."""
-        space = KeySpace(namespace, lora, salt)
         self._promote(tokens, space, for_allocate=False, compute_last=compute_last)
         self._spill()
-        return self.manager.lookup(
-            tokens, namespace=namespace, salt=salt, lora=lora, compute_last=compute_last
-        )
+        return self.manager.lookup(tokens, space, compute_last=compute_last)
 
     def extend(self, seq_id: int, num_tokens: int) -> Extension:
         try:
@@ -234,14 +224,13 @@ class TieredManager:
         """Bring the pages of ``tokens``' chain in key space ``space`` that the tiers
         hold, after the pool's own hits, into adopted pool pages, as many as the room
         beside the hits allows. Tier keys derive from prefix keys, which hash the key
-        space, so pages of another salt or adapter are never found below either.
+        space, so pages of another model, salt or adapter are never found below either.
         OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
         never raises for a tier's miss."""
-        ns, lora, salt = space
         num_new = self.manager.layout.pages_for(len(tokens))  # before the hits
         if not compute_last:  # a hit may cover the last token: plan as if one followed
             tokens = [*tokens, 0]
-        plan = self.manager.plan(tokens, namespace=ns, salt=salt, lora=lora)
+        plan = self.manager.plan(tokens, space)
         num_new -= plan.num_hit
         if for_allocate and num_new > plan.room:
             raise OutOfPages(f"need {num_new} pages, {plan.room} free or evictable")
@@ -262,9 +251,7 @@ class TieredManager:
                 count = len(data)
             if count:
                 medium = run.tier.medium
-                pages = self.manager.adopt(
-                    tokens, count, namespace=ns, salt=salt, lora=lora, medium=medium
-                )
+                pages = self.manager.adopt(tokens, count, space, medium=medium)
                 fetched.append((pages, data, done))
                 count = len(pages)
             done += count

@@ -15,7 +15,7 @@ After every step it checks, through the subject's public API:
   least recently released evictable pages, when the free ones do not suffice;
 * ``lookup`` and allocation hits agree with the model, and so does the number of
   a hit's pages that are evictable (``PrefixHit.num_evictable_pages``); calls name
-  a key space (namespace, cache salt, LoRA adapter), so a different salt or
+  a key space (namespace, model, LoRA adapter, cache salt), so a different model, salt or
   adapter never hits and an equal one does;
 * ``commit`` with a ``start`` offset publishes what the model does, and a bad
   ``start`` is a BadRequest; failed calls change nothing;
@@ -56,7 +56,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
-from kvcore.prefix import PageRemoved, PageStored, PrefixKey
+from kvcore.prefix import KeySpace, PageRemoved, PageStored, PrefixKey
 from kvcore.testing.manager_model import Model, ModelEvent, ModelSeq, PrefixId, Space
 
 __all__ = [
@@ -83,10 +83,8 @@ class ManagerAPI(Protocol):
         self,
         seq_id: int,
         tokens: Sequence[int],
+        space: KeySpace = ...,
         *,
-        namespace: str = ...,
-        salt: str = ...,
-        lora: str = ...,
         compute_last: bool = ...,
     ) -> Allocation: ...
     def extend(self, seq_id: int, num_tokens: int) -> Extension: ...
@@ -96,10 +94,8 @@ class ManagerAPI(Protocol):
     def lookup(
         self,
         tokens: Sequence[int],
+        space: KeySpace = ...,
         *,
-        namespace: str = ...,
-        salt: str = ...,
-        lora: str = ...,
         compute_last: bool = ...,
     ) -> PrefixHit: ...
     def block_table(self, seq_id: int) -> list[int]: ...
@@ -112,16 +108,20 @@ SEQ_IDS = st.integers(min_value=0, max_value=3)
 # Mostly engines (a hit leaves the last token); sometimes a store (a hit may cover it).
 COMPUTE_LAST = st.sampled_from([True, True, True, False])
 NAMESPACES = st.sampled_from(["default", "tenant-b"])
-# Key spaces (namespace, lora, salt): a salt, an adapter, both, and one salt in another
-# namespace, beside the plain namespaces; so equal tokens meet under other identities.
+# Key spaces: a model, a salt, an adapter, two models with one adapter, and one salt in
+# another namespace, beside the plain namespaces; so equal tokens meet under other
+# identities.
 SPACES = st.sampled_from(
     [
-        ("default", "", ""),
-        ("tenant-b", "", ""),
-        ("default", "", "salt-1"),
-        ("default", "adapter-a", ""),
-        ("default", "adapter-a", "salt-1"),
-        ("tenant-b", "", "salt-1"),
+        KeySpace("default"),
+        KeySpace("tenant-b"),
+        KeySpace("default", model="model-a"),
+        KeySpace("default", model="model-b"),
+        KeySpace("default", salt="salt-1"),
+        KeySpace("default", lora="adapter-a"),
+        KeySpace("default", model="model-a", lora="adapter-a"),
+        KeySpace("default", model="model-b", lora="adapter-a", salt="salt-1"),
+        KeySpace("tenant-b", salt="salt-1"),
     ]
 )
 # A tiny vocabulary makes shared prefixes (and so hits) common.
@@ -370,7 +370,10 @@ class ManagerConformance(RuleBasedStateMachine):
             m.events.append((True, prefix, page))
         m.lru += [page for page in reversed(hits + got) if page not in held]
 
-    @rule(seq_id=SEQ_IDS, bad=st.sampled_from(["token", "extend", "namespace", "salt", "lora"]))
+    @rule(
+        seq_id=SEQ_IDS,
+        bad=st.sampled_from(["token", "extend", "namespace", "salt", "lora", "model"]),
+    )
     def bad_input(self, seq_id: int, bad: str) -> None:
         if bad == "token":
             call = partial(self.subject.allocate, 100 + seq_id, [1, -1])
@@ -379,11 +382,13 @@ class ManagerConformance(RuleBasedStateMachine):
                 return
             call = partial(self.subject.extend, seq_id, -1)
         elif bad == "namespace":
-            call = partial(self.subject.lookup, [1], namespace="x" * 1000)
+            call = partial(self.subject.lookup, [1], KeySpace("x" * 1000))
         elif bad == "salt":  # 86 characters, 258 bytes of UTF-8: over the 256-byte bound
-            call = partial(self.subject.allocate, 100 + seq_id, [1], salt="\u20ac" * 86)
+            call = partial(self.subject.allocate, 100 + seq_id, [1], KeySpace(salt="\u20ac" * 86))
+        elif bad == "model":
+            call = partial(self.subject.allocate, 100 + seq_id, [1], KeySpace(model="m" * 257))
         else:
-            call = partial(self.subject.lookup, [1], lora="x" * 257)
+            call = partial(self.subject.lookup, [1], KeySpace(lora="x" * 257))
         self.expect_error(BadRequest, call)
 
     # -- invariants ------------------------------------------------------------
@@ -444,10 +449,9 @@ class ManagerConformance(RuleBasedStateMachine):
 
 
 def _space_args(space: Space, compute_last: bool = True) -> dict[str, Any]:
-    """The key-space keyword arguments of a call in ``space`` (and ``compute_last``
-    when it is not the default, so the default path is driven as callers drive it)."""
-    namespace, lora, salt = space
-    args: dict[str, Any] = {"namespace": namespace, "salt": salt, "lora": lora}
+    """The key-space argument of a call in ``space`` (and ``compute_last`` when it is
+    not the default, so the default path is driven as callers drive it)."""
+    args: dict[str, Any] = {"space": space}
     if not compute_last:
         args["compute_last"] = False
     return args

@@ -3,7 +3,7 @@ holds a subject to: docs/architecture.md's state machine in the plainest terms,
 written for obviousness rather than speed.
 
 * Prefixes are keyed by their token tuples, ``(key space, tokens from 0 to the
-  end of a full page)``, a key space being ``(namespace, lora, salt)``: prefixes of
+  end of a full page)``, a key space being a resolved :class:`KeySpace`: prefixes of
   different key spaces are different prefixes, so they never share a page; they are
   hashed (spec/hashing.md) only to name them in
   events and snapshots (:meth:`Model.key`, :meth:`Model.event`).
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvcore.allocator import PageId
 from kvcore.prefix import (
+    KeySpace,
     PageEvent,
     PageRemoved,
     PageStored,
@@ -35,7 +36,7 @@ from kvcore.prefix import (
     root_key,
 )
 
-Space = tuple[str, str, str]  # (namespace, lora, salt): a key space (spec/hashing.md)
+Space = KeySpace  # with its namespace resolved: a key space (spec/hashing.md)
 PrefixId = tuple[Space, tuple[int, ...]]  # (key space, tokens from 0 to the end of a full page)
 ModelEvent = tuple[bool, PrefixId, int]  # (stored? else removed, prefix, page)
 
@@ -126,7 +127,7 @@ class Model:
     def key(self, prefix: PrefixId) -> PrefixKey:
         """The prefix key of spec/hashing.md for a prefix (the root for no tokens)."""
         space, tokens = prefix
-        key = root_key(*space)
+        key = root_key(space)
         for i in range(len(tokens) // self.page_size):
             page = tokens[i * self.page_size : (i + 1) * self.page_size]
             key = page_key(key, encode_tokens(page))
@@ -135,7 +136,6 @@ class Model:
     def event(self, event: ModelEvent) -> PageEvent:
         stored, (space, tokens), page = event
         if stored:
-            namespace, lora, salt = space
             parent = (space, tokens[: len(tokens) - self.page_size])
             page_tokens = b"".join(t.to_bytes(4, "little") for t in tokens[-self.page_size :])
             return PageStored(
@@ -143,9 +143,7 @@ class Model:
                 self.key(parent),
                 PageId(page),
                 page_tokens,
-                namespace,
-                lora=lora,
-                salt=salt,
+                space,
             )
         return PageRemoved(self.key((space, tokens)), PageId(page))
 
