@@ -48,13 +48,16 @@ Under a pool, a ``[pools.tiers]`` table declares the lower tiers below it
     remote_master = "10.0.0.1:50051"      # Mooncake master ("" = no remote tier)
     remote_metadata = "http://10.0.0.1:8080/metadata"
     remote_timeout_s = 1.0                # the longest a request waits on the store
+    secret_file = "/etc/kvcore/tier.secret"  # the deployment's secret (docs/tiers.md)
 
 As ``--pool`` keys: ``host_tier=4GiB``, ``disk_tier=/path``,
 ``disk_tier_size=64GiB``, ``remote_master=host:port``,
-``remote_metadata=http://host:port/metadata``, ``remote_timeout_s=0.5``
-(:data:`TIER_FLAG_KEYS`). Every tier is off by default; a pool with none is
-served exactly as before. Sizes are bytes (an int or "512MiB"); page counts
-follow from the pool's layout.
+``remote_metadata=http://host:port/metadata``, ``remote_timeout_s=0.5``,
+``tier_secret_file=/path`` (:data:`TIER_FLAG_KEYS`). A remote tier without a
+secret is refused unless ``insecure_remote_tier`` (``--insecure-remote-tier``):
+any client of the master could plant the K/V it serves. Every tier is off by
+default; a pool with none is served exactly as before. Sizes are bytes (an int
+or "512MiB"); page counts follow from the pool's layout.
 
 This module is the schema alone: it imports neither the tiers (kvcore.tiers)
 nor anything that opens a socket. The trust checks of the runtime directory
@@ -112,8 +115,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     remote_timeout_s: float = 1.0
     # The secret the daemons of one deployment share (docs/tiers.md, "Authentication"): a
     # file of this user or root, mode 0600, >= 32 bytes. It MACs every disk and remote
-    # entry and names the store's objects; "" = entries only checksummed (the remote tier
-    # then trusts every client of the master, and says so at start).
+    # entry and names the store's objects; "" = entries only checksummed. A remote tier
+    # without one trusts every client of the master, so the daemon refuses it unless
+    # ServiceConfig.insecure_remote_tier (--insecure-remote-tier), and then warns.
     secret_file: str = ""
     previous_secret_file: str = ""  # also accepted on read, during a rotation
     encrypt: bool = False  # entries also AES-256-GCM encrypted (needs a secret_file)
@@ -273,6 +277,7 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queued_bytes: int = 64 << 20  # bytes queued per connection before ZeroMQ pushes back
     events_buffer_bytes: int = 16 << 20  # bytes buffered per event subscriber, then dropped
     insecure: bool = False  # allow tcp:// without CURVE
+    insecure_remote_tier: bool = False  # allow a remote tier without a tier secret_file
     curve_secret_key_file: str = ""  # z85 secret key (40 chars) or a `kvcore keys` secret file
     authorized_keys_dir: str = ""  # tcp://: only clients whose public key is here may connect
     socket_mode: int = 0o600  # of ipc:// sockets; 0o660/0o666 only with [[tenants]]
@@ -326,6 +331,30 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     + "or --insecure"
                 )
 
+    def _validate_remote_tiers(self) -> None:
+        """A remote tier needs the deployment's secret (``secret_file``) unless the operator
+        opts out with ``insecure_remote_tier``: Mooncake authenticates no one, so without
+        the secret any client of the master can plant or replace K/V that every daemon of
+        the store then serves as prefix hits (docs/security.md, "Lower tiers").
+
+        An opt-out of its own, not ``insecure``: that one lets peers reach the daemon's own
+        tcp:// sockets (and vLLM's plain event sockets need it even beside CURVE), a
+        separate decision that must not also open every pool to a store's peers. One flag
+        for the daemon, as ``insecure`` is: the master is the deployment's, whichever
+        pools use it."""
+        if self.insecure_remote_tier:
+            return
+        for pool in self.pools:
+            tiers = pool.tiers
+            if tiers.remote_master and not tiers.secret_file:
+                raise BadRequest(
+                    f"pool {pool.name!r}: a remote tier without a secret serves K/V that any "
+                    f"client of the Mooncake master {tiers.remote_master} can forge or "
+                    "replace; give the deployment's secret (tier_secret_file= in --pool, "
+                    "secret_file in [pools.tiers]; docs/tiers.md), or opt out with "
+                    "--insecure-remote-tier"
+                )
+
     def validate(self) -> None:
         if not self.pools:
             raise BadRequest("no pools configured")
@@ -348,6 +377,7 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise BadRequest(f"pool names repeat: {names}")
         for pool in self.pools:
             pool.validate()
+        self._validate_remote_tiers()
         if self.socket_mode & ~0o666 or (self.socket_mode & 0o066 and not self.tenants):
             raise BadRequest("socket_mode: at most 0o666, and wider than 0o600 only with tenants")
         self._validate_tenants()

@@ -6,13 +6,17 @@
 2. The master is killed mid-run: both daemons keep answering, each request within a
    bound, from their local (host) tiers; the remote tier's misses rise; nothing hangs.
 
-One master for the module (its teardown is slow). Skipped where mooncake is missing.
+The daemons share the deployment's secret (tier_secret_file): a remote tier without one
+is refused at start (tests/test_tiers_config.py). One master for the module (its
+teardown is slow). Skipped where mooncake is missing.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kvcore_ipc.messages import TierStats
@@ -40,14 +44,14 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Master]:
     running.stop()
 
 
-def pool_flag(master: Master) -> str:
+def pool_flag(master: Master, secret: Path) -> str:
     spec = TinyLlama()
     page_bytes = spec.num_layers * 2 * PAGE_SIZE * spec.num_kv_heads * spec.head_dim * 4  # float32
     return (
         spec.pool_flag(page_size=PAGE_SIZE, num_pages=PAGES)
         + f",host_tier={4 * PAGES * page_bytes}"
         + f",remote_master={master.address},remote_metadata={master.metadata_server}"
-        + f",remote_timeout_s={TIMEOUT_S}"
+        + f",remote_timeout_s={TIMEOUT_S},tier_secret_file={secret}"
     )
 
 
@@ -56,7 +60,10 @@ def daemons(
     master: Master, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[DaemonProcess]]:
     tmp = tmp_path_factory.mktemp("daemons")
-    flag = pool_flag(master)
+    secret = tmp / "tier.secret"  # one secret, as every node of a deployment has it
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    flag = pool_flag(master, secret)
     with (
         DaemonProcess(
             "--endpoint", f"ipc://{tmp / 'one.sock'}", "--pool", flag, timeout_s=60
@@ -84,6 +91,7 @@ def test_a_prompt_committed_on_one_daemon_is_a_hit_on_the_other(
     daemons: list[DaemonProcess],
 ) -> None:
     one, two = daemons
+    assert not any("trusts every client" in d.output for d in daemons)  # keyed: no warning
     tokens = list(range(7, 7 + 4 * PAGE_SIZE + 1))  # 4 full pages, then one token
     with (
         Client.connect(one.endpoint, namespace="bytes") as a,

@@ -1,16 +1,20 @@
 """A pool's tier configuration: TOML and --pool flags give the same TierConfig; tiers are
-off by default; a misdeclared tier is a BadRequest naming the pool."""
+off by default; a misdeclared tier is a BadRequest naming the pool; a remote tier without
+the deployment's secret is refused unless the operator opts out (--insecure-remote-tier)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvcore.config import PoolConfig, ServiceConfig, TierConfig, parse_pool_spec
+from kvcore.config import PoolConfig, ServiceConfig, TierConfig, apply_env, parse_pool_spec
 from kvcore.daemon.tiering import TieredManager, open_stack
+from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 
@@ -101,3 +105,66 @@ def test_the_deployment_secret_reaches_the_disk_tier(tmp_path: Path) -> None:
         open_stack(LAYOUT, pool.tiers, "a")
     with pytest.raises(BadRequest, match="tier_encrypt"):
         parse_pool_spec(f"{spec},tier_encrypt=maybe")
+
+
+# An absent master (nothing listens on port 1): the tier is built and misses, no store needed.
+REMOTE = "remote_master=127.0.0.1:1,remote_metadata=http://127.0.0.1:2/metadata"
+REMOTE_POOL = f"name=shared,num_pages=8,num_layers=1,{REMOTE},remote_timeout_s=0.2"
+WARNING = "trusts every client of the master"
+
+
+def _secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "tier.secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    return secret
+
+
+def test_a_remote_tier_without_a_secret_is_refused_unless_opted_out(tmp_path: Path) -> None:
+    """The refusal is a BadRequest naming the pool, the setting that fixes it and the
+    opt-out; a secret, or insecure_remote_tier (TOML, KVCORE_*), lets it validate."""
+    config = ServiceConfig(pools=[parse_pool_spec(REMOTE_POOL)])
+    with pytest.raises(BadRequest, match="pool 'shared'") as refused:
+        config.validate()
+    message = str(refused.value)
+    assert "tier_secret_file" in message and "secret_file in [pools.tiers]" in message
+    assert "--insecure-remote-tier" in message
+    apply_env(config, {"KVCORE_INSECURE_REMOTE_TIER": "true"}).validate()
+    keyed = parse_pool_spec(f"{REMOTE_POOL},tier_secret_file={_secret(tmp_path)}")
+    ServiceConfig(pools=[keyed]).validate()
+    toml = """
+insecure_remote_tier = true
+[[pools]]
+name = "shared"
+num_pages = 8
+[pools.tiers]
+remote_master = "127.0.0.1:1"
+remote_metadata = "http://127.0.0.1:2/metadata"
+"""
+    from_file = msgspec.toml.decode(toml.encode(), type=ServiceConfig)
+    assert from_file.insecure_remote_tier and from_file.pools[0].tiers.remote_master
+    from_file.validate()
+    ServiceConfig(pools=[parse_pool_spec("name=local,num_pages=8,host_tier=1MiB")]).validate()
+
+
+def test_the_daemon_refuses_to_start_a_remote_tier_without_a_secret(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path / 'kvcore.sock'}"
+    command = [sys.executable, "-m", "kvcore.daemon", "--endpoint", endpoint]
+    done = subprocess.run(
+        [*command, "--pool", REMOTE_POOL], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "tier_secret_file" in done.stderr and "--insecure-remote-tier" in done.stderr
+
+
+def test_the_opt_out_starts_and_still_warns() -> None:
+    with DaemonProcess.private("--pool", REMOTE_POOL, "--insecure-remote-tier") as daemon:
+        assert "pool 'shared'" in daemon.output
+        assert WARNING in daemon.output and "WARNING" in daemon.output
+
+
+def test_a_secret_starts_without_a_warning(tmp_path: Path) -> None:
+    pool = f"{REMOTE_POOL},tier_secret_file={_secret(tmp_path)}"
+    with DaemonProcess.private("--pool", pool) as daemon:
+        assert "pool 'shared'" in daemon.output
+        assert WARNING not in daemon.output

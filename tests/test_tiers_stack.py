@@ -1,4 +1,5 @@
-"""TierStack: spills go host -> disk, lookups find runs across tiers, fetch writes exact pages."""
+"""TierStack: spills go host -> disk, lookups find runs across tiers, and the daemon's
+TieredManager brings those runs into pool pages with the exact bytes spilled."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from pathlib import Path
 
 import torch
 
+from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout
-from kvcore.prefix import chain_keys, encode_tokens, root_key
+from kvcore.manager import Manager
+from kvcore.prefix import PageStored
 from kvcore.tiers import DiskTier, HostTier, gather_pages, layout_fingerprint, tier_keys
 from kvcore.tiers.codec import HEADER_BYTES
 from kvcore.tiers.stack import TierStack
@@ -16,13 +19,12 @@ LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
 )
 PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
-KEYS = tier_keys(
-    layout_fingerprint(LAYOUT),
-    list(chain_keys(root_key("ns"), encode_tokens(range(2 * 6)), LAYOUT.page_size)),
-)
+TOKENS = list(range(2 * 6 + 1))  # six full pages, then the token an engine computes
+# the tier keys of TOKENS' six pages in the default key space, as the daemon's Manager hashes them
+KEYS = tier_keys(layout_fingerprint(LAYOUT), Manager(LAYOUT).plan(TOKENS).keys)
 
 
-def test_spill_locate_fetch(tmp_path: Path) -> None:
+def test_spill_locate_promote(tmp_path: Path) -> None:
     stack = TierStack(
         HostTier(LAYOUT, 2),
         DiskTier(LAYOUT, tmp_path / "d", 8 * (HEADER_BYTES + LAYOUT.page_bytes)),
@@ -34,8 +36,14 @@ def test_spill_locate_fetch(tmp_path: Path) -> None:
         runs = stack.locate(KEYS)
         assert [(r.tier.medium, r.start, r.count) for r in runs] == [("disk", 0, 2), ("host", 2, 2)]
         pool = LAYOUT.layer_views(torch.zeros(LAYOUT.total_bytes // 4))
-        assert stack.fetch(KEYS, runs, pool, [7, 5, 3, 1, 0, 2]) == 4
-        assert torch.equal(gather_pages(pool, [7, 5, 3, 1]), pages[:4])
+        manager = TieredManager(LAYOUT, pool, stack)  # as the daemon drives the stack
+        got = manager.allocate(1, TOKENS)  # a pool miss: promotes k0..k3 first
+        assert got.num_cached_tokens == 4 * LAYOUT.page_size and len(got.pages) == 7
+        assert torch.equal(gather_pages(pool, got.pages[:4]), pages[:4])
+        stored = [e for e in manager.take_events() if isinstance(e, PageStored)]
+        media = ["disk", "disk", "host", "host"]  # promoted run by run, top tier first
+        assert [(e.page, e.medium) for e in stored] == list(zip(got.pages[:4], media, strict=True))
+        manager.check_integrity()
         stats = stack.stats()
         assert stats["host"].hits == 2 and stats["disk"].hits == 2
         assert stack.locate(KEYS[4:]) == []

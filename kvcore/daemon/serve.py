@@ -126,7 +126,8 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _access_arguments(parser: argparse.ArgumentParser) -> None:
-    """Who may connect: CURVE keys, tcp:// without them, ephemeral pools."""
+    """Who may connect: CURVE keys, tcp:// without them, a remote tier without a secret,
+    ephemeral pools."""
     parser.add_argument(
         "--curve-secret-key-file",
         help="CURVE secret key (tcp://): z85, or a `kvcore keys` .key_secret file; "
@@ -143,6 +144,12 @@ def _access_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow tcp:// without CURVE "
         "(anyone who reaches the port can read and write every pool)",
+    )
+    parser.add_argument(
+        "--insecure-remote-tier",
+        action="store_true",
+        help="allow a remote (Mooncake) tier without tier_secret_file "
+        "(any client of the master can plant the K/V every daemon on it serves)",
     )
     parser.add_argument(
         "--allow-ephemeral",
@@ -222,6 +229,7 @@ def build_config(args: argparse.Namespace) -> ServiceConfig:
         if value is not None:
             setattr(config, key, value)
     config.insecure = config.insecure or args.insecure
+    config.insecure_remote_tier = config.insecure_remote_tier or args.insecure_remote_tier
     config.allow_ephemeral = config.allow_ephemeral or args.allow_ephemeral
     if args.pool:
         config.pools = [parse_pool_spec(spec) for spec in args.pool]

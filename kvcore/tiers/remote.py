@@ -10,7 +10,8 @@ Each page is one store object, framed like a disk entry::
 Mooncake trusts every client of its master: any process that reaches the
 master's RPC port can put, upsert (replace) or remove any object, and its HTTP
 metadata port lists them. Without a secret this tier trusts them all back (a
-warning at start): a peer can publish a well-framed page under a key it
+warning at start; the daemon refuses it unless ``--insecure-remote-tier``,
+kvcore.config): a peer can publish a well-framed page under a key it
 computed, or replace a page another daemon published. With the deployment's
 secret (``keyring``), a page verifies only if a holder of the secret wrote it
 for that very key (a forged, replaced or moved object is a counted corrupt

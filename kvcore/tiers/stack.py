@@ -1,4 +1,4 @@
-"""TierStack: the lower tiers of one pool, top down, as the daemon will drive them.
+"""TierStack: the lower tiers of one pool, top down, as the daemon drives them.
 
 ::
 
@@ -10,7 +10,9 @@
 
 There is no second index to keep in step: each tier answers for its own keys
 (O(1) per key locally, one batched call for the remote store), so "where does
-this key live" is :meth:`TierStack.locate`. Not thread-safe (the daemon's thread).
+this key live" is :meth:`TierStack.locate`; the runs it finds are brought into pool
+pages by :class:`kvcore.daemon.tiering.TieredManager` (around ``Manager.adopt``).
+Not thread-safe (the daemon's thread).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from kvcore.tiers.base import Tier, TierKey, TierStats
 from kvcore.tiers.disk import DiskTier
 from kvcore.tiers.host import HostTier
 from kvcore.tiers.remote import RemoteTier
-from kvcore.tiers.transfer import scatter_pages
 
 if TYPE_CHECKING:
     import torch
@@ -88,33 +89,6 @@ class TierStack:
             if count:
                 runs.append(Run(self.remote, start, count))
         return runs
-
-    def fetch(
-        self,
-        keys: Sequence[TierKey],
-        runs: Sequence[Run],
-        views: Sequence[torch.Tensor],
-        page_ids: Sequence[int],
-    ) -> int:
-        """Bring the pages of ``runs`` (from :meth:`locate`) into pool pages: key
-        ``keys[i]`` into ``page_ids[i]``. Stops at the first page a tier can no longer
-        give (evicted since, corrupt, store down); returns how many leading pages
-        were written (pages)."""
-        done = 0
-        for run in runs:
-            assert run.start == done, "runs must be consecutive from the first key"
-            want = keys[run.start : run.start + run.count]
-            ids = page_ids[run.start : run.start + run.count]
-            if isinstance(run.tier, HostTier):
-                got = run.tier.promote(want, views, ids)
-            else:
-                pages = run.tier.get_many(want)
-                got = len(pages)
-                scatter_pages(views, ids[:got], pages)
-            done += got
-            if got < run.count:
-                break
-        return done
 
     def stats(self) -> dict[str, TierStats]:
         """Counters per medium ("host", "disk", "remote") of the tiers present."""
