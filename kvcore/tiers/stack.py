@@ -64,11 +64,6 @@ class TierStack:
         if self.disk is not None and keys:
             self.disk.put_many(keys, pages)
 
-    def publish(self, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
-        """Committed pages, for the shared store (queued; never waits on the network)."""
-        if self.remote is not None and keys:
-            self.remote.put_many(keys, pages)
-
     def locate(self, keys: Sequence[TierKey], *, remote: bool = True) -> list[Run]:
         """Runs covering the longest leading part of ``keys`` held below the pool, top
         tier first at every position; the remote store is asked once, for the rest
