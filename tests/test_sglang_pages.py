@@ -5,13 +5,23 @@ key spaces. The real SGLang objects drive the backend in tests/test_sglang_stora
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import BadRequest
-from kvcore.integrations.sglang.keys import MIN_PAGE_SIZE, Identity, page_tokens, space_salt
+from kvcore.integrations.identity import path_weights, space_model
+from kvcore.integrations.sglang.keys import (
+    MIN_PAGE_SIZE,
+    ServerModel,
+    page_tokens,
+    rank_identity,
+    sglang_model,
+)
 from kvcore.integrations.sglang.pages import (
     LAYOUTS,
     copy_pages,
@@ -100,26 +110,81 @@ def test_an_unknown_layout_or_a_partial_page_is_refused() -> None:
         host_pages(torch.zeros(2, 1, 12, 1, 1), "layer_first", 8)
 
 
-IDENTITY = Identity(model="m", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """The fields of SGLang's HiCacheStorageConfig that a rank's key space reads."""
+
+    model_name: str | None = "m"
+    tp_rank: int = 0
+    tp_size: int = 2
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_size: int = 1
+    is_mla_model: bool = False
+    should_split_heads: bool = False
+
+
+SERVER = ServerModel(model_path="m", dtype="bfloat16", kv_cache_dtype="auto")
+
+
+def space(rank: Rank = Rank(), server: ServerModel = SERVER, model_id: str = "") -> str:
+    return space_model(rank_identity(rank, server, model_id))
 
 
 @pytest.mark.parametrize(
-    "other",
+    ("rank", "server"),
     [
-        Identity(model="m2", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1),
-        Identity(model="m", tp_rank=1, tp_size=2, pp_rank=0, pp_size=1),
-        Identity(model="m", tp_rank=0, tp_size=4, pp_rank=0, pp_size=1),
-        Identity(model="m", tp_rank=0, tp_size=2, pp_rank=1, pp_size=2),
+        (Rank(model_name="m2"), SERVER),
+        (Rank(tp_rank=1), SERVER),
+        (Rank(tp_size=4), SERVER),
+        (Rank(pp_rank=1, pp_size=2), SERVER),
+        (Rank(), dataclasses.replace(SERVER, revision="v2")),
+        (Rank(), dataclasses.replace(SERVER, dtype="float16")),
+        (Rank(), dataclasses.replace(SERVER, kv_cache_dtype="fp8_e4m3")),
+        (Rank(), dataclasses.replace(SERVER, quantization="fp8")),
     ],
 )
-def test_another_model_or_shard_is_another_key_space(other: Identity) -> None:
-    assert space_salt(other) != space_salt(IDENTITY)
-    assert len(space_salt(other).encode()) <= 256  # kvcore's bound on a salt
+def test_another_model_or_shard_is_another_key_space(rank: Rank, server: ServerModel) -> None:
+    assert space(rank, server) != space()
+    assert len(space(rank, server).encode()) == 64  # within kvcore's 256 bytes for a model
 
 
-def test_equal_identities_share_a_key_space_and_keys_fill_a_page() -> None:
-    same = Identity(model="m", tp_rank=0, tp_size=2, pp_rank=0, pp_size=1)
-    assert space_salt(same) == space_salt(IDENTITY)
+def test_model_id_declares_the_model_and_the_shard_still_enters() -> None:
+    assert space(Rank(), dataclasses.replace(SERVER)) == space()  # equal ranks share
+    assert space(Rank(model_name="a"), model_id="x") == space(Rank(model_name="b"), model_id="x")
+    assert space(Rank(), model_id="x") != space()
+    assert space(Rank(tp_rank=1), model_id="x") != space(Rank(), model_id="x")
+    kv = dataclasses.replace(SERVER, kv_cache_dtype="fp8_e4m3")
+    assert space(Rank(), kv, model_id="x") != space(Rank(), model_id="x")
+
+
+def test_a_local_model_path_is_its_files_and_unpublished_server_args_are_unknown(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    ident = rank_identity(Rank(model_name=str(tmp_path)), SERVER)
+    assert ident.source.weights == path_weights(tmp_path)
+    assert ident.kv_dtype == "bfloat16"  # "auto": the model's dtype
+    assert (ident.tp_rank, ident.tp_size) == (0, 2)  # each rank is a client of its own
+    # outside an SGLang server (no runtime context): the storage config alone
+    assert sglang_model(Rank()) == space(Rank(), ServerModel())
+
+
+@pytest.mark.parametrize(
+    ("rank", "why"),
+    [
+        (Rank(model_name=None), "needs the model name"),
+        (Rank(is_mla_model=True), "MLA"),
+        (Rank(should_split_heads=True), "split heads"),
+        (Rank(attn_cp_size=2), "split heads or contexts"),
+    ],
+)
+def test_what_kvcore_does_not_store_is_refused(rank: Rank, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        rank_identity(rank, SERVER)
+
+
+def test_keys_fill_a_page() -> None:
     tokens = page_tokens("a" * 64, 64)
     assert len(tokens) == 64 and tokens[8:] == [0] * 56 and all(0 <= t < 2**32 for t in tokens)
     assert page_tokens("a" * 64, 64) == tokens != page_tokens("b" * 64, 64)

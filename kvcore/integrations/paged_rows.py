@@ -43,12 +43,16 @@ from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import BadRequest, BatchFailed, KVCoreError
 from kvcore.layout import cdiv
+from kvcore.prefix import KeySpace
 from kvcore.results import Allocation, Extension
 
 if TYPE_CHECKING:
     import torch
 
     from kvcore.client import Client
+
+
+_SESSION = KeySpace()  # the session's namespace, no model, adapter or salt
 
 
 @dataclass(slots=True)
@@ -94,10 +98,12 @@ class StepPlan:
 
 
 class PagedRows:
-    """The rows of one generate call, bound to one Client session."""
+    """The rows of one generate call, bound to one Client session; every row is
+    allocated in key space ``space`` (a None namespace: the session's)."""
 
-    def __init__(self, client: Client, device: torch.device) -> None:
+    def __init__(self, client: Client, device: torch.device, space: KeySpace = _SESSION) -> None:
         self.client = client
+        self.space = space
         self.page_size = client.layout.page_size
         self.device = device
         self.rows: list[Row] = []
@@ -129,7 +135,7 @@ class PagedRows:
         ops = self.client.batch()
         for b, row in enumerate(self.rows):
             if row.parent == b:
-                ops.allocate(row.seq, row.tokens)
+                ops.allocate(row.seq, row.tokens, self.space)
             else:
                 ops.fork(self.rows[row.parent].seq, row.seq)
         results = self._run(ops, [row.seq for row in self.rows])

@@ -25,11 +25,16 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   or ``prefill`` of that plan: nothing dense is kept, nothing is concatenated,
   and no layer synchronises.
 * Prefix reuse. The first forward allocates every row in the daemon; rows whose
-  leading full pages are committed in the session's namespace get a hit, and
+  leading full pages are committed in the cache's key space get a hit, and
   first forward drops the leading columns every row has cached from
   ``input_ids``/``position_ids`` (the model computes only the rest; the
   logits of that forward cover only the fed columns). Full pages are committed
   as soon as every layer has written them (at the next forward, and at close).
+* Key space: the session's namespace and the model's identity
+  (kvcore.integrations.identity.transformers_model: its config, name or path,
+  weights, dtype), so a page computed by another model (a fine-tune of the same
+  geometry) is never a hit. ``model_id`` declares the model part instead (the
+  same weights under two paths); dtype and quantization still enter.
 * Batches. Left padding only (BadRequest otherwise); padding never reaches the
   pool. Rows with identical tokens, as ``num_return_sequences`` makes them, are
   forks of one sequence (pages shared, copy-on-write of the last page).
@@ -58,7 +63,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvcore import backend as backends
 from kvcore.errors import BadRequest, LayoutMismatch, Unsupported
 from kvcore.integrations import hf_binding
+from kvcore.integrations.identity import transformers_model
 from kvcore.integrations.paged_rows import PagedRows, StepPlan
+from kvcore.prefix import KeySpace
 
 if TYPE_CHECKING:
     from kvcore.backend import Backend, DecodePlan, PrefillPlan
@@ -125,7 +132,12 @@ class KVCoreCache(Cache):
     """K/V of one generate call in a kvcore pool; see the module docstring for the contract."""
 
     def __init__(
-        self, client: Client, model: torch.nn.Module, *, backend: str | Backend = "torch"
+        self,
+        client: Client,
+        model: torch.nn.Module,
+        *,
+        backend: str | Backend = "torch",
+        model_id: str = "",
     ) -> None:
         if not client.kv_caches:
             raise BadRequest("the client has not mapped the pool (Client.connect(map_memory=True))")
@@ -134,11 +146,12 @@ class KVCoreCache(Cache):
         self._kv = client.kv_caches
         _check_layout(client, model)
         self.backend.check_supported(self._kv[0])
+        self.space = KeySpace(model=transformers_model(model, model_id))  # before binding
         super().__init__(layers=[_PagedLayer(self) for _ in range(len(self._kv))])
         self.seen_columns = 0  # columns of the padded batch processed (or skipped) so far
         self.num_prompt_tokens = 0  # real prompt tokens over all rows
         self.num_cached_tokens = 0  # of those, served from the prefix cache
-        self.rows = PagedRows(client, self._kv[0].device)
+        self.rows = PagedRows(client, self._kv[0].device, self.space)
         self._plan: StepPlan | None = None
         self._kernels: DecodePlan | PrefillPlan | None = None  # the backend's plan of _plan
         self._spent = False  # a forward failed or close ran: no more forwards
