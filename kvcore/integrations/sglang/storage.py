@@ -12,40 +12,40 @@ Each call is at most two round trips, and holds pages only while it copies:
   instances only after its commit, so nobody reads one half written.
 
 The session's lease frees whatever a dead process held. Keys map onto kvcore
-prefix keys as :mod:`.keys` says; pages move as :mod:`.pages` says. Faults: a
-daemon that does not answer within ``timeout_s`` makes every call a miss (SGLang
-recomputes) for ``retry_s``, then the backend attaches again; a refusal (quota,
+prefix keys as :mod:`.keys` says; pages move as :mod:`.pages` says; the config, the
+layout and the first attach are :mod:`.attach`'s. Faults: a daemon that does not
+answer within ``timeout_s``, restarted or ended the session makes every call a miss
+(SGLang recomputes) until the backend attaches again, as
+:mod:`kvcore.integrations.reconnect` says for every integration; a refusal (quota,
 pool full) makes the pages it names misses, never an exception in SGLang's threads.
+A page read from a mapping fenced meanwhile (the lease lost) is a miss too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvcore.client import Batch, Client
-from kvcore.errors import (
-    BatchFailed,
-    KVCoreError,
-    LayoutMismatch,
-    LeaseLost,
-    NotAttached,
-    StaleEpoch,
-    Timeout,
-)
+from kvcore.errors import BatchFailed, KVCoreError
 from kvcore.integrations.extra_config import parse_extra
-from kvcore.integrations.sglang.keys import Identity, page_tokens, space_salt
+from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
+from kvcore.integrations.sglang.attach import (
+    SGLANG_KEYS,
+    StorageConfig,
+    connect,
+    expected_layout,
+)
+from kvcore.integrations.sglang.keys import page_tokens, sglang_model
 from kvcore.integrations.sglang.pages import (
-    LAYOUTS,
     copy_pages,
     flat_page,
     host_pages,
@@ -53,27 +53,11 @@ from kvcore.integrations.sglang.pages import (
     unflat_page,
 )
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation
-from kvcore.results import DEFAULT_NAMESPACE
+from kvcore.prefix import KeySpace
 
 log = logging.getLogger(__name__)
 
-DAEMON_GONE: tuple[type[KVCoreError], ...] = (Timeout, StaleEpoch, LeaseLost, NotAttached)
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
-
-
-@dataclass(frozen=True, slots=True)
-class StorageConfig:
-    """kvcore's keys of ``--hicache-storage-backend-extra-config``, each optional:
-    ``endpoint`` (default: the default daemon, $KVCORE_ENDPOINT), ``pool``,
-    ``namespace``, ``timeout_s`` (bound on one round trip), ``retry_s`` (after the
-    daemon stopped answering, calls are misses for this long, then it is tried again)."""
-
-    endpoint: str
-    pool: str = "default"
-    namespace: str = DEFAULT_NAMESPACE
-    timeout_s: float = 5.0
-    retry_s: float = 5.0
+__all__ = ["KVCoreStorage", "StorageConfig"]
 
 
 class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
@@ -88,16 +72,19 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
             what="hicache-storage-backend-extra-config",
             ignore=SGLANG_KEYS,
         )
-        self.salt = space_salt(identity_of(storage_config))
+        # the rank's model identity (keys.py)
+        self.space = KeySpace(model=sglang_model(storage_config, self.config.model_id))
         self.client: Client | None = None
         self.page_size = 0
         self._host: torch.Tensor | None = None  # [pages, layers, 2, ps, heads, d] views
-        self._pool: torch.Tensor | None = None
+        self._pool: torch.Tensor | None = None  # the mapped pool, as of _mapped
+        self._mapped: Attachment | None = None  # the attachment _pool was taken from
+        self._reconnect: Reconnector | None = None
         self._layout: KVLayout | None = None
         self._host_layout = ""
         self._lock = threading.Lock()  # one round trip at a time: SGLang calls from threads
+        self._copies = 0  # copies running on the mapping (outside the lock): no remap meanwhile
         self._seq_ids = itertools.count(random.getrandbits(62) or 1)  # ids are per pool
-        self._down_until = 0.0
         self._fetched_pages: list[int] = []
         self._stored_pages: list[int] = []
 
@@ -116,50 +103,36 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._attach()
 
     def _attach(self) -> None:
-        if self.client is not None:
-            self.client.reconnect()
-        else:
-            self.client = self._connect()
-        self._pool = pool_pages(self.client.kv_caches)
-
-    def _connect(self) -> Client:
-        """The session; Timeout and LayoutMismatch say what to start or change."""
+        """The first attach (the errors say what to fix); later ones are the
+        Reconnector's."""
         assert self._layout is not None
-        config = self.config
-        try:
-            return Client.connect(
-                config.endpoint,
-                config.pool,
-                config.namespace,
-                layout=self._layout,
-                timeout_s=config.timeout_s,
-                name="sglang",
-            )
-        except Timeout:
-            raise Timeout(
-                f"no kvcore daemon answers at {config.endpoint} within {config.timeout_s} s: "
-                f"start one (`kvcore serve --pool ...`) or set 'endpoint' in "
-                f"--hicache-storage-backend-extra-config"
-            ) from None
-        except LayoutMismatch as exc:
-            fields = {"name": config.pool, **self._layout.to_dict(), "num_pages": "N"}
-            flag = ",".join(f"{k}={v}" for k, v in fields.items())
-            raise LayoutMismatch(
-                f"{exc}; SGLang's host pool needs `kvcore serve --pool {flag}`"
-            ) from None
+        if self.client is not None:
+            self.close()
+        self.client = connect(self.config, self._layout)
+        self._reconnect = Reconnector.of(
+            self.client, retry_s=self.config.retry_s, what="SGLang storage"
+        )
+        self._remap()
+
+    def _remap(self) -> None:
+        """Take the pool's pages from the client's current mapping."""
+        assert self.client is not None and self._reconnect is not None
+        self._pool = pool_pages(self.client.kv_caches)
+        self._mapped = self._reconnect.attachment
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
             self.client = None
+            self._reconnect = self._mapped = self._pool = None
 
     # -- the v1 interface (zero-copy into SGLang's host pool) ------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` kvcore holds (committed) now."""
-        hits = self._round_trip(
+        hits, _ = self._round_trip(
             lambda batch: [
-                batch.lookup(self._tokens(key), salt=self.salt, compute_last=False) for key in keys
+                batch.lookup(self._tokens(key), self.space, compute_last=False) for key in keys
             ]
         )
         full = [hit.num_cached_tokens == self.page_size for hit in hits]
@@ -248,45 +221,52 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _get(self, keys: Sequence[str], dst: torch.Tensor, dst_pages: torch.Tensor) -> list[bool]:
         seqs = [next(self._seq_ids) for _ in keys]
-        got: list[Allocation] = self._round_trip(
+        got, on = self._round_trip(
             lambda batch: [
-                batch.allocate(seq, self._tokens(key), salt=self.salt, compute_last=False)
+                batch.allocate(seq, self._tokens(key), self.space, compute_last=False)
                 for seq, key in zip(seqs, keys, strict=True)
             ]
         )
         found = [a.num_cached_tokens == self.page_size for a in got]
         hits = [i for i, hit in enumerate(found) if hit]
         if hits:
-            assert self._pool is not None
-            src = torch.tensor([got[i].pages[0] for i in hits], device=self._pool.device)
-            copy_pages(dst, dst_pages[hits].to(dst.device), self._pool, src)
-        self._round_trip(lambda batch: [batch.free(seq) for seq in seqs[: len(got)]])
+            with self._pool_of(on) as pool:
+                if pool is not None:
+                    src = torch.tensor([got[i].pages[0] for i in hits], device=pool.device)
+                    copy_pages(dst, dst_pages[hits].to(dst.device), pool, src)
+                if pool is None or self._fenced():  # what was read is not the pages'
+                    found, hits = [False] * len(got), []
+        self._round_trip(lambda batch: [batch.free(seq) for seq in seqs[: len(got)]], on)
         self._fetched_pages.append(len(hits))
         return found + [False] * (len(keys) - len(got))
 
     def _set(self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor) -> list[bool]:
         seqs = [next(self._seq_ids) for _ in keys]
         tokens = [self._tokens(key) for key in keys]
-        got: list[Allocation] = self._round_trip(
+        got, on = self._round_trip(
             lambda batch: [
-                batch.allocate(seq, page, salt=self.salt, compute_last=False)
+                batch.allocate(seq, page, self.space, compute_last=False)
                 for seq, page in zip(seqs, tokens, strict=True)
             ]
         )
         held = [a.num_cached_tokens == self.page_size for a in got]
         fresh = [i for i, hit in enumerate(held) if not hit]
         if fresh:
-            assert self._pool is not None
-            dst = torch.tensor([got[i].pages[0] for i in fresh], device=self._pool.device)
-            copy_pages(self._pool, dst, src, src_pages[fresh].to(src.device))
-            if self._pool.is_cuda:  # the bytes are in place before anyone may read them
-                torch.cuda.current_stream(self._pool.device).synchronize()
+            with self._pool_of(on) as pool:
+                if pool is not None:
+                    dst = torch.tensor([got[i].pages[0] for i in fresh], device=pool.device)
+                    copy_pages(pool, dst, src, src_pages[fresh].to(src.device))
+                    if pool.is_cuda:  # the bytes are in place before anyone may read them
+                        torch.cuda.current_stream(pool.device).synchronize()
+                if pool is None or self._fenced():  # not written: commit nothing
+                    fresh = []
+        written = set(fresh)
 
         order = [
             (op, i)
             for i in range(len(got))
             for op in ("commit", "free")
-            if op == "free" or not held[i]
+            if op == "free" or i in written
         ]
 
         def finish(batch: Batch) -> None:  # commit each fresh page, then free; page by page
@@ -296,61 +276,82 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
                 else:
                     batch.free(seqs[i])
 
-        done = self._round_trip(finish)
+        done, _ = self._round_trip(finish, on)
         for (op, i), result in zip(order, done, strict=False):
             if op == "commit":
                 held[i] = result == 1
         live = [seqs[i] for op, i in order[len(done) :] if op == "free"]
         if live:  # the batch stopped early: free the rest (the lease would, at the latest)
-            self._round_trip(lambda batch: [batch.free(seq) for seq in live])
+            self._round_trip(lambda batch: [batch.free(seq) for seq in live], on)
         self._stored_pages.append(sum(held))
         return held + [False] * (len(keys) - len(got))
 
-    def _round_trip(self, fill: Callable[[Batch], object]) -> list[Any]:
+    def _round_trip(
+        self, fill: Callable[[Batch], object], on: Attachment | None = None
+    ) -> tuple[list[Any], Attachment | None]:
         """Run the ops ``fill`` queues in one batch: their results, as far as they ran
-        (an op refused ends the batch: the ops after it did not run). While the daemon
-        is gone, runs nothing and answers []."""
+        (an op refused ends the batch: the ops after it did not run), and the attachment
+        they ran on. Runs nothing and answers ``[]`` while the daemon is gone, or when
+        ``on`` (the attachment the ops' sequences were made on) is not the current one:
+        those sequences died with their session."""
         with self._lock:
             client = self._connected()
-            if client is None:
-                return []
+            attachment = self._mapped
+            if client is None or (on is not None and on != attachment):
+                return [], None
             batch = client.batch()
             fill(batch)
             if not len(batch):
-                return []
+                return [], attachment
             try:
-                return batch.run()
+                return batch.run(), attachment
             except BatchFailed as exc:
-                if isinstance(exc.error, DAEMON_GONE):
-                    self._gone(exc.error)
-                else:
-                    log.debug("kvcore: %s", exc.error)
-                return list(exc.batch_results)
-            except DAEMON_GONE as exc:
-                self._gone(exc)
-            except KVCoreError as exc:  # the request refused whole
-                log.warning("kvcore: %s", exc)
-            return []
+                self._failed(exc)
+                return list(exc.batch_results), attachment
+            except KVCoreError as exc:  # the daemon gone, or the request refused whole
+                self._failed(exc)
+            return [], attachment
 
     def _connected(self) -> Client | None:
-        if self.client is None:
+        """The client if a call may go out now (attached again first after the daemon
+        was gone, the pool remapped); None while calls are misses, or while another
+        thread still copies from the mapping an attach would replace. Under the lock."""
+        reconnect = self._reconnect
+        if self.client is None or reconnect is None or (self._copies and reconnect.due()):
             return None
-        if self._down_until:
-            if time.monotonic() < self._down_until:
-                return None
-            try:
-                self._attach()
-            except KVCoreError as exc:
-                self._gone(exc)
-                return None
-            self._down_until = 0.0
-            log.info("kvcore: attached again to %s", self.config.endpoint)
+        if not reconnect.ready():
+            return None
+        if reconnect.attachment != self._mapped:
+            self._remap()
         return self.client
 
-    def _gone(self, exc: KVCoreError) -> None:
-        if not self._down_until:
-            log.warning("kvcore: %s; storage calls miss for %.0f s", exc, self.config.retry_s)
-        self._down_until = time.monotonic() + self.config.retry_s
+    @contextlib.contextmanager
+    def _pool_of(self, on: Attachment | None) -> Iterator[torch.Tensor | None]:
+        """The mapped pool if it is still the one of ``on`` (the attachment the pages
+        were allocated on; else None: they are another pool's pages). Not remapped
+        while the block runs."""
+        with self._lock:
+            pool = self._pool if on is not None and on == self._mapped else None
+            self._copies += pool is not None
+        try:
+            yield pool
+        finally:
+            if pool is not None:
+                with self._lock:
+                    self._copies -= 1
+
+    def _fenced(self) -> bool:
+        """Whether the lease was lost (the mapping then shows scratch pages)."""
+        return self.client is None or self.client.lease_lost
+
+    def _failed(self, exc: KVCoreError) -> None:
+        assert self._reconnect is not None
+        if daemon_gone(exc):
+            self._reconnect.gone(exc, "storage call")
+        elif isinstance(exc, BatchFailed):
+            log.debug("kvcore: %s", exc.error)
+        else:
+            log.warning("kvcore: %s", exc)
 
     # -- helpers -------------------------------------------------------------------
 
@@ -369,46 +370,3 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
     def _staging(self, num_pages: int) -> torch.Tensor:
         assert self._host is not None, "register_mem_pool_host first"
         return torch.empty((num_pages, *self._host.shape[1:]), dtype=self._host.dtype)
-
-
-def identity_of(config: HiCacheStorageConfig) -> Identity:
-    """The key-space identity of an SGLang rank's storage config. ValueError for what
-    kvcore does not store yet (MLA, split heads, context parallelism), or no model name."""
-    if not config.model_name:
-        raise ValueError("kvcore's SGLang storage needs the model name (SGLang's model_name)")
-    if config.is_mla_model:
-        raise ValueError("kvcore's SGLang storage does not hold MLA caches yet")
-    if config.should_split_heads or getattr(config, "dcp_size", 1) > 1 or config.attn_cp_size > 1:
-        raise ValueError(
-            "kvcore's SGLang storage does not split heads or contexts across ranks yet"
-        )
-    return Identity(
-        model=config.model_name,
-        tp_rank=config.tp_rank,
-        tp_size=config.tp_size,
-        pp_rank=config.pp_rank,
-        pp_size=config.pp_size,
-    )
-
-
-def expected_layout(host: Any) -> tuple[KVLayout, str]:
-    """The kvcore layout an SGLang MHA host pool's pages have (its ``layer_num``,
-    ``head_num``, ``head_dim``, ``page_size``, ``dtype``), and its layout name."""
-    layout = getattr(host, "layout", None)
-    if layout not in LAYOUTS or not hasattr(host, "head_num"):
-        raise ValueError(
-            f"kvcore's SGLang storage holds MHA host pools in {', '.join(LAYOUTS)}; "
-            f"got {type(host).__name__} ({layout!r})"
-        )
-    if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
-        raise ValueError("kvcore's SGLang storage needs equal K and V head dims")
-    dtype = str(host.dtype).removeprefix("torch.")
-    kv = KVLayout(
-        num_layers=host.layer_num,
-        num_kv_heads=host.head_num,
-        head_dim=host.head_dim,
-        page_size=host.page_size,
-        dtype=dtype,
-        num_pages=1,  # the daemon's choice
-    )
-    return kv, layout

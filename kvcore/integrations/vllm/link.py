@@ -6,15 +6,22 @@ sends everything queued since its last round trip as one batch, in order, and po
 what the scheduler must learn (an allocation's pages, an extension's new pages, a
 request the daemon refused, the daemon gone) as :class:`Done` records, which the
 scheduler :meth:`~DaemonLink.take`\\ s at its next hook. Only the thread uses the
-Client after start-up (the scheduler reads its ``epoch`` and ``layout``, which
-change only on reconnect, inside the thread, before the ``reconnected`` record).
+Client after start-up: the scheduler learns each new session from the
+``reconnected`` record, never by reading the client (whose epoch the thread
+changes inside ``reconnect``, before it posts that record).
 
-Failures: an op the daemon refuses (any error not in :data:`DAEMON_GONE`: out of
-pages, a quota, a forbidden namespace, too many tokens) fails that op alone; the ops
-after it are sent again. The daemon gone (:data:`DAEMON_GONE`): every queued op is
-dropped (allocations answered as failed), nothing is sent for ``retry_s`` seconds
-(doubled after each failure in a row, up to :data:`MAX_RETRY_S`), then the thread
-attaches again and posts ``reconnected``: the old session's sequences are gone.
+Failures: an op the daemon refuses (any error that does not mean the daemon gone:
+out of pages, a quota, a forbidden namespace, too many tokens) fails that op alone;
+the ops after it are sent again. The daemon gone (:mod:`kvcore.integrations.reconnect`,
+the rule every integration shares): every queued op is dropped (allocations answered
+as failed), nothing is sent while the quiet period runs, then the thread attaches
+again and posts ``reconnected`` with the new :class:`~kvcore.integrations.reconnect.Attachment`.
+
+Generations: every op carries the attachment of the state the scheduler built it
+from, and every record the attachment it belongs to. The thread sends an op only on
+its own attachment (one built on an older one names sequences that died with it: it
+is dropped, an allocation answered as failed), so a sequence id never reaches a
+session that does not own it, and the scheduler knows which records to ignore.
 
 Bounded: at most :data:`MAX_QUEUED` ops wait; past that, commits are dropped
 (their pages stay unpublished: a later miss, never a wrong hit); allocations,
@@ -26,45 +33,39 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 from kvcore.client import Batch, Client
-from kvcore.errors import (
-    BatchFailed,
-    KVCoreError,
-    LeaseLost,
-    NotAttached,
-    OutOfPages,
-    StaleEpoch,
-    Timeout,
-)
+from kvcore.errors import BatchFailed, KVCoreError, OutOfPages
+from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
+from kvcore.prefix import KeySpace
 from kvcore.results import Allocation, Extension
 
 log = logging.getLogger("kvcore.vllm")
-MAX_RETRY_S = 60.0  # the longest quiet period after failures in a row
 MAX_QUEUED = 4096  # ops waiting for the thread; commits past this are dropped
-DAEMON_GONE: tuple[type[KVCoreError], ...] = (Timeout, StaleEpoch, LeaseLost, NotAttached)
-"""Failures that mean the daemon (or this session on it) is gone; any other
-KVCoreError (OutOfPages, QuotaExceeded, Forbidden, BadRequest, ...) is one op's."""
 
 
 @dataclass(frozen=True, slots=True)
 class Allocate:
-    """Start sequence ``seq`` for request ``req_id`` (a prefix lookup and its pin)."""
+    """Start sequence ``seq`` for request ``req_id`` (a prefix lookup and its pin) in the
+    key space of ``model``, ``lora`` and ``salt`` within the session's namespace
+    (:class:`~kvcore.prefix.KeySpace`)."""
 
+    attachment: Attachment  # of the state the op was built from: sent on no other
     req_id: str
     seq: int
     tokens: list[int]
     salt: str
     lora: str
+    model: str
 
 
 @dataclass(frozen=True, slots=True)
 class Extend:
     """Grow sequence ``seq`` by ``num_tokens`` tokens (room for generated pages)."""
 
+    attachment: Attachment
     req_id: str
     seq: int
     num_tokens: int
@@ -74,6 +75,7 @@ class Extend:
 class Commit:
     """Publish ``tokens`` (from token ``start``, a page boundary) of sequence ``seq``."""
 
+    attachment: Attachment
     seq: int
     tokens: list[int]
     start: int
@@ -81,6 +83,7 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class Free:
+    attachment: Attachment
     seq: int
 
 
@@ -89,32 +92,34 @@ Op = Allocate | Extend | Commit | Free
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """What the scheduler learns from the thread. ``kind``: ``allocated`` (``result``
-    an Allocation), ``extended`` (an Extension), ``refused`` (the op's request runs
-    without kvcore from now on; the link logged why), ``failed`` (an allocation that
-    did not run: a miss, ask again later), ``reconnected`` (a new session: forget
-    every sequence)."""
+    """What the scheduler learns from the thread, on ``attachment`` (the session the
+    record belongs to). ``kind``: ``allocated`` (``result`` an Allocation),
+    ``extended`` (an Extension), ``refused`` (the op's request runs without kvcore
+    from now on; the link logged why), ``failed`` (an allocation that did not run: a
+    miss, ask again later), ``reconnected`` (``attachment`` is a new session: every
+    sequence of the old one is gone)."""
 
     kind: Literal["allocated", "extended", "refused", "failed", "reconnected"]
+    attachment: Attachment
     req_id: str = ""
     seq: int = 0
     result: Allocation | Extension | None = None
 
 
 class DaemonLink:
-    """The I/O thread and its two queues (ops in, :class:`Done` out)."""
+    """The I/O thread and its two queues (ops in, :class:`Done` out). The client's session
+    at start-up is the first attachment; later ones arrive as ``reconnected`` records."""
 
     def __init__(self, client: Client, *, retry_s: float, timeout_s: float) -> None:
         self.client = client
         self._timeout_s = timeout_s  # the bound on one round trip
-        self._retry_first = self._retry_s = retry_s
+        self._reconnect = Reconnector.of(client, retry_s=retry_s, what="vLLM scheduler")
+        self._posted = self._reconnect.attachment  # of the last ``reconnected`` posted
         self._inbox: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._idle = threading.Condition()
         self._answered = threading.Condition()  # notified on each record posted
         self._pending = 0  # ops sent to the thread and not yet handled
-        self._quiet_until = 0.0  # monotonic time before which nothing is sent
-        self._stale = False  # a call failed: attach again before the next one
         self._warned: set[str] = set()  # error codes logged at WARNING already
         self._thread = threading.Thread(target=self._run, name="kvcore-link", daemon=True)
         self._thread.start()
@@ -123,7 +128,7 @@ class DaemonLink:
 
     def quiet(self) -> bool:
         """Whether the daemon is taken for gone now (ask it nothing)."""
-        return time.monotonic() < self._quiet_until
+        return self._reconnect.quiet()
 
     def send(self, op: Op) -> None:
         with self._idle:
@@ -182,12 +187,15 @@ class DaemonLink:
                 self._idle.notify_all()
 
     def _handle(self, ops: list[Op]) -> None:
-        was_stale = self._stale
-        if not self._connected():
+        if not self._reconnect.ready():
             self._drop(ops)
             return
-        if was_stale:  # a new session: ops of the old one's sequences mean nothing now
-            ops = [op for op in ops if isinstance(op, Allocate)]
+        now = self._reconnect.attachment
+        if now != self._posted:  # attached again: the scheduler learns it before any answer
+            self._posted = now
+            self._answer(Done("reconnected", now))
+        self._drop([op for op in ops if op.attachment != now])  # sequences of a dead session
+        ops = [op for op in ops if op.attachment == now]
         one_by_one = False
         while ops:
             sent = ops[:1] if one_by_one else ops
@@ -203,7 +211,7 @@ class DaemonLink:
                     return
                 ops = ops[exc.batch_index + 1 :]
             except KVCoreError as exc:  # the whole batch refused (e.g. too many tokens)
-                if not one_by_one and not isinstance(exc, DAEMON_GONE):
+                if not one_by_one and not daemon_gone(exc):
                     one_by_one = True
                     continue
                 if not self._refused(sent[0], exc):
@@ -220,21 +228,21 @@ class DaemonLink:
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Allocate):
                 assert isinstance(result, Allocation), result
-                self._answer(Done("allocated", op.req_id, op.seq, result))
+                self._answer(Done("allocated", op.attachment, op.req_id, op.seq, result))
             elif isinstance(op, Extend):
                 assert isinstance(result, Extension), result
-                self._answer(Done("extended", op.req_id, op.seq, result))
+                self._answer(Done("extended", op.attachment, op.req_id, op.seq, result))
 
     def _refused(self, op: Op, exc: KVCoreError) -> bool:
         """One op failed; True if it was the op's own fault (the daemon is fine). Out of
         pages: logged at INFO (an allocation is a miss, asked again later); any other
         refusal: the request runs without kvcore, logged at WARNING once per code. The
-        daemon gone: quiet for ``retry_s``, then attach again."""
+        daemon gone: quiet, then attach again (:class:`~.reconnect.Reconnector`)."""
         what = type(op).__name__.lower()
-        if isinstance(exc, DAEMON_GONE):
-            self._gone(what, exc)
+        if daemon_gone(exc):
+            self._reconnect.gone(exc, what)
             if isinstance(op, Allocate):
-                self._answer(Done("failed", op.req_id, op.seq))
+                self._answer(Done("failed", op.attachment, op.req_id, op.seq))
             return False
         if isinstance(exc, OutOfPages):
             log.info("kvcore: %s: %s", what, exc)
@@ -249,49 +257,25 @@ class DaemonLink:
             )
         if isinstance(op, Allocate | Extend):
             failed = isinstance(op, Allocate) and isinstance(exc, OutOfPages)
-            self._answer(Done("failed" if failed else "refused", op.req_id, op.seq))
+            kind: Literal["failed", "refused"] = "failed" if failed else "refused"
+            self._answer(Done(kind, op.attachment, op.req_id, op.seq))
         return True
 
     def _drop(self, ops: list[Op]) -> None:
-        """Ops that did not run (the daemon gone, or the link failed): allocations are
-        answered as misses; the rest are dropped."""
+        """Ops that did not run (the daemon gone, an older attachment's, or the link
+        failed): allocations are answered as misses; the rest are dropped."""
         for op in ops:
             if isinstance(op, Allocate):
-                self._answer(Done("failed", op.req_id, op.seq))
-
-    def _gone(self, what: str, exc: KVCoreError) -> None:
-        self._quiet_until = time.monotonic() + self._retry_s
-        self._stale = True
-        log.warning(
-            "kvcore: %s failed (%s: %s); treating requests as misses for %.0f s",
-            what,
-            type(exc).__name__,
-            exc,
-            self._retry_s,
-        )
-        self._retry_s = min(2 * self._retry_s, MAX_RETRY_S)
-
-    def _connected(self) -> bool:
-        """Whether to call the daemon now; after a failure, first attach again."""
-        if self.quiet():
-            return False
-        if self._stale:
-            try:
-                self.client.reconnect()
-            except KVCoreError as exc:
-                self._gone("attach", exc)
-                return False
-            self._stale = False
-            self._retry_s = self._retry_first
-            self._answer(Done("reconnected"))
-        return True
+                self._answer(Done("failed", op.attachment, op.req_id, op.seq))
 
 
 def _queue(batch: Batch, ops: list[Op]) -> None:
     for op in ops:
         match op:
             case Allocate():
-                batch.allocate(op.seq, op.tokens, salt=op.salt, lora=op.lora)
+                batch.allocate(
+                    op.seq, op.tokens, KeySpace(model=op.model, lora=op.lora, salt=op.salt)
+                )
             case Extend():
                 batch.extend(op.seq, op.num_tokens)
             case Commit():

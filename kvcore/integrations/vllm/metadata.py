@@ -7,12 +7,19 @@ copy into which kvcore pages after it (saves). Worker -> scheduler
 leading pages kvcore now holds; the scheduler commits exactly those (commit after
 write). Page and block indices are ints; counts of pages, not tokens, unless named
 ``*_tokens``.
+
+Generations: page numbers and sequences are valid only on the daemon attachment that
+made them. A plan carries the ``epoch`` of the state it was built from (the worker
+runs it only on the pool of that epoch), and every request in a plan or a report is a
+:class:`Ticket` (request, epoch, sequence): the scheduler applies a report only to the
+very sequence its plan was built for, never to a later one of the same request.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -21,15 +28,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvcore.integrations.extra_config import parse_extra
-from kvcore.results import DEFAULT_NAMESPACE
+from kvcore.prefix import DEFAULT_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
     """``kv_connector_extra_config`` keys, each optional: ``endpoint`` (default: the
     default daemon, $KVCORE_ENDPOINT), ``pool``, ``namespace``, ``timeout_s`` (bound on
-    one daemon round trip), ``retry_s`` (after a failed call the scheduler reports
-    misses without asking the daemon for this long)."""
+    one daemon round trip, seconds), ``retry_s`` (after the daemon is found gone, calls
+    are misses for this long, doubled per failure in a row:
+    :mod:`kvcore.integrations.reconnect`), ``save_generated`` (commit the pages
+    generated tokens fill too), ``ask_wait_ms`` (the longest the scheduler waits for
+    the daemon's answer about a new request), ``model_id`` (the model's identity in
+    the key space: an operator's declaration that two deployments serve the same
+    model, e.g. the same weights at two paths; "" = derived from vLLM's config)."""
 
     endpoint: str
     pool: str = "default"
@@ -38,6 +50,7 @@ class ConnectorConfig:
     retry_s: float = 5.0
     save_generated: bool = True
     ask_wait_ms: float = 2.0
+    model_id: str = ""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -46,13 +59,26 @@ class ConnectorConfig:
         return parse_extra(cls, extra, what="kv_connector_extra_config")
 
 
+class Ticket(NamedTuple):
+    """A request's copies in one plan, as its report must match them: vLLM's request id,
+    and the daemon ``epoch`` and sequence ``seq`` they were planned for."""
+
+    req_id: str
+    epoch: int
+    seq: int
+
+
 @dataclass(slots=True)
 class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     """One step's copies. ``load_pages[i]`` (kvcore) -> ``load_blocks[i]`` (vLLM) before
     the forward; ``save_blocks[i]`` (vLLM) -> ``save_pages[i]`` (kvcore) after it.
     ``saved`` maps each request with saves to the page count it reaches; ``requests``
     lists every request with a load or a save (the worker reports them back).
-    ``epoch`` is the daemon epoch the page numbers belong to."""
+    ``epoch`` is the daemon epoch of the state the plan was built from: its page numbers
+    are pages of that epoch's pool, and the worker runs the plan on no other.
+    ``fail_blocks``: vLLM blocks promised a load that will never run (the state it was
+    planned from is gone: the daemon restarted); the worker reports them as load errors,
+    so vLLM recomputes them."""
 
     step: int = 0
     epoch: int = 0
@@ -60,28 +86,32 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     load_blocks: list[int] = field(default_factory=list)
     save_blocks: list[int] = field(default_factory=list)
     save_pages: list[int] = field(default_factory=list)
-    saved: dict[str, int] = field(default_factory=dict)
-    requests: list[str] = field(default_factory=list)
+    saved: dict[Ticket, int] = field(default_factory=dict)
+    requests: list[Ticket] = field(default_factory=list)
+    fail_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """The worker's account of finished steps: ``saved[req]`` = leading pages of the
-    request that kvcore now holds (copied, and synchronised); ``requests`` = every
-    request the steps touched. Across tensor-parallel workers a page counts as saved
-    only if every worker saved it (min)."""
+    """The worker's account of finished steps: ``saved[ticket]`` = leading pages of the
+    ticket's sequence that kvcore now holds (copied, and synchronised); ``requests`` =
+    every ticket the steps touched (saved or not: a plan the worker refused is reported
+    with no saves). Across tensor-parallel workers a page counts as saved only if every
+    worker saved it (min)."""
 
     steps: list[int] = field(default_factory=list)
-    saved: dict[str, int] = field(default_factory=dict)
-    requests: list[str] = field(default_factory=list)
+    saved: dict[Ticket, int] = field(default_factory=dict)
+    requests: list[Ticket] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> StepReport:
+        """Two workers' reports of the same steps as one: a page saved only if both saved
+        it; each ticket as often as it was touched (once per step: the scheduler counts
+        the plans in flight by it)."""
         assert isinstance(other, StepReport), type(other)
         saved = {r: min(n, other.saved[r]) for r, n in self.saved.items() if r in other.saved}
+        touched = Counter(self.requests) | Counter(other.requests)  # the larger count of each
         return StepReport(
-            sorted(set(self.steps) | set(other.steps)),
-            saved,
-            sorted(set(self.requests) | set(other.requests)),
+            sorted(set(self.steps) | set(other.steps)), saved, sorted(touched.elements())
         )
 
 

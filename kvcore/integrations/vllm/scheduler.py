@@ -21,11 +21,19 @@ which an idle daemon gives in under a millisecond; once one is late, the rest of
 that pass waits for none. A request whose answer is late waits for the next pass
 (vLLM skips it meanwhile), never anyone else's.
 
-Invariants: every page number in a StepPlan belongs to a sequence this session
-holds (so nobody else writes or evicts it while the copy runs); a page is
-committed only after the worker reported it saved; ``confirmed <= scheduled``
-(pages), both counted from the first page; a page is saved only once the
-sequence holds its tokens (``capacity``).
+State: one :class:`~.records.RequestRecord` per request, its phase explicit
+(asked, held, running, finished, missed, without kvcore; :mod:`.records`), in one
+dict; :meth:`SchedulerSide.check_integrity` checks every record's invariants.
+Every page number in a StepPlan belongs to a sequence this session holds (so
+nobody else writes or evicts it while the copy runs); a page is committed only
+after the worker reported it saved, and saved at most once.
+
+Generations: the records are those of one attachment (``attachment``: the
+daemon's epoch and this session), which changes only when :meth:`_absorb` takes
+the link's ``reconnected`` record, never read live from the client. A re-attach
+drops every record at once (loads queued for the next plan become load errors:
+vLLM recomputes them); a plan carries the epoch of the records it was built from,
+and a report counts only for the (epoch, sequence) it was planned for.
 
 vLLM's contract: ``get_num_new_matched_tokens`` may be asked many times. A
 request answered and then not scheduled keeps its pin for at most
@@ -33,8 +41,8 @@ request answered and then not scheduled keeps its pin for at most
 it waited for memory or a batch slot), then it is freed and asked afresh; a
 request aborted while waiting is freed at ``request_finished``.
 
-Identity: a request's ``cache_salt`` and LoRA adapter select its key space on the
-daemon (spec/hashing.md), so different salts or adapters never share a page.
+Identity: the engine's model, a request's ``cache_salt`` and LoRA adapter select
+its key space on the daemon (spec/hashing.md): no two of them share a page.
 Requests kvcore cannot key (multimodal inputs, prompt embeddings: their tokens do
 not say what the K/V holds) get 0 matched tokens and save nothing.
 
@@ -45,27 +53,34 @@ most ``timeout_s``): the consumer asked next finds them. That is the one wait.
 
 Failures never fail vLLM: a refused allocation (a quota, a forbidden namespace,
 a prompt over ``max_request_tokens``) makes its request run without kvcore; out
-of pages is a miss; the daemon gone makes every request a miss for ``retry_s``
-(:mod:`.link`).
+of pages is a miss; the daemon gone makes every request a miss until the link
+attaches again (:mod:`kvcore.integrations.reconnect`).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvcore.errors import LayoutMismatch
-from kvcore.integrations.vllm.link import (
-    Allocate,
-    Commit,
-    DaemonLink,
-    Done,
-    Extend,
-    Free,
+from kvcore.integrations.reconnect import Attachment
+from kvcore.integrations.vllm.link import Allocate, Commit, DaemonLink, Extend, Free
+from kvcore.integrations.vllm.metadata import (
+    ConnectorConfig,
+    KvcoreStats,
+    StepPlan,
+    StepReport,
+    Ticket,
 )
-from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
+from kvcore.integrations.vllm.records import (
+    HOLDING,
+    Phase,
+    Reach,
+    RequestRecord,
+    identity,
+    tokens_of,
+)
 from kvcore.results import Allocation, Extension
 
 if TYPE_CHECKING:
@@ -77,54 +92,17 @@ HOLD_PASSES = 8  # scheduling passes an answered, unscheduled request keeps its 
 EXTEND_PAGES = 4  # pages a sequence grows by at a time for generated tokens
 
 
-@dataclass(slots=True)
-class _Tracked:
-    """One request with a daemon sequence. Changed only by the scheduler side."""
-
-    seq: int
-    request: Request  # vLLM's live object (num_computed_tokens, all_token_ids)
-    pages: list[int]  # the sequence's block table in the pool
-    capacity: int  # tokens the sequence holds on the daemon: pages below it may be saved
-    limit: int  # tokens: pages below it may be saved (prompt pages, or all)
-    hit: int  # pages kvcore held at allocate (pinned by the sequence)
-    confirmed: int  # leading pages kvcore holds now: hit, then reported saves
-    scheduled: int  # leading pages that are held or have a save in a sent plan
-    in_flight: int = 0  # sent plans with a copy of this request, not yet reported
-    extending: int = 0  # tokens of the extend on its way (0: none)
-    finished: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Asked:
-    """A request whose allocation of its first ``num_tokens`` tokens is on the way."""
-
-    seq: int
-    request: Request
-    num_tokens: int
-
-
-def identity(request: Request) -> tuple[str, str] | None:
-    """The request's key space on the daemon, ``(salt, lora)``; None if its tokens do
-    not determine its K/V (multimodal inputs, prompt embeddings)."""
-    if getattr(request, "prompt_embeds", None) is not None or getattr(request, "mm_features", None):
-        return None
-    lora = getattr(request, "lora_request", None)
-    return getattr(request, "cache_salt", None) or "", lora.lora_name if lora is not None else ""
-
-
-def _tokens(request: Request) -> list[int]:
-    """Every token of the request so far (prompt, then generated)."""
-    tokens: Any = getattr(request, "all_token_ids", None)
-    return list(tokens if tokens is not None else request.prompt_token_ids or ())
-
-
 class SchedulerSide:
-    """Scheduler half of :class:`~kvcore.integrations.vllm.KvcoreConnector`."""
+    """Scheduler half of :class:`~kvcore.integrations.vllm.KvcoreConnector`. ``model``
+    is the engine's model identity: part of every request's key space."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, role: str = "kv_both") -> None:
+    def __init__(
+        self, config: ConnectorConfig, block_size: int, role: str = "kv_both", *, model: str = ""
+    ) -> None:
         from kvcore.integrations.vllm.worker import attach
 
         self.config = config
+        self.model = model
         client = attach(config, map_memory=False)
         self.page_size = client.layout.page_size
         if block_size != self.page_size:
@@ -134,25 +112,18 @@ class SchedulerSide:
                 f"{self.page_size}: run vLLM with --block-size {self.page_size} or the daemon "
                 f"with a pool of page_size={block_size}"
             )
+        self.attachment = Attachment.of(client)  # of the records; changed only by _absorb
         self.link = DaemonLink(client, retry_s=config.retry_s, timeout_s=config.timeout_s)
-        self.loads = role != "kv_producer"
-        self.saves = role != "kv_consumer"
+        self.reach = Reach(
+            self.page_size, role != "kv_producer", role != "kv_consumer", config.save_generated
+        )
         self.stats = KvcoreStats()
-        self._tracked: dict[str, _Tracked] = {}
-        self._asked: dict[str, _Asked] = {}  # requests whose allocation is on the way
-        self._misses: set[str] = set()  # allocation failed: answer 0 once
-        self._loads: list[tuple[int, int]] = []  # (pool page, vLLM block) for the next plan
-        self._load_requests: set[str] = set()
-        self._unscheduled: dict[str, int] = {}  # answered, not scheduled: passes since
-        self._without: set[str] = set()  # requests the daemon refused: run without kvcore
+        self._records: dict[str, RequestRecord] = {}  # vLLM request id -> its one record
+        self._failed_blocks: list[int] = []  # loads promised on a dropped state: next plan
         self._pass_late = False  # an answer came late in this pass: wait for no more
         self._step = 0
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self.kv_cache_manager: KVCacheManager | None = None
-
-    @property
-    def epoch(self) -> int:
-        return self.link.client.epoch
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------
 
@@ -162,106 +133,120 @@ class SchedulerSide:
         way past ``ask_wait_ms`` (vLLM asks again next pass)."""
         self._absorb()
         req_id = request.request_id
-        tracked = self._tracked.get(req_id)
-        if tracked is None:
-            if req_id not in self._asked:
-                if req_id in self._misses:
-                    self._misses.discard(req_id)
-                    return 0
-                if self._covered(request, num_computed_tokens) or not self._allocate(request):
-                    return 0
-            tracked = self._wait_for(req_id)
-            if tracked is None:
-                if req_id in self._asked:
-                    return None  # asked again next pass
-                self._misses.discard(req_id)
-                return 0  # refused, or a miss
-        self._unscheduled.setdefault(req_id, 0)
-        if not self.loads:
+        record = self._records.get(req_id)
+        if record is None:
+            if self.reach.covered(request, num_computed_tokens):
+                return 0
+            record = self._allocate(request)
+            if record is None:
+                return 0
+        record.local_hit = num_computed_tokens
+        if record.phase is Phase.ASKED:
+            record = self._wait_for(req_id)
+            if record is None:
+                return None  # a re-attach dropped it meanwhile: asked afresh next pass
+            if record.phase is Phase.ASKED:
+                return None  # asked again next pass
+        if record.phase is Phase.MISSED:
+            del self._records[req_id]  # a miss now; asked afresh if vLLM asks again
             return 0
-        held = min(tracked.confirmed * self.page_size, self._loadable(request))
+        if record.phase is Phase.WITHOUT:
+            return 0
+        if record.phase is Phase.RUNNING:  # preempted, asked again: pinned while it waits
+            record.phase, record.passes = Phase.HELD, 0
+        held = min(record.confirmed * self.page_size, self.reach.loadable(request))
         return max(0, held - num_computed_tokens)
 
     def after_alloc(
-        self,
-        request: Request,
-        blocks: KVCacheBlocks,
-        num_external_tokens: int,
-        num_computed_tokens: int,
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """vLLM scheduled the request: keep its sequence, and plan the load of the
-        ``num_external_tokens`` after vLLM's own hit."""
-        self._unscheduled.pop(request.request_id, None)
-        tracked = self._tracked.get(request.request_id)
-        if tracked is None or num_external_tokens <= 0:
+        ``num_external_tokens`` after vLLM's own hit (as it was when vLLM asked)."""
+        record = self._records.get(request.request_id)
+        if record is None or record.phase not in (Phase.HELD, Phase.RUNNING):
+            # external tokens only come from a grant, and vLLM calls this hook right after
+            # the ask that granted them: no record is dropped in between
+            assert num_external_tokens == 0, (request.request_id, num_external_tokens)
             return
-        first = num_computed_tokens // self.page_size
+        record.phase, record.passes = Phase.RUNNING, 0
+        if num_external_tokens <= 0:
+            return
+        first = record.local_hit // self.page_size
         last = first + num_external_tokens // self.page_size
-        assert last <= tracked.confirmed, (first, last, tracked.confirmed)
+        assert last <= record.confirmed, (first, last, record.confirmed)
         (block_ids,) = blocks.get_block_ids()[:1]
-        self._loads += [(tracked.pages[i], block_ids[i]) for i in range(first, last)]
-        self._load_requests.add(request.request_id)
+        record.loads = [(record.pages[i], block_ids[i]) for i in range(first, last)]
         self.stats.add("external_hit_tokens", num_external_tokens)
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
-        """This step's loads and saves; frees what vLLM kept waiting too long."""
+        """This step's loads and saves, on the state this side holds; frees what vLLM
+        kept waiting too long."""
         self._absorb()
         self._pass_late = False  # the pass is over: the next one may wait again
-        for req_id in list(self._unscheduled):
-            self._unscheduled[req_id] += 1
-            if self._unscheduled[req_id] > HOLD_PASSES:
-                del self._unscheduled[req_id]
-                self._release(req_id)
         self._step += 1
-        plan = StepPlan(step=self._step, epoch=self.epoch)
-        plan.load_pages = [p for p, _ in self._loads]
-        plan.load_blocks = [b for _, b in self._loads]
-        touched = set(self._load_requests)
-        self._loads, self._load_requests = [], set()
+        plan = StepPlan(
+            step=self._step, epoch=self.attachment.epoch, fail_blocks=self._failed_blocks
+        )
+        self._failed_blocks = []
+        touched: dict[str, RequestRecord] = {}  # request id -> record with a copy in the plan
+        for record in list(self._records.values()):
+            if record.phase is Phase.HELD:
+                record.passes += 1
+                if record.passes > HOLD_PASSES and not record.in_flight:
+                    self._release(record)
+            elif record.loads:
+                plan.load_pages += [page for page, _ in record.loads]
+                plan.load_blocks += [block for _, block in record.loads]
+                record.loads = []
+                touched[record.request.request_id] = record
         for req_id, n in output.num_scheduled_tokens.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None or tracked.finished:
+            running = self._records.get(req_id)
+            if running is None or running.phase is not Phase.RUNNING:
                 continue
-            computed = tracked.request.num_computed_tokens + n
-            self._grow(req_id, tracked, computed)
-            upto = min(tracked.limit, computed, tracked.capacity) // self.page_size
-            if upto <= tracked.scheduled:
+            computed = running.request.num_computed_tokens + n
+            self._grow(req_id, running, computed)
+            upto = min(running.limit, computed, running.capacity) // self.page_size
+            if upto <= running.scheduled:
                 continue
             assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
             (block_ids,) = self.kv_cache_manager.get_block_ids(req_id)[:1]
-            for i in range(tracked.scheduled, upto):
+            for i in range(running.scheduled, upto):
                 plan.save_blocks.append(block_ids[i])
-                plan.save_pages.append(tracked.pages[i])
-            tracked.scheduled = plan.saved[req_id] = upto
-            touched.add(req_id)
-        for req_id in touched:
-            self._tracked[req_id].in_flight += 1
-        plan.requests = sorted(touched)
+                plan.save_pages.append(running.pages[i])
+            running.scheduled = upto
+            plan.saved[self._ticket(running)] = upto
+            touched[req_id] = running
+        for record in touched.values():
+            record.in_flight += 1
+        plan.requests = sorted(self._ticket(record) for record in touched.values())
         return plan
 
     def on_report(self, report: StepReport) -> None:
-        """The worker finished steps: commit what it saved, release finished requests."""
+        """The worker finished steps: commit what it saved, release finished requests.
+        Only entries of this side's epoch and of the very sequences planned count."""
         self._absorb()
-        for req_id, upto in report.saved.items():
-            tracked = self._tracked.get(req_id)
-            if tracked is None or upto <= tracked.confirmed:
+        for ticket, upto in report.saved.items():
+            record = self._planned(ticket)
+            if record is None or upto <= record.confirmed:
                 continue
-            start = tracked.confirmed * self.page_size
-            tokens = _tokens(tracked.request)[start : upto * self.page_size]
-            if len(tokens) < (upto - tracked.confirmed) * self.page_size:
+            start = record.confirmed * self.page_size
+            tokens = tokens_of(record.request)[start : upto * self.page_size]
+            if len(tokens) < (upto - record.confirmed) * self.page_size:
                 continue  # not every token of the pages is known yet: commit later
-            self.link.send(Commit(tracked.seq, tokens, start))
-            tracked.confirmed = upto
+            self.link.send(Commit(self.attachment, record.seq, tokens, start))
+            record.confirmed = upto
+            record.scheduled = max(record.scheduled, upto)  # never saved twice
         finished_commits = False
-        for req_id in report.requests:
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
+        for ticket in report.requests:
+            record = self._planned(ticket)
+            if record is None:
                 continue
-            tracked.in_flight = max(0, tracked.in_flight - 1)  # < 0: a plan before a reconnect
-            if tracked.finished and tracked.in_flight == 0:
-                finished_commits |= tracked.confirmed > tracked.hit
-                self._release(req_id)
-        if finished_commits and not self.loads:
+            assert record.in_flight > 0, record
+            record.in_flight -= 1
+            if record.phase is Phase.FINISHED and not record.in_flight:
+                finished_commits |= record.confirmed > record.hit
+                self._release(record)
+        if finished_commits and not self.reach.loads:
             # a producer's answer means its pages are in kvcore (the consumer asks next)
             self.link.wait_idle(self.config.timeout_s)
         else:
@@ -271,37 +256,22 @@ class SchedulerSide:
         """vLLM dropped the request's blocks: saves planned but not reported restart
         from what kvcore holds (the next plan saves again from the new blocks)."""
         self.preemptions += 1
-        tracked = self._tracked.get(req_id)
-        if tracked is not None:
-            tracked.scheduled = tracked.confirmed
+        record = self._records.get(req_id)
+        if record is not None and record.phase in HOLDING:
+            record.scheduled = record.confirmed
 
     def finished(self, request: Request) -> None:
-        """The request finished or was aborted: release it once no copy is in flight."""
-        req_id = request.request_id
-        self._without.discard(req_id)
-        self._misses.discard(req_id)
-        self._unscheduled.pop(req_id, None)
-        self._asked.pop(req_id, None)  # its allocation, when it arrives, is freed
-        tracked = self._tracked.get(req_id)
-        if tracked is None:
+        """The request finished or was aborted: release it once no copy is in flight (an
+        allocation still on its way is freed when its answer comes)."""
+        record = self._records.get(request.request_id)
+        if record is None:
             return
-        tracked.finished = True
-        if tracked.in_flight == 0:
-            self._release(req_id)
-
-    def _wait_for(self, req_id: str) -> _Tracked | None:
-        """The request's sequence if its answer comes within ``ask_wait_ms`` (an idle
-        daemon answers in under a millisecond: waiting here saves the request a
-        pass); None otherwise. Once an answer was late in a pass, the rest of the pass
-        does not wait (the daemon is busy: its answers come with the next pass)."""
-        if not self._pass_late:
-            deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
-            while req_id in self._asked and (left := deadline - time.monotonic()) > 0:
-                self.link.wait_answer(left)
-                self._absorb()
-            self._pass_late = req_id in self._asked
-        self._absorb()
-        return self._tracked.get(req_id)
+        if record.phase not in HOLDING:
+            del self._records[request.request_id]
+        elif record.in_flight:
+            record.phase = Phase.FINISHED
+        else:
+            self._release(record)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every call sent so far was answered, and take the answers."""
@@ -309,116 +279,116 @@ class SchedulerSide:
         self._absorb()
         return idle
 
+    def check_integrity(self) -> None:
+        """Every record's invariants (:meth:`RequestRecord.check`); AssertionError if one
+        is broken."""
+        for record in self._records.values():
+            record.check(self.page_size)
+
     def close(self) -> None:
         self._absorb()
-        for req_id in list(self._tracked):
-            self._release(req_id)
+        for record in list(self._records.values()):
+            if record.phase in HOLDING:
+                self._release(record)
+        self._records.clear()
         self.link.close()
+
+    # -- the daemon's answers ------------------------------------------------------------
+
+    def _absorb(self) -> None:
+        """Take the link's records: sequences arrive, grow, were refused; or the link
+        attached again, and the state of the old session is dropped."""
+        for done in self.link.take():
+            if done.kind == "reconnected":
+                self._reattached(done.attachment)
+                continue
+            if done.attachment != self.attachment:
+                continue  # of a session this side no longer holds: its sequences are gone
+            record = self._records.get(done.req_id)
+            if record is None or record.seq != done.seq:  # finished meanwhile, or stale
+                if done.kind == "allocated":
+                    self.link.send(Free(self.attachment, done.seq))
+                continue
+            if done.kind == "allocated" and record.phase is Phase.ASKED:
+                assert isinstance(done.result, Allocation)
+                record.allocated(done.result, self.page_size, self.reach.limit(record.request))
+            elif done.kind == "extended":
+                assert isinstance(done.result, Extension)
+                record.extended(done.result)
+            elif record.phase is Phase.ASKED:  # a failed or refused allocation
+                record.phase = Phase.MISSED if done.kind == "failed" else Phase.WITHOUT
+                record.seq = 0
+            elif done.kind == "refused":  # an extension: no room to grow
+                record.limit = min(record.limit, record.capacity)
+                record.extending = 0
+
+    def _reattached(self, attachment: Attachment) -> None:
+        """A new session: every record of the old one goes. Loads they queued for the
+        next plan will never run: vLLM is told they failed (it recomputes them); their
+        requests run on without kvcore, or are asked afresh if vLLM asks again."""
+        for record in self._records.values():
+            self._failed_blocks += [block for _, block in record.loads]
+        self._records.clear()
+        self.attachment = attachment
 
     # -- internals -----------------------------------------------------------------------
 
-    def _allocate(self, request: Request) -> bool:
-        """Send the request's allocation; False if it runs without kvcore."""
+    def _allocate(self, request: Request) -> RequestRecord | None:
+        """Send the request's allocation; its record (ASKED), or None if it runs without
+        kvcore this time (its tokens do not determine its K/V, or the daemon is gone)."""
         key_space = identity(request)
-        tokens = _tokens(request)
-        if (
-            key_space is None
-            or len(tokens) < 2
-            or request.request_id in self._without
-            or self.link.quiet()
-        ):
-            return False
+        tokens = tokens_of(request)
+        if key_space is None or len(tokens) < 2 or self.link.quiet():
+            return None
         seq = random.getrandbits(63) or 1
-        self._asked[request.request_id] = _Asked(seq, request, len(tokens))
-        self.link.send(Allocate(request.request_id, seq, tokens, *key_space))
-        return True
-
-    def _absorb(self) -> None:
-        """Take the link's answers: sequences arrive, grow, or were refused."""
-        for done in self.link.take():
-            if done.kind == "reconnected":  # the old sequences died with the old session
-                self._tracked.clear()
-                self._asked.clear()
-                self._unscheduled.clear()
-            elif done.kind == "allocated":
-                assert isinstance(done.result, Allocation)
-                self._allocated(done, done.result)
-            elif done.kind == "extended":
-                assert isinstance(done.result, Extension)
-                self._extended(done, done.result)
-            elif self._asked_seq(done.req_id) == done.seq:  # a failed or refused allocation
-                del self._asked[done.req_id]
-                (self._misses if done.kind == "failed" else self._without).add(done.req_id)
-            elif (tracked := self._tracked.get(done.req_id)) and tracked.seq == done.seq:
-                tracked.limit = min(tracked.limit, tracked.capacity)  # no room to grow
-                tracked.extending = 0
-
-    def _allocated(self, done: Done, alloc: Allocation) -> None:
-        if self._asked_seq(done.req_id) != done.seq:  # finished while asked, or stale
-            self.link.send(Free(done.seq))
-            return
-        asked = self._asked.pop(done.req_id)
-        request = asked.request
-        hit = alloc.num_cached_tokens // self.page_size
-        self._tracked[done.req_id] = _Tracked(
-            done.seq,
-            request,
-            list(alloc.pages),
-            asked.num_tokens,
-            self._limit(request),
-            hit,
-            hit,
-            hit,
+        record = RequestRecord(request, Phase.ASKED, seq, asked_tokens=len(tokens))
+        self._records[request.request_id] = record
+        salt, lora = key_space
+        self.link.send(
+            Allocate(self.attachment, request.request_id, seq, tokens, salt, lora, self.model)
         )
-        self._unscheduled.setdefault(done.req_id, 0)
+        return record
 
-    def _limit(self, request: Request) -> int:
-        """Tokens, a whole number of pages: the pages below it are the most this request
-        may save (its prompt's, or every page its ``max_tokens`` can fill)."""
-        prompt = len(request.prompt_token_ids or ())
-        limit = 0
-        if self.saves and self.config.save_generated:  # the last token sampled has no K/V
-            limit = prompt + (getattr(request, "max_tokens", None) or 1 << 40) - 1
-        elif self.saves:
-            limit = prompt
-        return limit // self.page_size * self.page_size
+    def _wait_for(self, req_id: str) -> RequestRecord | None:
+        """The request's record once its answer came within ``ask_wait_ms`` (an idle
+        daemon answers in under a millisecond: waiting here saves the request a pass),
+        else as it is (still ASKED); None if a re-attach dropped it. Once an answer was
+        late in a pass, the rest of the pass does not wait (the daemon is busy: its
+        answers come with the next pass)."""
+        if not self._pass_late:
+            deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
+            while self._asked(req_id) and (left := deadline - time.monotonic()) > 0:
+                self.link.wait_answer(left)
+                self._absorb()
+            self._pass_late = self._asked(req_id)
+        self._absorb()
+        return self._records.get(req_id)
 
-    def _covered(self, request: Request, num_computed_tokens: int) -> bool:
-        """Whether vLLM's own hit already holds every page kvcore could load into this
-        request or save from it: then the daemon is not asked at all."""
-        loadable = self._loadable(request) if self.loads else 0
-        return num_computed_tokens >= max(loadable, self._limit(request))
+    def _asked(self, req_id: str) -> bool:
+        record = self._records.get(req_id)
+        return record is not None and record.phase is Phase.ASKED
 
-    def _loadable(self, request: Request) -> int:
-        """Tokens, a whole number of pages: the most a hit may cover (never the last
-        token, whose forward produces the next one)."""
-        return (len(_tokens(request)) - 1) // self.page_size * self.page_size
+    def _planned(self, ticket: Ticket) -> RequestRecord | None:
+        """The record a plan's ticket was built for, if it is still this side's."""
+        record = self._records.get(ticket.req_id)
+        if ticket.epoch != self.attachment.epoch or record is None or record.seq != ticket.seq:
+            return None
+        return record
 
-    def _extended(self, done: Done, ext: Extension) -> None:
-        tracked = self._tracked.get(done.req_id)
-        if tracked is None or tracked.seq != done.seq:
-            return  # released meanwhile (its free follows the extend)
-        for src, dst in ext.copies:  # a copy-on-write of the (partial, unsaved) last page
-            tracked.pages[tracked.pages.index(src)] = dst
-        tracked.pages += ext.new_pages
-        tracked.capacity += tracked.extending
-        tracked.extending = 0
+    def _ticket(self, record: RequestRecord) -> Ticket:
+        return Ticket(record.request.request_id, self.attachment.epoch, record.seq)
 
-    def _grow(self, req_id: str, tracked: _Tracked, computed: int) -> None:
+    def _grow(self, req_id: str, record: RequestRecord, computed: int) -> None:
         """Extend the sequence ahead of the generated tokens it will save: when the
         step's tokens come within a page of its end, by :data:`EXTEND_PAGES` pages at
         most (no further than ``limit``: the pages its ``max_tokens`` can fill)."""
-        if tracked.extending or tracked.limit <= tracked.capacity:
+        if record.extending or record.limit <= record.capacity:
             return
-        if computed + self.page_size > tracked.capacity:
-            tracked.extending = min(EXTEND_PAGES * self.page_size, tracked.limit - tracked.capacity)
-            self.link.send(Extend(req_id, tracked.seq, tracked.extending))
+        if computed + self.page_size > record.capacity:
+            record.extending = min(EXTEND_PAGES * self.page_size, record.limit - record.capacity)
+            self.link.send(Extend(self.attachment, req_id, record.seq, record.extending))
 
-    def _asked_seq(self, req_id: str) -> int:
-        asked = self._asked.get(req_id)
-        return asked.seq if asked is not None else 0
-
-    def _release(self, req_id: str) -> None:
-        tracked = self._tracked.pop(req_id)
-        self._unscheduled.pop(req_id, None)
-        self.link.send(Free(tracked.seq))
+    def _release(self, record: RequestRecord) -> None:
+        """Free the record's sequence and forget the request."""
+        del self._records[record.request.request_id]
+        self.link.send(Free(self.attachment, record.seq))

@@ -9,21 +9,36 @@ its copy is complete, in a :class:`StepReport` that the scheduler turns into
 commits. A worker of a tensor-parallel engine maps the shard of its rank
 (:mod:`.ranks`). No K/V crosses the socket; no Python loop runs per token.
 
-A plan whose epoch is not the mapped pool's (the daemon restarted) is run on a
-fresh mapping; if the worker cannot attach, its loads are reported as failed
-blocks (vLLM recomputes them) and its saves are skipped (never committed).
+Generations: a plan runs only on the pool of its epoch (the daemon start the
+scheduler side built it on). A plan of an epoch the worker has not mapped yet (the
+daemon restarted and the scheduler side attached again first) makes the worker attach
+again (:mod:`kvcore.integrations.reconnect`: the rule every integration shares); a
+plan of an epoch it left behind, or one it cannot map, is refused: its loads are
+reported as failed blocks (vLLM recomputes them) and its saves are skipped (never
+committed). So is a plan whose loads fail for any reason (the lease lost while
+copying): its saves may hold K/V computed from those blocks. The blocks a plan names
+in ``fail_blocks`` (loads the scheduler side knows will never run) are reported
+failed too.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from kvcore.client import Client
-from kvcore.errors import KVCoreError, Timeout
-from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
+from kvcore.errors import Timeout
+from kvcore.integrations.reconnect import Reconnector
+from kvcore.integrations.vllm.metadata import (
+    ConnectorConfig,
+    KvcoreStats,
+    StepPlan,
+    StepReport,
+    Ticket,
+)
 from kvcore.integrations.vllm.pages import (
     HeadLayout,
     VllmGeometry,
@@ -34,6 +49,7 @@ from kvcore.integrations.vllm.pages import (
 from kvcore.integrations.vllm.ranks import TensorRank
 
 log = logging.getLogger("kvcore.vllm")
+RETIRED_EPOCHS = 16  # epochs the worker remembers leaving (their plans: refused at once)
 
 
 def attach(config: ConnectorConfig, *, map_memory: bool, **options: Any) -> Client:
@@ -65,12 +81,15 @@ class WorkerSide:
         rank = TensorRank.current()
         self.client = attach(config, map_memory=True, **rank.connect_options())
         rank.check(self.client, config.pool)
+        self._reconnect = Reconnector.of(self.client, retry_s=config.retry_s, what="vLLM worker")
+        self._retired: OrderedDict[int, None] = OrderedDict()  # epochs left behind, oldest first
         self.stats = KvcoreStats()
         self._blocks: list[torch.Tensor] = []  # per layer: [B, 2, N, H, D] views of vLLM's caches
         self._report = StepReport()
         self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
         self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
         self._failed_blocks: set[int] = set()
+        self._refused_step = -1  # the step whose loads were refused: its saves are skipped
 
     def register(self, caches: dict[str, torch.Tensor], layout: HeadLayout) -> None:
         """Map vLLM's per-layer caches (ordered by layer index) and check the layouts."""
@@ -86,12 +105,14 @@ class WorkerSide:
         self._blocks = [block_view(cache, layout) for cache in ordered]
 
     def load(self, plan: StepPlan) -> None:
-        """Copy the plan's hit pages into vLLM's blocks, every layer, before the forward."""
+        """Copy the plan's hit pages into vLLM's blocks, every layer, before the forward;
+        on a pool that is not the plan's, or a mapping fenced meanwhile, report them
+        failed instead (and skip the plan's saves)."""
+        self._fail(plan.fail_blocks)
         if not plan.load_pages:
             return
-        if not self._mapped(plan.epoch):
-            self._failed_blocks.update(plan.load_blocks)
-            self.stats.add("failed_load_pages", len(plan.load_blocks))
+        if not self._maps(plan.epoch):
+            self._refuse(plan)
             return
         pool = self.client.kv_caches
         src = torch.tensor(plan.load_pages, dtype=torch.int64, device=pool[0].device)
@@ -99,6 +120,9 @@ class WorkerSide:
         for layer, blocks in enumerate(self._blocks):
             copy_pages(pool[layer], src, blocks, dst)
         _sync(self._blocks[0].device)
+        if self.client.lease_lost:  # fenced while copying: what was read may be scratch
+            self._refuse(plan)
+            return
         self.stats.add("loaded_pages", len(plan.load_pages))
 
     def save(self, plan: StepPlan) -> None:
@@ -107,23 +131,20 @@ class WorkerSide:
         a GPU it is queued on the current stream (anything that later reuses the
         blocks runs after it) and reported one step later (:meth:`take_report`): the
         step itself never waits for it."""
-        saved = plan.saved
+        saved: dict[Ticket, int] = {}  # what kvcore holds once the copy is complete
         pending: torch.cuda.Event | None = None
-        if plan.save_pages:
-            if self._mapped(plan.epoch):
-                pool = self.client.kv_caches
-                src = torch.tensor(
-                    plan.save_blocks, dtype=torch.int64, device=self._blocks[0].device
-                )
-                dst = torch.tensor(plan.save_pages, dtype=torch.int64, device=pool[0].device)
-                for layer, blocks in enumerate(self._blocks):
-                    copy_pages(blocks, src, pool[layer], dst)
-                if pool[0].device.type == "cuda":
-                    pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    pending.record()
+        if plan.save_pages and plan.step != self._refused_step and self._maps(plan.epoch):
+            pool = self.client.kv_caches
+            src = torch.tensor(plan.save_blocks, dtype=torch.int64, device=self._blocks[0].device)
+            dst = torch.tensor(plan.save_pages, dtype=torch.int64, device=pool[0].device)
+            for layer, blocks in enumerate(self._blocks):
+                copy_pages(blocks, src, pool[layer], dst)
+            if pool[0].device.type == "cuda":
+                pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                pending.record()
+            if not self.client.lease_lost:  # a fenced mapping took scratch: never commit it
+                saved = plan.saved
                 self.stats.add("saved_pages", len(plan.save_pages))
-            else:
-                saved = {}
         if not plan.requests:
             return
         report = StepReport([plan.step], dict(saved), list(plan.requests))
@@ -157,16 +178,32 @@ class WorkerSide:
     def close(self) -> None:
         self.client.close()
 
-    def _mapped(self, epoch: int) -> bool:
-        """Whether the mapped pool is the plan's; remap after a daemon restart."""
-        if epoch == self.client.epoch:
-            return True
-        try:
-            self.client.reconnect()
-        except KVCoreError as exc:
-            log.warning("kvcore: cannot map the pool of epoch %x: %s", epoch, exc)
+    def _fail(self, blocks: list[int]) -> None:
+        self._failed_blocks.update(blocks)
+        self.stats.add("failed_load_pages", len(blocks))
+
+    def _refuse(self, plan: StepPlan) -> None:
+        """The plan's loads did not run (or read a fenced mapping): vLLM recomputes their
+        blocks, and the plan's saves are skipped (they may hold K/V computed from them)."""
+        self._fail(plan.load_blocks)
+        self._refused_step = plan.step
+
+    def _maps(self, epoch: int) -> bool:
+        """Whether the pool mapped now is the one of ``epoch`` (attaching again first if
+        ``epoch`` is not one this worker left behind, or the lease was lost)."""
+        if epoch in self._retired:
             return False
-        return epoch == self.client.epoch
+        before = self._reconnect.attachment.epoch
+        if epoch != before:  # a daemon newer than the one mapped
+            self._reconnect.stale()
+        if not self._reconnect.ready():
+            return False
+        now = self._reconnect.attachment.epoch
+        for left in {before, epoch} - {now}:  # never to be mapped again: refuse at once
+            self._retired[left] = None
+        while len(self._retired) > RETIRED_EPOCHS:
+            self._retired.popitem(last=False)
+        return epoch == now
 
 
 def _sync(device: torch.device) -> None:
