@@ -204,7 +204,13 @@ class Client:
 
     def reconnect(self) -> None:
         """Attach again (after StaleEpoch, NotAttached or LeaseLost): a new session, the pool
-        remapped (the same shard)."""
+        remapped (the same shard). The pool must have the layout (page count aside) and
+        shard count of the first attach, whatever that one expected: everything built on
+        the old session (an engine's views, page tables, its block size) assumes them,
+        so a daemon restarted with another layout is a LayoutMismatch, never a remap."""
+        if self._expected is None and self.epoch:
+            self._expected = self.layout
+            self._expected_shards = self.shards
         self.session = self.epoch = 0
         self._lost = self._acked = False
         self._attach()

@@ -222,6 +222,31 @@ def test_daemon_restart_gives_stale_epoch_then_reconnect_works(tmp_path: Path) -
         client.close()
 
 
+def test_reconnect_to_a_daemon_restarted_with_another_layout_is_a_layout_mismatch(
+    tmp_path: Path,
+) -> None:
+    """A client attached without an expected layout still keeps the first one across
+    reconnects: its engine's views and page tables assume it, so another page size
+    or head count after a restart is refused (an integration stays in misses), and
+    the same geometry with another page count is accepted."""
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    base = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "page_size": 16, "num_pages": 8}
+
+    def daemon(**changes: object) -> DaemonProcess:
+        pool = ",".join(f"{k}={v}" for k, v in {**base, **changes}.items())
+        return DaemonProcess("--endpoint", endpoint, "--pool", pool)
+
+    with daemon():
+        client = Client.connect(endpoint, timeout_s=5, map_memory=False)
+    for other in ({"page_size": 32}, {"num_kv_heads": 2}, {"dtype": "float32"}):
+        with daemon(**other), pytest.raises(LayoutMismatch):
+            client.reconnect()
+    with daemon(num_pages=16):
+        client.reconnect()
+        assert client.layout.page_size == 16 and client.layout.num_pages == 16
+    client.close()
+
+
 def test_a_second_daemon_cannot_take_a_stopped_daemons_socket(tmp_path: Path) -> None:
     """A daemon too busy to answer (here: stopped) still owns its ipc:// endpoint."""
     import os
