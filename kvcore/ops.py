@@ -100,7 +100,7 @@ class Operation(Generic[P, T]):
 
     def __post_init__(self) -> None:
         """The remote signature: the Manager method's, with the defaults of ``encode``
-        (``namespace=None`` means the session's namespace over the wire)."""
+        (a key space's None namespace means the session's namespace over the wire)."""
         sig = inspect.signature(self.method)
         remote = inspect.signature(self.encode).parameters
         params = [

