@@ -67,9 +67,17 @@ def test_kvcore_demo_interrupted_exits_cleanly() -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(6)  # the daemon is up, the engines are loading
+    assert proc.stdout is not None
+    head = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until the daemon is up: the engines load next
+        line = proc.stdout.readline()
+        head.append(line)
+        if not line or "listening on" in line:
+            break
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    rest, err = proc.communicate(timeout=60)
+    out = "".join(head) + rest
     assert proc.returncode == 130, out + err
     assert "Traceback" not in out + err
     assert "interrupted" in out and "daemon stopped" in out

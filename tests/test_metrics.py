@@ -111,7 +111,10 @@ def test_scrape_matches_stats(daemon: DaemonProcess) -> None:
     assert m["kvcore_namespace_sequences", ns] == 2
     assert m["kvcore_namespace_pages", ns] == 11 + 10  # seq 2: 41 tokens (extended); 3: 40
     assert m["kvcore_request_duration_seconds_count", (("op", "allocate"),)] >= 2
-    assert m["kvcore_daemon_info", (("epoch", f"{stats.counters.epoch:x}"), ("version", "1"))]
+    assert m[
+        "kvcore_daemon_info",
+        (("epoch", f"{stats.counters.epoch:x}"), ("version", str(msg.PROTOCOL_VERSION))),
+    ]
     with urllib.request.urlopen(f"{base}/health", timeout=10) as reply:
         assert reply.status == 200
 

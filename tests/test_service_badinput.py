@@ -100,7 +100,7 @@ def test_each_bad_request_gets_its_typed_error(client: Client, raw: zmq.Socket[b
         (pack({"op": "allocate", "seq": 1}, client), "bad_request", 7),  # missing field
         (pack({"op": "lookup", "tokens": [1], "namespace": "n" * 300}, client), "bad_request", 7),
         (pack({"op": "teleport", "seq": 1}, client), "unknown_op", 7),
-        (pack({"op": "attach", "version": 2}), "version_mismatch", 7),
+        (pack({"op": "attach", "version": 1}), "version_mismatch", 7),  # v1: no model part
         (pack({"op": "extend", "seq": 1, "num_tokens": 1}), "not_attached", 7),
         (pack({"op": "extend", "seq": 1, "num_tokens": 1}, client, epoch=12345), "stale_epoch", 7),
         (pack({"op": "extend", "seq": 1, "num_tokens": 1}, client, session=99), "not_attached", 7),
