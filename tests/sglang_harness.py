@@ -33,7 +33,10 @@ Spec (JSON object; units: tokens unless named pages):
     skip_pages       fetch only: pages taken as already cached (prefetch the rest, from
                      the last skipped page's hash, with the skipped keys as prefix_keys)
     tp_rank, tp_size ranks the storage config reports (default 0, 1)
-    model_name       default "kvcore-test"
+    model_name       default "kvcore-test"; SGLang passes its --served-model-name here
+    model_path       optional: publish SGLang's ServerArgs(model_path=..., served_model_name=
+                     model_name) in this process first, as its scheduler process does (kvcore
+                     derives a rank's model identity from them); absent: nothing is published
     controller       "hybrid" (default) | "base"
     seed             folded into the K/V generator (default 0)
     timeout_s        per queue wait (default 30)
@@ -105,6 +108,17 @@ class Rig:
         self.seed = int(spec.get("seed", 0))
         self.timeout = float(spec.get("timeout_s", 30))
 
+        if spec.get("model_path"):  # before the ranks: a publish re-projects the config
+            from sglang.srt.runtime_context import publish
+            from sglang.srt.server_args import ServerArgs
+
+            args = ServerArgs(
+                model_path=spec["model_path"],
+                served_model_name=spec.get("model_name", "kvcore-test"),
+                tp_size=int(spec.get("tp_size", 1)),
+                device="cpu",
+            )
+            publish(args, role="scheduler")
         # The ranks SGLang's storage config reads, stated as a launcher would publish them.
         get_parallel().override_permanently(
             tp_rank=int(spec.get("tp_rank", 0)),

@@ -201,11 +201,12 @@ def test_a_timed_out_start_leaves_nothing_held(tmp_path_factory: pytest.TempPath
 
     from kvcore import Client
     from kvcore.integrations.paged_rows import PagedRows
+    from kvcore.prefix import KeySpace
 
     with daemon(tmp_path_factory.mktemp("hf-timeout")) as d:
         assert d.proc is not None
         with Client.connect(d.endpoint, map_memory=False, timeout_s=0.2) as client:
-            rows = PagedRows(client, torch.device("cpu"))
+            rows = PagedRows(client, torch.device("cpu"), KeySpace(model="t"))
             os.kill(d.proc.pid, signal.SIGSTOP)
             try:
                 with pytest.raises(Timeout):

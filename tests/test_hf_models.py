@@ -1,7 +1,8 @@
 """Models are part of the key space: two transformers models of one geometry (a base
 model and a "fine-tune": other weights) on one pool never share pages, and each
 generates what transformers' own cache does; the same model does share, across model
-objects; a copy of a checkpoint at another path shares only under one ``model_id``.
+objects; a copy of a checkpoint at another path shares only under one ``model_id``; a
+random init from a checkpoint's config, and weights changed in place, are other models.
 The rule itself: tests/test_model_identity.py; across processes: test_hf_crossprocess."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_helpers import SMALL, held, module_endpoint, private_client, reference
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvcore import Client
 from kvcore.integrations.transformers import KVCoreCache
@@ -91,4 +92,34 @@ def test_a_copy_at_another_path_shares_only_under_one_model_id(
         cached, tokens = run(client, b, prompt, model_id="tiny-llama")
         assert cached == len(SYSTEM)
         assert torch.equal(tokens, reference(b, [prompt], NEW))
+        assert held(client) == (0, 0)
+
+
+def test_a_random_init_from_a_checkpoints_config_never_hits_its_pages(
+    endpoint: str, tmp_path: Path
+) -> None:
+    SMALL.build().save_pretrained(tmp_path / "a")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
+    torch.manual_seed(7)
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "a")).eval()
+    with private_client(endpoint, SMALL) as client:
+        run(client, loaded, SYSTEM + SMALL.prompt(12, seed=12))
+        prompt = SYSTEM + SMALL.prompt(12, seed=13)
+        cached, tokens = run(client, fresh, prompt)
+        assert cached == 0  # the config names the checkpoint; the weights are others
+        assert torch.equal(tokens, reference(fresh, [prompt], NEW))
+        assert held(client) == (0, 0)
+
+
+def test_weights_changed_in_place_through_data_miss_on_the_next_cache(endpoint: str) -> None:
+    model = SMALL.build()
+    with private_client(endpoint, SMALL) as client:
+        run(client, model, SYSTEM + SMALL.prompt(12, seed=14))
+        cached, _ = run(client, model, SYSTEM + SMALL.prompt(12, seed=15))
+        assert cached == len(SYSTEM)  # unchanged: its own pages
+        model.model.layers[0].self_attn.k_proj.weight.data.mul_(1.5)  # no version bump
+        prompt = SYSTEM + SMALL.prompt(12, seed=16)
+        cached, tokens = run(client, model, prompt)
+        assert cached == 0
+        assert torch.equal(tokens, reference(model, [prompt], NEW))
         assert held(client) == (0, 0)

@@ -16,14 +16,17 @@ import msgspec
 import pytest
 import torch
 from hf_helpers import SMALL
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvcore.integrations.identity import (
     ModelIdentity,
     Source,
     config_digest,
     hub_weights,
+    kv_dtype_of,
     path_weights,
+    process_nonce,
+    source_of,
     space_model,
     tensor_weights,
     transformers_identity,
@@ -42,6 +45,7 @@ CHANGES = [
     {"source": Source(model="/m", revision="r2", config="c", weights="files:w")},
     {"source": Source(model="/m", revision="r", config="c2", weights="files:w")},
     {"source": Source(model="/m", revision="r", config="c", weights="files:w2")},
+    {"source": Source(model="/m", revision="r", config="c", weights="files:w", code_revision="x")},
     {"source": Source(model_id="m")},
     {"dtype": "float16"},
     {"kv_dtype": "fp8_e4m3"},
@@ -73,10 +77,11 @@ def test_model_id_replaces_the_source_and_nothing_else() -> None:
     assert transformers_model(a, "tiny") != transformers_model(a)
     half = SMALL.build("bfloat16")
     assert transformers_model(half, "tiny") != transformers_model(a, "tiny")  # dtype enters
-    with pytest.raises(ValueError, match="one or the other"):
-        Source(model="/m", model_id="tiny")
+    for derived in ({"model": "/m"}, {"code_revision": "x"}):
+        with pytest.raises(ValueError, match="one or the other"):
+            Source(model_id="tiny", **derived)
     declared = msgspec.structs.replace(BASE, source=Source(model_id="tiny"))
-    for change in CHANGES[5:]:  # dtypes, scales, quantization and shard still enter
+    for change in CHANGES[6:]:  # dtypes, scales, quantization and shard still enter
         assert space_model(msgspec.structs.replace(declared, **change)) != space_model(declared)
 
 
@@ -89,6 +94,55 @@ def test_an_in_memory_model_is_its_tensors_and_a_change_in_place_is_a_miss() -> 
         a.model.layers[0].self_attn.k_proj.weight[0, 0] += 1.0
     assert transformers_model(a) != before
     assert tensor_weights(a) != tensor_weights(again)
+    # through .data: no version counter moves, the digest is taken afresh all the same
+    changed = transformers_model(a)
+    a.model.layers[1].mlp.up_proj.weight.data[0, 0] += 1.0
+    assert transformers_model(a) != changed
+    changed = transformers_model(a)
+    a.lm_head.weight.data.copy_(torch.zeros_like(a.lm_head.weight))
+    assert transformers_model(a) != changed
+
+
+def test_a_transformers_model_is_its_tensors_whatever_its_config_names(
+    checkpoint: Path,
+) -> None:
+    """The config's name and commit do not say what the module holds: a random init
+    from the checkpoint's config, or the checkpoint's model trained a step, is another
+    model; the name still enters (a copy elsewhere is another model)."""
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    config = AutoConfig.from_pretrained(checkpoint)
+    torch.manual_seed(100)  # SMALL.build seeds 0 (the checkpoint's), and 1
+    first = AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(101)
+    second = AutoModelForCausalLM.from_config(config)
+    strings = {transformers_model(m) for m in (loaded, first, second)}
+    assert len(strings) == 3
+    for model in (loaded, first):
+        ident = transformers_identity(model)
+        assert ident.source.model == os.path.realpath(checkpoint)
+        assert ident.source.weights == tensor_weights(model)
+    before = transformers_model(loaded)
+    ids = torch.tensor([SMALL.prompt(8, seed=1)])
+    loss = loaded(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.optim.SGD(loaded.parameters(), lr=0.1).step()  # fine-tuned in this process
+    assert transformers_model(loaded) != before
+    assert transformers_model(loaded, "tiny") == transformers_model(first, "tiny")  # declared
+
+
+def test_peft_adapters_enter_with_their_state() -> None:
+    """A LoRA adapter loaded into the model changes its tensors; disabling it changes
+    what applies; merge_and_unload leaves other weights again."""
+    peft = pytest.importorskip("peft")
+    plain = transformers_model(SMALL.build())
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(SMALL.build(), config)
+    adapted = transformers_model(wrapped)
+    with wrapped.disable_adapter():
+        disabled = transformers_model(wrapped)
+    assert transformers_model(wrapped) == adapted
+    merged = transformers_model(wrapped.merge_and_unload())
+    assert len({plain, adapted, disabled, merged}) == 4
 
 
 def test_runtime_switches_are_not_the_config_but_overrides_are() -> None:
@@ -112,7 +166,7 @@ def test_a_directory_is_its_files_a_copy_is_another_model(checkpoint: Path, tmp_
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     ident = transformers_identity(loaded)
     assert ident.source.model == os.path.realpath(checkpoint)
-    assert ident.source.weights == path_weights(checkpoint)
+    assert source_of(str(checkpoint)).weights == path_weights(checkpoint)  # vLLM, SGLang
     copy = Path(shutil.copytree(checkpoint, tmp_path / "copy"))  # copy2: mtimes kept
     assert path_weights(copy) == path_weights(checkpoint)
     from_copy = AutoModelForCausalLM.from_pretrained(copy)
@@ -149,6 +203,29 @@ def test_a_hub_name_is_its_cached_snapshot_commit(tmp_path: Path) -> None:
     assert hub_weights("org/tiny", commit, cache_dir=str(tmp_path)) == f"hub:{commit}"
     assert hub_weights("org/other", cache_dir=str(tmp_path)) == ""  # not cached: unknown
     assert hub_weights("not a repo id!", cache_dir=str(tmp_path)) == ""
+    assert source_of("org/tiny", cache_dir=str(tmp_path)).weights == f"hub:{commit}"
+    assert source_of("org/other", cache_dir=str(tmp_path)).weights == ""
+
+
+def test_one_derivation_of_the_source(checkpoint: Path) -> None:
+    config = AutoConfig.from_pretrained(checkpoint)
+    source = source_of(str(checkpoint), revision="r", config=config, code_revision="c")
+    assert source == Source(
+        model=os.path.realpath(checkpoint),
+        revision="r",
+        config=config_digest(config),
+        weights=path_weights(checkpoint),
+        code_revision="c",
+    )
+    assert source_of(str(checkpoint), weights="tensors:x").weights == "tensors:x"
+    config._commit_hash = "c0ffee"  # a hub config names the snapshot it came from
+    assert source_of("org/tiny", config=config).weights == "hub:c0ffee"
+    assert source_of("").weights == ""
+    assert (kv_dtype_of("auto", "bfloat16"), kv_dtype_of("fp8_e4m3", "bfloat16")) == (
+        "bfloat16",
+        "fp8_e4m3",
+    )
+    assert process_nonce().startswith("nonce:") and process_nonce() == process_nonce()
 
 
 def test_equal_inputs_give_equal_strings_in_another_process(checkpoint: Path) -> None:
@@ -160,6 +237,8 @@ def test_equal_inputs_give_equal_strings_in_another_process(checkpoint: Path) ->
         "print(transformers_model(SMALL.build()))\n"
         "print(transformers_model(AutoModelForCausalLM.from_pretrained(sys.argv[1])))\n"
         "print(transformers_model(SMALL.build('bfloat16'), 'tiny'))\n"
+        "from kvcore.integrations.identity import process_nonce\n"
+        "print(process_nonce())\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script, str(checkpoint)],
@@ -167,10 +246,12 @@ def test_equal_inputs_give_equal_strings_in_another_process(checkpoint: Path) ->
         text=True,
         timeout=120,
         cwd=Path(__file__).parent,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         check=True,
     ).stdout.split()
-    assert out == [
+    assert out[:3] == [
         transformers_model(SMALL.build()),
         transformers_model(AutoModelForCausalLM.from_pretrained(checkpoint)),
         transformers_model(SMALL.build("bfloat16"), "tiny"),
     ]
+    assert out[3] != process_nonce()  # a nonce is one process's alone

@@ -1,20 +1,24 @@
 """SGLang's pages and keys in kvcore, without SGLang: the strided page views of its
 four MHA host layouts against the page slices its host pool takes (the shapes of
 SGLang 0.5.23's memory_pool_host), the round trip through a kvcore pool, and the
-key spaces. The real SGLang objects drive the backend in tests/test_sglang_storage.py."""
+key spaces. The real SGLang objects drive the backend in tests/test_sglang_storage.py, and
+derive the key spaces from SGLang's published arguments in tests/test_sglang_identity.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import LlamaConfig
 
 from kvcore.errors import BadRequest
-from kvcore.integrations.identity import path_weights, space_model
+from kvcore.integrations.identity import path_weights, process_nonce, space_model
 from kvcore.integrations.sglang.keys import (
     MIN_PAGE_SIZE,
     ServerModel,
@@ -134,7 +138,7 @@ def space(rank: Rank = Rank(), server: ServerModel = SERVER, model_id: str = "")
 @pytest.mark.parametrize(
     ("rank", "server"),
     [
-        (Rank(model_name="m2"), SERVER),
+        (Rank(), dataclasses.replace(SERVER, model_path="m2")),
         (Rank(tp_rank=1), SERVER),
         (Rank(tp_size=4), SERVER),
         (Rank(pp_rank=1, pp_size=2), SERVER),
@@ -162,7 +166,7 @@ def test_a_local_model_path_is_its_files_and_unpublished_server_args_are_unknown
     tmp_path: Path,
 ) -> None:
     (tmp_path / "config.json").write_text("{}")
-    ident = rank_identity(Rank(model_name=str(tmp_path)), SERVER)
+    ident = rank_identity(Rank(), dataclasses.replace(SERVER, model_path=str(tmp_path)))
     assert ident.source.weights == path_weights(tmp_path)
     assert ident.kv_dtype == "bfloat16"  # "auto": the model's dtype
     assert (ident.tp_rank, ident.tp_size) == (0, 2)  # each rank is a client of its own
@@ -170,10 +174,56 @@ def test_a_local_model_path_is_its_files_and_unpublished_server_args_are_unknown
     assert sglang_model(Rank()) == space(Rank(), ServerModel())
 
 
+def checkpoint(directory: Path, eps: float = 1e-5) -> LlamaConfig:
+    """A model directory (its config and a weights file) and the config SGLang loads."""
+    config = LlamaConfig(hidden_size=32, num_attention_heads=2, rms_norm_eps=eps)
+    config.save_pretrained(directory)
+    (directory / "model.safetensors").write_bytes(directory.name.encode())
+    return config
+
+
+def test_two_checkpoints_under_one_served_name_are_two_models(tmp_path: Path) -> None:
+    """SGLang passes its --served-model-name as the storage config's model_name: the
+    source is the server's model_path (its files) and SGLang's HF config."""
+    base, tuned = tmp_path / "base", tmp_path / "finetune"
+    config = checkpoint(base)
+    checkpoint(tuned)
+    llm = Rank(model_name="llm")
+    on_base = ServerModel(model_path=str(base), dtype="bfloat16", hf_config=config)
+    ident = rank_identity(llm, on_base)
+    assert ident.source.model == os.path.realpath(base)
+    assert ident.source.weights == path_weights(base) and ident.source.config
+    on_tuned = dataclasses.replace(on_base, model_path=str(tuned))
+    assert space(llm, on_tuned) != space(llm, on_base)
+    assert space(Rank(model_name="chat"), on_base) == space(llm, on_base)  # one checkpoint
+    overridden = dataclasses.replace(
+        on_base, hf_config=LlamaConfig(**{**config.to_dict(), "rms_norm_eps": 1e-3})
+    )
+    assert space(llm, overridden) != space(llm, on_base)  # --json-model-override-args
+    assert space(llm, on_tuned, "m") == space(llm, on_base, "m")  # declared one model
+
+
+def test_weights_nothing_names_are_this_process_alone_and_say_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    unnamed = ServerModel(model_path="org/not-in-the-hub-cache", dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        ident = rank_identity(Rank(model_name="llm"), unnamed)
+    assert ident.source.weights == process_nonce()
+    assert "model_id" in caplog.text and "org/not-in-the-hub-cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        assert rank_identity(Rank(), unnamed, "m").source.model_id == "m"
+    assert not caplog.records  # a declared model needs no warning
+    checkpoint(tmp_path)
+    dummy = ServerModel(model_path=str(tmp_path), load_format="dummy")
+    assert rank_identity(Rank(), dummy).source.weights == process_nonce()
+    assert rank_identity(Rank(), dummy, "m").source.weights == process_nonce()  # never shared
+
+
 @pytest.mark.parametrize(
     ("rank", "why"),
     [
-        (Rank(model_name=None), "needs the model name"),
         (Rank(is_mla_model=True), "MLA"),
         (Rank(should_split_heads=True), "split heads"),
         (Rank(attn_cp_size=2), "split heads or contexts"),
@@ -182,6 +232,8 @@ def test_a_local_model_path_is_its_files_and_unpublished_server_args_are_unknown
 def test_what_kvcore_does_not_store_is_refused(rank: Rank, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         rank_identity(rank, SERVER)
+    with pytest.raises(ValueError, match="needs the model"):
+        rank_identity(Rank(model_name=None), ServerModel())
 
 
 def test_keys_fill_a_page() -> None:

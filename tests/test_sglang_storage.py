@@ -32,6 +32,30 @@ def daemon() -> Iterator[DaemonProcess]:
         yield d
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Two model directories (configs of one geometry, different files) SGLang is
+    started with: their paths and files are the ranks' model identities."""
+    from transformers import LlamaConfig
+
+    root = tmp_path_factory.mktemp("sglang-models")
+    paths = {}
+    for name, eps in (("base", 1e-5), ("tuned", 1e-6)):
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=LAYOUT["num_layers"],
+            num_attention_heads=2,
+            num_key_value_heads=LAYOUT["num_kv_heads"],
+            head_dim=LAYOUT["head_dim"],
+            vocab_size=128,
+            rms_norm_eps=eps,
+            architectures=["LlamaForCausalLM"],
+        ).save_pretrained(root / name)
+        paths[name] = str(root / name)
+    return paths
+
+
 def spec(
     op: str,
     endpoint: str,
@@ -55,7 +79,7 @@ def spec(
             **(extra or {}),
         },
         "layout": {**LAYOUT, "page_size": PAGE, "host_layout": host_layout},
-        "model_name": "kvcore/tiny",
+        "model_name": "kvcore/tiny",  # the served name
         "prompts": prompts,
         **more,
     }
@@ -78,13 +102,21 @@ def stats(daemon: DaemonProcess) -> tuple[int, int]:
     ],
 )
 def test_two_sglang_processes_share_pages_through_one_daemon(
-    daemon: DaemonProcess, wrote_in: str, read_in: str, v1: int, seed: int
+    daemon: DaemonProcess,
+    models: dict[str, str],
+    wrote_in: str,
+    read_in: str,
+    v1: int,
+    seed: int,
 ) -> None:
     """Process 1 backs a prompt up, process 2 (another host layout) prefetches it and two
     other prompts: exactly the written pages hit, byte for byte; nothing stays held."""
     prompts = [[t + 100_000 * seed for t in p] for p in (WRITTEN, SHARED_HEAD, NEVER)]
     extra = {"interface_v1": v1}
-    w = run_harness(spec("write", daemon.endpoint, wrote_in, prompts[:1], extra, seed=seed))
+    model = models["base"]
+    w = run_harness(
+        spec("write", daemon.endpoint, wrote_in, prompts[:1], extra, seed=seed, model_path=model)
+    )
     assert w["backend_class"] == "kvcore.integrations.sglang.storage.KVCoreStorage"
     page_set, page_get = (
         ("_page_set_zero_copy", "_page_get_zero_copy")
@@ -100,7 +132,9 @@ def test_two_sglang_processes_share_pages_through_one_daemon(
     held, cached = stats(daemon)
     assert held == 0 and cached >= 4
 
-    f = run_harness(spec("fetch", daemon.endpoint, read_in, prompts, extra, seed=seed))
+    f = run_harness(
+        spec("fetch", daemon.endpoint, read_in, prompts, extra, seed=seed, model_path=model)
+    )
     full, head, never = f["prompts"]
     assert f["page_get"] == page_get
     assert full["keys"] == wrote["keys"]
@@ -117,17 +151,23 @@ def test_two_sglang_processes_share_pages_through_one_daemon(
     ("identity", "hit"),
     [
         ({}, 4 * PAGE),  # the same model and shard: shared
-        ({"model_name": "kvcore/other"}, 0),
+        ({"model_name": "kvcore/other"}, 4 * PAGE),  # another served name, one checkpoint
+        ({"model_path": "tuned"}, 0),  # another checkpoint under the same served name
+        ({"model_path": None}, 0),  # nothing published: this process's pages alone
         ({"tp_rank": 1, "tp_size": 2}, 0),
         ({"extra": {"namespace": "tenant-b"}}, 0),
     ],
 )
 def test_other_models_shards_and_namespaces_never_share(
-    daemon: DaemonProcess, identity: dict[str, Any], hit: int
+    daemon: DaemonProcess, models: dict[str, str], identity: dict[str, Any], hit: int
 ) -> None:
+    """The writer serves the ``base`` checkpoint as "kvcore/tiny"; the reader differs by
+    ``identity`` (a model path by its name in ``models``)."""
     written = WRITTEN[: 4 * PAGE]
-    run_harness(spec("write", daemon.endpoint, "layer_first", [written]))
-    (got,) = run_harness(spec("fetch", daemon.endpoint, "layer_first", [written], **identity))[
+    run_harness(spec("write", daemon.endpoint, "layer_first", [written], model_path=models["base"]))
+    reader = {"model_path": "base", **identity}
+    reader["model_path"] = models.get(reader["model_path"])
+    (got,) = run_harness(spec("fetch", daemon.endpoint, "layer_first", [written], **reader))[
         "prompts"
     ]
     assert got["hit_tokens"] == got["fetched_tokens"] == hit

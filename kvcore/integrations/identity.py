@@ -10,48 +10,58 @@ space (spec/hashing.md), next to the namespace (tenants), LoRA adapter and salt.
 
 What enters, and why:
 
-* :class:`Source`, where the weights come from:
+* :class:`Source`, where the weights come from, derived by :func:`source_of` for
+  every engine:
 
   - ``model``: the name or path the engine was given; a local path as its absolute
     real path, so a copy elsewhere is another model;
   - ``revision``: the revision asked for ("" for the default branch);
-  - ``config``: :func:`config_digest` of the loaded config (an ``hf_overrides``
-    changes it; runtime switches such as the attention implementation do not);
-  - ``weights``, chosen to cost nothing at any model size and to miss when in
-    doubt: for a local file or directory, ``files:`` and a digest of every
-    non-hidden file's (relative name, size, ``mtime_ns``) (:func:`path_weights`:
-    a retrain or copy in place, even of equal bytes, is a miss; hashing the bytes
-    of a 100 GB checkpoint at each start would not be cheap); for a hub name, the
-    snapshot commit it resolves to offline (``hub:<commit>``: content-addressed),
-    "" when that is unknown (then name, revision and config stand for it); for a
-    model object with no path or hub commit (built in memory, as kvcore's demo and
-    tests do), ``tensors:`` and a digest of its state dict's bytes
-    (:func:`tensor_weights`, recomputed when a tensor changes in place).
+  - ``config``: :func:`config_digest` of the loaded config (an ``hf_overrides`` or
+    ``--json-model-override-args`` changes it; runtime switches such as the
+    attention implementation do not); "" where the engine has none;
+  - ``weights``: what the engine knows of the weights it holds. An engine that
+    loads a checkpoint (vLLM, SGLang) names it at no cost at any model size: a
+    local file or directory is ``files:`` and a digest of every non-hidden file's
+    (relative name, size, ``mtime_ns``) (:func:`path_weights`: a retrain or copy
+    in place, even of equal bytes, is a miss; hashing a 100 GB checkpoint at each
+    start would not be cheap); a hub name is the snapshot commit it resolves to
+    offline (``hub:<commit>``: content-addressed). A transformers model is a
+    module the program may have built, trained, merged or fitted with adapters
+    in memory, so it is always its tensors (:func:`tensor_weights`). Weights an
+    engine made up (vLLM's and SGLang's ``--load-format dummy``) are
+    :func:`process_nonce`: shared with no other process, even under a
+    ``model_id``. What the engine cannot name is each engine's rule: vLLM keeps
+    ``weights`` "" (name, revision, config and code revision stand for them) and
+    warns; SGLang takes the process nonce and warns;
+  - ``code_revision``: the revision of remote modelling code (vLLM's
+    ``code_revision``); "" for none.
 
   An operator's ``model_id`` replaces all of it (``Source(model_id=...)``): a
   declaration that deployments are the same model (the same weights at two
   paths). It is the only way two different sources share pages.
-* ``dtype`` (the model computes in), ``kv_dtype`` (the cache stores in; "auto"
-  resolved), ``kv_scales`` (a digest of fp8 KV scales; "" until kvcore stores
-  fp8) and ``quantization``: they change K/V for the same weights, and enter
-  even under a ``model_id``.
+* ``dtype`` (the model computes in), ``kv_dtype`` (the cache stores in: "auto"
+  resolved by :func:`kv_dtype_of`), ``kv_scales`` (a digest of fp8 KV scales; ""
+  until kvcore stores fp8) and ``quantization``: they change K/V for the same
+  weights, and enter even under a ``model_id``.
 * The shard: ``tp_size`` and ``pp_size`` always; ``tp_rank`` and ``pp_rank`` where
   the pool's layout does not separate ranks already. In vLLM every TP rank writes
   its own shard of one sharded pool under one key, so its ranks are ``None``; each
   SGLang rank is a client of its own on an unsharded pool, so its rank enters.
 
 Equal inputs give equal strings in every process (msgpack of frozen structs, no
-built-in ``hash``). Append fields only at the end, each with a default that is
-omitted from the encoding: the encoding is the key space, and identities that do
-not set a new field keep their strings.
+built-in ``hash``), except a process nonce. Append fields only at the end, each
+with a default that is omitted from the encoding: the encoding is the key space,
+and identities that do not set a new field keep their strings.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import weakref
+import secrets
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,11 +75,15 @@ if TYPE_CHECKING:
 __all__ = [
     "ModelIdentity",
     "Source",
+    "adapter_state",
     "config_digest",
     "declared",
     "hub_weights",
+    "kv_dtype_of",
     "local_path",
     "path_weights",
+    "process_nonce",
+    "source_of",
     "space_model",
     "tensor_weights",
     "transformers_identity",
@@ -78,7 +92,10 @@ __all__ = [
     "vllm_model",
 ]
 
+log = logging.getLogger(__name__)
+
 DOMAIN = b"kvcore/model/v1"
+DUMMY = "dummy"  # the load format of random weights (vLLM's and SGLang's --load-format)
 # Config keys that are runtime switches or bookkeeping, not the model, at any depth.
 _VOLATILE = frozenset(
     {
@@ -97,20 +114,24 @@ _VOLATILE = frozenset(
     }
 )
 _TOP_VOLATILE = frozenset({"dtype", "torch_dtype"})  # the model's actual dtype is a field
+_NONCE = "nonce:" + secrets.token_hex(16)  # this process's (process_nonce)
 
 
 class Source(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """Where a model's weights come from (module docstring); either the four derived
-    fields or ``model_id`` alone (an operator's declaration), never both."""
+    """Where a model's weights come from (module docstring); either the derived
+    fields (:func:`source_of`) or ``model_id`` alone (an operator's declaration),
+    never both."""
 
     model: str = ""
     revision: str = ""
     config: str = ""
     weights: str = ""
     model_id: str = ""
+    code_revision: str = ""
 
     def __post_init__(self) -> None:
-        if self.model_id and (self.model or self.revision or self.config or self.weights):
+        derived = (self.model, self.revision, self.config, self.weights, self.code_revision)
+        if self.model_id and any(derived):
             raise ValueError("a model_id replaces the derived source; give one or the other")
 
 
@@ -137,6 +158,52 @@ def space_model(identity: ModelIdentity) -> str:
 def declared(model_id: str) -> Source:
     """The source an operator's ``model_id`` declares."""
     return Source(model_id=model_id)
+
+
+def source_of(
+    name_or_path: str,
+    *,
+    revision: str = "",
+    config: Any = None,
+    code_revision: str = "",
+    weights: str | None = None,
+    cache_dir: str | None = None,
+) -> Source:
+    """The derived source of the model an engine was given as ``name_or_path`` (every
+    engine's one derivation; module docstring). ``config``: the engine's loaded
+    config object (None: none). ``weights``: what the engine knows of its weights
+    itself (tensors, a process nonce); None derives them from ``name_or_path``: a
+    local path is :func:`path_weights`, a hub name the commit its config was loaded
+    from or the one it resolves to in the local hub cache (``cache_dir``), "" when
+    neither is known."""
+    local = local_path(name_or_path)
+    if weights is None:
+        if local is not None:
+            weights = path_weights(local)
+        elif name_or_path:
+            weights = _commit_of(config) or hub_weights(name_or_path, revision, cache_dir)
+        else:
+            weights = ""
+    return Source(
+        model=local or name_or_path,
+        revision=revision,
+        config="" if config is None else config_digest(config),
+        weights=weights,
+        code_revision=code_revision,
+    )
+
+
+def kv_dtype_of(cache_dtype: str, dtype: str) -> str:
+    """The dtype a KV cache stores: an engine's ``"auto"`` cache dtype is the model's
+    ``dtype``; any other (``"fp8_e4m3"``, "" for unknown) is itself."""
+    return dtype if cache_dtype == "auto" else cache_dtype
+
+
+def process_nonce() -> str:
+    """``nonce:`` and 32 random hex digits, drawn once per process: the weights of a
+    model no other process may share pages with (random weights, or weights nothing
+    names)."""
+    return _NONCE
 
 
 # -- the parts of a source ------------------------------------------------------------
@@ -194,31 +261,67 @@ def hub_weights(repo_id: str, revision: str = "", cache_dir: str | None = None) 
     return f"hub:{Path(found).parent.name}" if isinstance(found, str) else ""
 
 
-_TENSOR_DIGESTS: weakref.WeakKeyDictionary[Any, tuple[tuple[tuple[int, int], ...], str]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def tensor_weights(module: torch.nn.Module) -> str:
-    """``tensors:`` and a hex SHA-256 of ``module``'s state dict: each entry's name,
-    dtype, shape and bytes, in order. Kept per module while no tensor is replaced or
-    changed in place (torch's version counters), so a second call costs no hashing."""
+    """``tensors:`` and a hex SHA-256 of ``module``'s state dict (its parameters and
+    persistent buffers: each entry's name, dtype, shape and bytes, in order), then of
+    :func:`adapter_state` when PEFT adapters are loaded (their tensors are in the
+    state dict already; which of them apply, and how, is not).
+
+    Computed afresh at every call: a write through ``.data`` changes the bytes
+    without telling torch (no version counter moves), so nothing cheaper is sound.
+    That is one pass over the weights (SHA-256 runs at 0.5 to 2 GB/s on one core);
+    a KVCoreCache makes it once, when it is built, and not under a ``model_id``.
+    Unsupported for weights that are not in memory (the meta device: offloaded)."""
     import torch
 
-    state = module.state_dict(keep_vars=True)
-    versions = tuple((t.data_ptr(), t._version) for t in state.values())
-    cached = _TENSOR_DIGESTS.get(module)
-    if cached is not None and cached[0] == versions:
-        return cached[1]
     digest = hashlib.sha256()
-    for name, tensor in state.items():
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if tensor.is_meta:
+            raise Unsupported(
+                f"{name} is not in memory (offloaded), so the model's weights cannot be "
+                f"digested; pass model_id to name them"
+            )
         flat = tensor.detach().reshape(-1).cpu().contiguous()
         header = [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
         digest.update(msgspec.msgpack.encode(header))
         digest.update(flat.view(torch.uint8).numpy())
-    weights = "tensors:" + digest.hexdigest()
-    _TENSOR_DIGESTS[module] = (versions, weights)
-    return weights
+    digest.update(adapter_state(module).encode())
+    return "tensors:" + digest.hexdigest()
+
+
+def adapter_state(module: torch.nn.Module) -> str:
+    """The canonical JSON of the PEFT adapters loaded into ``module`` (by PEFT or
+    transformers' ``load_adapter``), "" when there are none: the module's
+    ``peft_config`` and, per PEFT tuner layer in module order, its name, active and
+    merged adapters, whether adapters are disabled, and its scaling."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:  # PEFT never imported: nothing has loaded an adapter
+        return ""
+    tuner_layer: type = tuners.BaseTunerLayer
+    layers = [
+        _tuner_state(name, layer)
+        for name, layer in module.named_modules()
+        if isinstance(layer, tuner_layer)
+    ]
+    configs = getattr(module, "peft_config", None)
+    if not layers and not configs:
+        return ""
+    config = {
+        str(k): v.to_dict() if hasattr(v, "to_dict") else v for k, v in (configs or {}).items()
+    }
+    data = {"peft_config": config, "layers": layers}
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _tuner_state(name: str, layer: Any) -> list[Any]:
+    """What decides a PEFT tuner layer's output besides its tensors."""
+    return [
+        name,
+        sorted(layer.active_adapters),
+        list(layer.merged_adapters),
+        bool(layer.disable_adapters),
+        dict(getattr(layer, "scaling", {})),
+    ]
 
 
 def local_path(path: str) -> str | None:
@@ -231,39 +334,46 @@ def local_path(path: str) -> str | None:
 
 def vllm_model(vllm_config: Any, model_id: str = "") -> str:
     """The ``model`` string of a vLLM engine, from its ``VllmConfig`` (vLLM 0.32):
-    ``model_config`` (``model``, ``revision``, ``hf_config``, ``dtype``,
-    ``quantization``), ``cache_config.cache_dtype`` and ``parallel_config``'s TP and PP
-    sizes. Equal on every rank (the sharded pool separates them)."""
+    ``model_config`` (``model``, ``revision``, ``code_revision``, ``hf_config``,
+    ``dtype``, ``quantization``), ``load_config`` (``load_format``,
+    ``download_dir``), ``cache_config.cache_dtype`` and ``parallel_config``'s TP and
+    PP sizes. Equal on every rank (the sharded pool separates them)."""
     return space_model(vllm_identity(vllm_config, model_id))
 
 
 def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
-    """The identity :func:`vllm_model` hashes."""
+    """The identity :func:`vllm_model` hashes. ``--load-format dummy`` (random weights)
+    is :func:`process_nonce`, even under a ``model_id``; weights nothing names (a hub
+    name with no cached commit) are "", with a warning that recommends ``model_id``."""
     mc, parallel = vllm_config.model_config, vllm_config.parallel_config
-    if model_id:
+    load = getattr(vllm_config, "load_config", None)
+    name = str(mc.model)
+    dummy = _name(getattr(load, "load_format", "")) == DUMMY
+    if model_id and not dummy:
         source = declared(model_id)
     else:
-        name, revision = str(mc.model), str(mc.revision or "")
-        local = local_path(name)
-        if local is not None:
-            weights = path_weights(local)
-        else:
-            load = getattr(vllm_config, "load_config", None)
-            weights = _commit_of(mc.hf_config) or hub_weights(
-                name, revision, getattr(load, "download_dir", None)
-            )
-        source = Source(
-            model=local or name,
-            revision=revision,
-            config=config_digest(mc.hf_config),
-            weights=weights,
+        if dummy and model_id:
+            log.warning("kvcore: %s: random weights (load format dummy); model_id ignored", name)
+        source = source_of(
+            name,
+            revision=str(mc.revision or ""),
+            config=mc.hf_config,
+            code_revision=str(getattr(mc, "code_revision", None) or ""),
+            weights=process_nonce() if dummy else None,
+            cache_dir=getattr(load, "download_dir", None),
         )
-    dtype = _dtype_name(mc.dtype)
-    kv = str(vllm_config.cache_config.cache_dtype)
+        if not source.weights:
+            log.warning(
+                "kvcore: cannot identify the weights of %s (no local path, no hub commit in "
+                "the local cache); its pages are keyed by name, revision and config only. "
+                "Set model_id in kv_connector_extra_config to declare which model it is",
+                name,
+            )
+    dtype = _name(mc.dtype)
     return ModelIdentity(
         source=source,
         dtype=dtype,
-        kv_dtype=dtype if kv == "auto" else kv,
+        kv_dtype=kv_dtype_of(str(vllm_config.cache_config.cache_dtype), dtype),
         quantization=str(mc.quantization or ""),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
@@ -272,13 +382,15 @@ def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
 
 def transformers_model(model: torch.nn.Module, model_id: str = "") -> str:
     """The ``model`` string of a transformers model (``model.config``, its
-    ``name_or_path``, dtype and state dict). Unsupported for a tensor-parallel model."""
+    ``name_or_path``, dtype and tensors). Unsupported for a tensor-parallel model."""
     return space_model(transformers_identity(model, model_id))
 
 
 def transformers_identity(model: torch.nn.Module, model_id: str = "") -> ModelIdentity:
-    """The identity :func:`transformers_model` hashes: a local ``name_or_path`` is its
-    files, a hub name its commit, anything else (a model built in memory) its tensors."""
+    """The identity :func:`transformers_model` hashes: its ``name_or_path`` and config,
+    and always its tensors (:func:`tensor_weights`, adapters included): a config's
+    name or commit does not say what weights the module holds now (``from_config``,
+    training, merges, adapters)."""
     config: Any = model.config
     tp_size = getattr(model, "tp_size", None) or 1
     if tp_size > 1:
@@ -290,15 +402,8 @@ def transformers_identity(model: torch.nn.Module, model_id: str = "") -> ModelId
         source = declared(model_id)
     else:
         name = str(getattr(config, "name_or_path", "") or "")
-        local = local_path(name)
-        if local is not None:
-            weights = path_weights(local)
-        else:
-            weights = (_commit_of(config) or (hub_weights(name) if name else "")) or (
-                tensor_weights(model)
-            )
-        source = Source(model=local or name, config=config_digest(config), weights=weights)
-    dtype = _dtype_name(next(model.parameters()).dtype)
+        source = source_of(name, config=config, weights=tensor_weights(model))
+    dtype = _name(next(model.parameters()).dtype)
     quant = getattr(config, "quantization_config", None)
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     method = method or getattr(quant, "quant_method", None)
@@ -306,7 +411,7 @@ def transformers_identity(model: torch.nn.Module, model_id: str = "") -> ModelId
         source=source,
         dtype=dtype,
         kv_dtype=dtype,  # the cache stores what the attention layers hand it
-        quantization=str(getattr(method, "value", method) or ""),
+        quantization=_name(method or ""),
     )
 
 
@@ -315,5 +420,6 @@ def _commit_of(config: Any) -> str:
     return f"hub:{commit}" if commit else ""
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
+def _name(value: Any) -> str:
+    """An engine's enum, torch dtype or string as its plain name ("bfloat16", "dummy")."""
+    return str(getattr(value, "value", value)).removeprefix("torch.")

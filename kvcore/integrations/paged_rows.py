@@ -52,9 +52,6 @@ if TYPE_CHECKING:
     from kvcore.client import Client
 
 
-_SESSION = KeySpace()  # the session's namespace, no model, adapter or salt
-
-
 @dataclass(slots=True)
 class Row:
     """One batch row: one daemon sequence. Changed only by :class:`PagedRows`."""
@@ -99,9 +96,10 @@ class StepPlan:
 
 class PagedRows:
     """The rows of one generate call, bound to one Client session; every row is
-    allocated in key space ``space`` (a None namespace: the session's)."""
+    allocated in key space ``space`` (a None namespace: the session's). The space has
+    no default: its ``model`` is what keeps another model's pages out of the rows."""
 
-    def __init__(self, client: Client, device: torch.device, space: KeySpace = _SESSION) -> None:
+    def __init__(self, client: Client, device: torch.device, space: KeySpace) -> None:
         self.client = client
         self.space = space
         self.page_size = client.layout.page_size

@@ -32,9 +32,11 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   as soon as every layer has written them (at the next forward, and at close).
 * Key space: the session's namespace and the model's identity
   (kvcore.integrations.identity.transformers_model: its config, name or path,
-  weights, dtype), so a page computed by another model (a fine-tune of the same
-  geometry) is never a hit. ``model_id`` declares the model part instead (the
-  same weights under two paths); dtype and quantization still enter.
+  dtype and a digest of its tensors and loaded PEFT adapters, taken afresh when
+  the cache is built), so a page computed by other weights (a fine-tune of the
+  same geometry, a random init, weights changed in place) is never a hit.
+  ``model_id`` declares the model part instead and skips the digest (the same
+  weights under two paths); dtype and quantization still enter.
 * Batches. Left padding only (BadRequest otherwise); padding never reaches the
   pool. Rows with identical tokens, as ``num_return_sequences`` makes them, are
   forks of one sequence (pages shared, copy-on-write of the last page).

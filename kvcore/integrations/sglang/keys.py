@@ -12,30 +12,45 @@ is a one-page chain in kvcore, in a key space of its own::
 
 ``sglang_model`` is the model string of kvcore.integrations.identity for the rank's
 :class:`~kvcore.integrations.identity.ModelIdentity` (:func:`rank_identity`): the
-model (SGLang's ``model_name``, its weights, revision, dtype, KV dtype and
-quantization) and the tensor/pipeline shard the rank holds, its rank included:
+source of the model the server loaded (SGLang's ``model_path``, as vLLM's:
+:func:`~kvcore.integrations.identity.source_of`), its dtype, KV dtype and
+quantization, and the tensor/pipeline shard the rank holds, its rank included:
 each SGLang rank is a client of its own on an unsharded pool. Equal identities
 share pages; any difference misses, never collides. A page therefore needs at
 least 8 tokens (:data:`MIN_PAGE_SIZE`); smaller pages are refused.
+
+SGLang's storage config carries only the *served* model name (``--served-model-name``,
+which two checkpoints may share), so the source comes from the arguments SGLang
+publishes in the scheduler process (:func:`server_model`): ``model_path``,
+``revision`` and the HF config SGLang built (``--json-model-override-args``
+applied). The served name stands in only where nothing is published. Weights
+that nothing names (no local path, no cached hub commit) and ``--load-format dummy``
+are :func:`~kvcore.integrations.identity.process_nonce`: the process's pages are its
+own (every other process misses them), and a warning names ``model_id``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from kvcore.errors import BadRequest
 from kvcore.integrations.identity import (
+    DUMMY,
     ModelIdentity,
-    Source,
     declared,
-    hub_weights,
-    local_path,
-    path_weights,
+    kv_dtype_of,
+    process_nonce,
+    source_of,
     space_model,
 )
+
+log = logging.getLogger(__name__)
 
 DIGEST_WORDS = 8  # a SHA-256 digest as u32 words
 MIN_PAGE_SIZE = DIGEST_WORDS  # tokens per page: one page holds one key's digest
@@ -57,32 +72,38 @@ class StorageRank(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ServerModel:
-    """SGLang's model arguments that its storage config lacks ("" where unknown)."""
+    """SGLang's model arguments that its storage config lacks ("" or None where unknown)."""
 
     model_path: str = ""
     revision: str = ""
-    dtype: str = ""
+    dtype: str = ""  # resolved where SGLang's model config is built ("auto" otherwise)
     kv_cache_dtype: str = ""
     quantization: str = ""
+    load_format: str = ""
+    hf_config: Any = None  # the HF config SGLang built (override args applied)
 
 
 def server_model() -> ServerModel:
     """SGLang's model arguments as its runtime context publishes them in the scheduler
-    process, where SGLang builds storage backends; all "" where nothing is published
-    (a harness that builds the cache controller alone)."""
+    process, where SGLang builds storage backends, with the HF config and dtype of
+    its process model config; all "" where nothing is published (a harness that
+    builds the cache controller alone)."""
     try:
-        from sglang.srt.runtime_context import get_model
+        from sglang.srt.runtime_context import get_model, process_model_config
 
         bag = get_model()
-        return ServerModel(
-            model_path=str(bag.model_path or ""),
-            revision=str(bag.revision or ""),
-            dtype=str(bag.dtype or ""),
-            kv_cache_dtype=str(bag.kv_cache_dtype or ""),
-            quantization=str(bag.quantization or ""),
-        )
-    except (ImportError, ValueError, AttributeError):  # ValueError: "... not published"
+    except (ImportError, ValueError):  # ValueError: "... not published"
         return ServerModel()
+    built = process_model_config()  # memoized: the one the scheduler runs
+    return ServerModel(
+        model_path=str(bag.model_path or ""),
+        revision=str(bag.revision or ""),
+        dtype=str(built.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(bag.kv_cache_dtype or ""),
+        quantization=str(bag.quantization or ""),
+        load_format=str(bag.load_format or ""),
+        hf_config=built.hf_config,
+    )
 
 
 def sglang_model(config: StorageRank, model_id: str = "") -> str:
@@ -93,32 +114,41 @@ def sglang_model(config: StorageRank, model_id: str = "") -> str:
 
 
 def rank_identity(config: StorageRank, server: ServerModel, model_id: str = "") -> ModelIdentity:
-    """The model identity of an SGLang rank. ValueError for what kvcore does not store
-    yet (MLA, split heads, context parallelism), or no model name."""
-    if not config.model_name:
-        raise ValueError("kvcore's SGLang storage needs the model name (SGLang's model_name)")
+    """The model identity of an SGLang rank (module docstring). ValueError for what
+    kvcore does not store yet (MLA, split heads, context parallelism), or no model."""
     if config.is_mla_model:
         raise ValueError("kvcore's SGLang storage does not hold MLA caches yet")
     if config.should_split_heads or getattr(config, "dcp_size", 1) > 1 or config.attn_cp_size > 1:
         raise ValueError(
             "kvcore's SGLang storage does not split heads or contexts across ranks yet"
         )
-    if model_id:
+    name = server.model_path or config.model_name or ""
+    dummy = server.load_format == DUMMY
+    if model_id and not dummy:
         source = declared(model_id)
+    elif not name:
+        raise ValueError("kvcore's SGLang storage needs the model (SGLang's model_path)")
     else:
-        name = config.model_name
-        local = local_path(name)
-        weights = (
-            path_weights(local)
-            if local
-            else hub_weights(server.model_path or name, server.revision)
+        if dummy and model_id:
+            log.warning("kvcore: %s: random weights (load format dummy); model_id ignored", name)
+        source = source_of(
+            name,
+            revision=server.revision,
+            config=server.hf_config,
+            weights=process_nonce() if dummy else None,
         )
-        source = Source(model=local or name, revision=server.revision, weights=weights)
-    kv = server.kv_cache_dtype
+        if not source.weights:
+            log.warning(
+                "kvcore: cannot identify the weights of SGLang's model %r (no local path, no "
+                "hub commit in the local cache): its pages are this process's alone. Set "
+                "model_id in --hicache-storage-backend-extra-config to share them",
+                name,
+            )
+            source = msgspec.structs.replace(source, weights=process_nonce())
     return ModelIdentity(
         source=source,
         dtype=server.dtype,
-        kv_dtype=server.dtype if kv == "auto" else kv,
+        kv_dtype=kv_dtype_of(server.kv_cache_dtype, server.dtype),
         quantization=server.quantization,
         tp_size=config.tp_size,
         pp_size=config.pp_size,
