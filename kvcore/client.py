@@ -15,12 +15,24 @@ is empty). A Client is not thread-safe: one engine thread drives it.
 
 A client that was silent for longer than the lease (stopped, paused) while
 alive finds its session fenced: the daemon keeps its pages (nobody else gets
-them) for at most ``fence_timeout_s`` and answers ``lease_lost``. Whichever thread learns it first (the
-heartbeat, at the latest a moment after the process resumes) fences the
-client: the pool mapping is replaced by private scratch pages, so no kernel
-still holding ``kv_caches`` can write the daemon's pages; then it tells the
-daemon (``detach``), which frees the pages. Every later call raises
-:class:`~kvcore.errors.LeaseLost` until :meth:`Client.reconnect`.
+them) for at most ``fence_timeout_s`` and answers ``lease_lost``. Whichever
+thread learns it first (the heartbeat, at the latest a moment after the process
+resumes) marks the client lost; every later call raises
+:class:`~kvcore.errors.LeaseLost` until :meth:`Client.reconnect`. What ends the
+fence (the acknowledgement, a ``detach``: the daemon frees the pages at once)
+depends on who may still write them:
+
+* a host mapping is fenced at once (replaced by private scratch pages, so no
+  kernel still holding ``kv_caches`` can write the daemon's pages), then
+  acknowledged;
+* a CUDA mapping cannot be fenced: acknowledged once unmapped, at
+  :meth:`Client.reconnect` or :meth:`Client.close`;
+* a map-less client writes nothing itself, but the page numbers it handed out
+  may still be in use by another process's mapping (the vLLM connector's
+  scheduler plans copies that its workers run through their own sessions):
+  acknowledged only at :meth:`Client.reconnect` or :meth:`Client.close`, so its
+  pages stay fenced until its owner says nothing built on them can run any more
+  (or ``fence_timeout_s`` passes).
 
 Trust (docs/security.md): before it connects to an ipc:// endpoint the client
 checks that the socket and its directory belong to itself, root or a uid of
@@ -53,6 +65,7 @@ from kvcore.errors import (
     KVCoreError,
     LeaseLost,
     NotAttached,
+    StaleEpoch,
     Timeout,
     UnknownPool,
     UntrustedEndpoint,
@@ -112,7 +125,7 @@ class Client:
         self._next_id = 0
         self._closed = False
         self._lost = False  # the lease was lost: every call raises LeaseLost (see module doc)
-        self._acked = False  # the daemon was told (after the mapping was fenced)
+        self._acked = False  # the loss was acknowledged (the daemon freed the pages)
         self._lose_lock = threading.Lock()
         self._region: HostRegion | CudaRegion | None = None
         self._owners = _check_endpoint(endpoint, {os.getuid(), 0, *trusted_uids})
@@ -184,17 +197,44 @@ class Client:
         self.lease_s = ok.lease_ms / 1000
         self._unmap()
         if self._map_memory:
-            self._map(ok.memory)
+            try:
+                self._map(ok.memory)
+            except KVCoreError:
+                self._undo_attach()
+                raise
 
     def _map(self, memory: msg.HostMemory | msg.CudaMemory) -> None:
-        if isinstance(memory, msg.HostMemory):
-            try:
+        """Map the pool's memory as the daemon described it. Every failure is a
+        KVCoreError, so that a caller's "daemon gone" rule sees it (an integration's
+        reconnect never raises into its engine): a segment owned by an untrusted uid is
+        :class:`~kvcore.errors.UntrustedEndpoint`; any other (the segment gone, too
+        small, a CUDA handle that does not open: the daemon that described it exited or
+        restarted between attach and map) is :class:`~kvcore.errors.StaleEpoch`, what
+        the client was told about this epoch's memory being no longer true."""
+        try:
+            if isinstance(memory, msg.HostMemory):
                 self._region = HostRegion.attach(memory, self._owners)
-            except PermissionError as exc:
-                raise UntrustedEndpoint(f"{exc}: refusing to map it") from None
-        else:
-            self._region = CudaRegion.attach(memory)
-        self.kv_caches = self.layout.layer_views(self._region.as_tensor())
+            else:
+                self._region = CudaRegion.attach(memory)
+            self.kv_caches = self.layout.layer_views(self._region.as_tensor())
+        except PermissionError as exc:
+            raise UntrustedEndpoint(f"{exc}: refusing to map it") from None
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise StaleEpoch(
+                f"cannot map pool {self.pool!r} of epoch {self.epoch:x} "
+                f"({type(exc).__name__}: {exc}): the daemon exited or restarted since it "
+                f"attached this session, or this process cannot map its memory"
+            ) from None
+
+    def _undo_attach(self) -> None:
+        """The pool of the session just attached could not be mapped: detach that session
+        (best effort: nothing keeps it alive, not even the heartbeat) and stay unattached
+        (``session`` and ``epoch`` 0, so no caller takes the epoch for a mapped one);
+        :meth:`reconnect` tries again."""
+        with contextlib.suppress(KVCoreError):
+            self._call(msg.Detach(), msg.Empty, timeout_s=min(self._timeout_s, 2.0))
+        self._unmap()
+        self.session = self.epoch = 0
 
     def _unmap(self) -> None:
         self.kv_caches = []
@@ -207,10 +247,20 @@ class Client:
         remapped (the same shard). The pool must have the layout (page count aside) and
         shard count of the first attach, whatever that one expected: everything built on
         the old session (an engine's views, page tables, its block size) assumes them,
-        so a daemon restarted with another layout is a LayoutMismatch, never a remap."""
+        so a daemon restarted with another layout is a LayoutMismatch, never a remap.
+
+        A lost session not yet acknowledged (a map-less or CUDA client's: see the module
+        docstring) is acknowledged first, once this process can write none of its pages
+        (the CUDA work queued so far done, the pool unmapped): the daemon frees them now.
+        A failed attach (any KVCoreError) leaves the client unattached."""
         if self._expected is None and self.epoch:
             self._expected = self.layout
             self._expected_shards = self.shards
+        with self._lose_lock:  # the heartbeat may be acknowledging a host mapping's loss
+            if self.session and self._lost and not self._acked:
+                self._wait_for_gpu()
+                self._unmap()
+                self._acknowledge(self._channel)
         self.session = self.epoch = 0
         self._lost = self._acked = False
         self._attach()
@@ -221,9 +271,11 @@ class Client:
         return self._lost
 
     def _lose(self, channel: DealerChannel) -> None:
-        """The lease is lost: fence the mapping, then acknowledge on ``channel`` (the
-        daemon frees the fenced pages). A CUDA mapping cannot be fenced: the ack waits
-        for :meth:`close` (or the process's exit). Idempotent, for either thread."""
+        """The lease is lost: a host mapping is fenced, then acknowledged on ``channel``
+        (the daemon frees the fenced pages). A CUDA mapping cannot be fenced, and a
+        map-less client's page numbers may be in use by other processes' mappings: their
+        acknowledgement waits for :meth:`reconnect` or :meth:`close` (or the process's
+        exit, or the daemon's fence timeout). Idempotent, for either thread."""
         with self._lose_lock:
             if self._lost:
                 return
@@ -231,7 +283,6 @@ class Client:
             region = self._region
             if isinstance(region, HostRegion):
                 region.fence()
-            if not isinstance(region, CudaRegion):
                 self._acknowledge(channel)
 
     def _acknowledge(self, channel: DealerChannel) -> None:
@@ -259,7 +310,7 @@ class Client:
                 self._call(msg.Detach(), msg.Empty, timeout_s=min(self._timeout_s, 2.0))
         self._unmap()
         if self.session and self._lost and not self._acked:
-            self._acknowledge(self._channel)  # a CUDA pool: unmapped only now
+            self._acknowledge(self._channel)  # a CUDA pool (unmapped only now), or none
         self.session = 0
         self._channel.close()
         self._closed = True

@@ -150,3 +150,21 @@ def test_a_stale_session_waits_out_a_quiet_period() -> None:
     assert not rec.due() and not rec.ready()
     clock.now += 3.0
     assert rec.ready() and daemon.attaches == [1]
+
+
+def test_an_attach_that_fails_in_the_environment_is_one_more_failure_never_raised() -> None:
+    """Client.reconnect maps its own mapping failures to a KVCoreError (StaleEpoch), but
+    an OSError of the environment (a segment gone, a socket) must not reach an engine's
+    hooks either: a failed attach, a quiet period, the attachment the last that worked."""
+    rec, daemon, clock = reconnector(retry_s=1.0)
+    first = rec.attachment
+    rec.gone(StaleEpoch("restarted"), "load")
+    daemon.down = FileNotFoundError(2, "No such file or directory", "/dev/shm/kvcore-x")
+    clock.now += 1.0
+    assert not rec.ready() and rec.quiet() and rec.attachment == first
+    daemon.down = OSError("mmap failed")
+    clock.now += 2.0
+    assert not rec.ready() and rec.attachment == first
+    daemon.down = None
+    clock.now += 4.0
+    assert rec.ready() and daemon.attaches == [1] and rec.attachment != first

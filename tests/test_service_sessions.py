@@ -13,6 +13,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from kvcore_ipc import messages as msg
 
 from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
@@ -26,6 +27,7 @@ from kvcore.errors import (
     UnknownSequence,
     VersionMismatch,
 )
+from kvcore.integrations.reconnect import Reconnector
 from kvcore.layout import KVLayout
 
 LEASE_S = 1.0
@@ -184,7 +186,9 @@ def test_kill_9_of_a_client_returns_its_pages_within_the_lease(daemon: DaemonPro
 
 
 def test_a_silent_session_expires(daemon: DaemonProcess) -> None:
-    """Its process lives, so its pages are fenced until it learns (lease_lost) and acks."""
+    """Its process lives, so its pages are fenced until it acknowledges the loss. A
+    map-less client (whose page numbers another process's mapping may be using: the
+    vLLM scheduler's) acknowledges only when it attaches again or closes."""
     with fresh_pool(daemon) as keeper:
         quiet = join(daemon, keeper.pool, heartbeat=False, map_memory=False)
         quiet.allocate(1, [1, 2, 3])
@@ -194,11 +198,54 @@ def test_a_silent_session_expires(daemon: DaemonProcess) -> None:
             quiet.extend(1, 1)
         with pytest.raises(LeaseLost):
             quiet.num_tokens(1)  # every later call, without a round trip
-        assert keeper.stats().held_pages == 0
+        assert quiet.lease_lost and keeper.stats().held_pages == 1  # learned; still fenced
         quiet.reconnect()
+        assert keeper.stats().held_pages == 0  # acknowledged first: its pages are free
         assert quiet.allocate(1, [1]).num_cached_tokens == 0  # its old seq 1 is gone
         assert quiet.num_tokens(1) == 1
         quiet.close()
+
+
+def test_a_lost_mapless_session_is_acknowledged_at_close(daemon: DaemonProcess) -> None:
+    with fresh_pool(daemon) as keeper:
+        quiet = join(daemon, keeper.pool, heartbeat=False, map_memory=False)
+        quiet.allocate(1, [1, 2, 3])
+        time.sleep(LEASE_S + 0.3)
+        with pytest.raises(LeaseLost):
+            quiet.extend(1, 1)
+        assert keeper.stats().held_pages == 1
+        quiet.close()
+        assert keeper.stats().held_pages == 0
+
+
+def test_a_pool_whose_memory_is_gone_is_stale_epoch_and_leaves_no_session(
+    tmp_path: Path,
+) -> None:
+    """The segment the daemon describes at attach is gone by the time the client maps it
+    (here: unlinked; in life, the daemon restarted between attach and map): StaleEpoch,
+    a KVCoreError like every other way the daemon can be gone, never an OSError; the
+    session just attached is detached and the client is left unattached (epoch 0), so
+    nothing takes the epoch for a mapped one. Reconnector.ready() turns it into a quiet
+    period, its attachment still the last one that worked."""
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    with DaemonProcess("--endpoint", endpoint, "--pool", "num_layers=1,num_pages=8"):
+        client = Client.connect(endpoint, timeout_s=5, name="mapper")
+        rec = Reconnector.of(client, retry_s=60.0, what="test")
+        first = rec.attachment
+        memory = client.attach_info.memory
+        assert isinstance(memory, msg.HostMemory)
+        Path("/dev/shm", memory.name).unlink()
+        rec.stale()  # e.g. a vLLM worker saw a plan of a newer daemon
+        assert not rec.ready()  # the attach failed: no exception, a quiet period
+        assert rec.quiet() and rec.attachment == first
+        assert client.epoch == client.session == 0 and client.kv_caches == []
+        with pytest.raises(StaleEpoch, match="cannot map pool"):
+            client.reconnect()  # the Client's own error: a KVCoreError
+        assert client.epoch == client.session == 0
+        with Client.connect(endpoint, map_memory=False, heartbeat=False) as watcher:
+            mine = [s for s in watcher.daemon_stats().sessions if s.name == "mapper"]
+            assert len(mine) == 1, mine  # the first session (live): the failed ones went
+        client.close()
 
 
 def test_daemon_restart_gives_stale_epoch_then_reconnect_works(tmp_path: Path) -> None:

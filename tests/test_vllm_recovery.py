@@ -41,7 +41,7 @@ if not vllm_available():
 from vllm.v1.request import RequestStatus
 from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.integrations.vllm.link import Free
 from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan
@@ -50,6 +50,7 @@ from kvcore.integrations.vllm.scheduler import SchedulerSide
 from kvcore.integrations.vllm.worker import WorkerSide
 
 NAMESPACE = "recovery"
+MODEL_ID = "tiny-llama"  # the engine's model identity in every request's key space
 RETRY_S = 0.05  # the link's quiet period after the daemon is found gone
 NUM_BLOCKS = 64  # vLLM's blocks in the stand-in caches
 BLOCKS_PER_REQUEST = 8
@@ -236,7 +237,7 @@ def engine(daemon: Restartable) -> Iterator[Engine]:
         "ask_wait_ms": 2000,  # every answer within its ask: the interleaving is the test's
     }
     config = ConnectorConfig.from_extra(extra)
-    side = SchedulerSide(config, PAGE_SIZE)
+    side = SchedulerSide(config, PAGE_SIZE, model=MODEL_ID)
     worker = WorkerSide(config)
     shape = (NUM_BLOCKS, MODEL.num_kv_heads, PAGE_SIZE, 2 * MODEL.head_dim)
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(2)}
@@ -268,7 +269,7 @@ def committed_pages_hold_their_tokens(endpoint: str, prompts: list[list[int]]) -
     checked = 0
     with Client.connect(endpoint, namespace=NAMESPACE, heartbeat=False) as client:
         for seq, tokens in enumerate(prompts, start=1):
-            alloc = client.allocate(seq, tokens)
+            alloc = client.allocate(seq, tokens, KeySpace(model=MODEL_ID))
             for p in range(alloc.num_cached_tokens // PAGE_SIZE):
                 for layer, pool in enumerate(client.kv_caches):
                     page = pool[alloc.pages[p]]  # [2, N, H, D]

@@ -186,7 +186,7 @@ def test_pages_are_shared_only_under_the_same_lora_adapter(
     assert run(a, [prompt], max_tokens=8, loras=[first])["tokens"] == want[first]
     settled(daemon.endpoint)
     # B's first adapter is `second`: vLLM gives it B's LoRA id 1, which on A is `first`'s;
-    # pages are keyed by the adapter's name, never by an engine's id for it
+    # pages are keyed by the adapter's name and files, never by an engine's id for it
     for lora in (second, None):
         other = run(b, [prompt], max_tokens=8, loras=[lora])
         assert (other["external"], other["cached"], other["tokens"]) == (0, [0], want[lora])

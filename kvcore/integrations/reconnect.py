@@ -16,9 +16,15 @@ the SGLang storage backend. It says, once:
   sent meanwhile. The first call that succeeds resets it.
 * **how to re-attach** (:class:`Reconnector`): once the quiet period is over, the next
   call first attaches again (``Client.reconnect``: a new session, the pool mapped
-  afresh); an attach that fails is one more failure in a row. A session known to be
-  over without a failed call (the heartbeat found the lease lost; a vLLM worker saw
-  a plan of a newer daemon) attaches again at the next call, at once unless quiet.
+  afresh); an attach that fails (any :class:`~kvcore.errors.KVCoreError`, or an
+  ``OSError`` of the environment: it is never raised into the engine) is one more
+  failure in a row. A session known to be over without a failed call (the heartbeat
+  found the lease lost; a vLLM worker saw a plan of a newer daemon) attaches again at
+  the next call, at once unless quiet. Attaching again acknowledges a lost session
+  not yet acknowledged (the daemon frees its pages: ``Client.reconnect``), so a user
+  whose page numbers are in use elsewhere (the vLLM scheduler's, in its workers'
+  plans) calls :meth:`Reconnector.ready` only once nothing built on them can run
+  (:mod:`kvcore.integrations.vllm.link`).
 
 ::
 
@@ -166,7 +172,9 @@ class Reconnector:
     def ready(self) -> bool:
         """Whether to call the daemon now. False within a quiet period; after it (or
         once the session is known to be over), attach again first: True if that worked
-        (``attachment`` is then the new one), False if it failed (a new quiet period)."""
+        (``attachment`` is then the new one), False if it failed (a new quiet period;
+        ``attachment`` stays the last one that worked, whatever the client holds now).
+        Never raises for the daemon's or the environment's failures."""
         if self.client.lease_lost:
             self._stale = True
         if not (self.backoff.down or self._stale):
@@ -175,7 +183,7 @@ class Reconnector:
             return False
         try:
             self.client.reconnect()
-        except KVCoreError as exc:
+        except (KVCoreError, OSError) as exc:  # Client maps its own failures to KVCoreError
             self.gone(exc, "attach")
             return False
         self.backoff.succeeded()
@@ -184,7 +192,7 @@ class Reconnector:
         log.info("kvcore: %s attached again (epoch %x)", self.what, self.attachment.epoch)
         return True
 
-    def gone(self, exc: KVCoreError, call: str) -> None:
+    def gone(self, exc: Exception, call: str) -> None:
         """``call`` failed with ``exc`` (one of :data:`DAEMON_GONE`, or an attach that
         failed): quiet for the next period, then attach again."""
         period = self.backoff.failed()

@@ -11,13 +11,21 @@ vLLM loads it with no change to vLLM::
 keeps its own KV blocks; kvcore's pool holds committed pages (prompt and generated)
 that every attached engine can hit, keyed by the namespace, the model's identity
 (derived from vLLM's config: :mod:`kvcore.integrations.identity`; ``model_id``
-overrides its source), the request's LoRA adapter and its ``cache_salt``. The scheduler side (:mod:`.scheduler`) allocates once per request
-through an I/O thread (:mod:`.link`: vLLM's scheduler never waits for the daemon)
-and pins the hit; the worker side (:mod:`.worker`) copies pages between the mapped
-pool and vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between
-them. vLLM's ``block_size`` must equal the pool's ``page_size``; layouts are checked
-once, at ``register_kv_caches`` (the layout of vLLM's blocks comes from the
-attention backend; an unknown one is refused).
+overrides its source), the request's LoRA adapter and its ``cache_salt``. An adapter
+is keyed by vLLM's ``lora_name`` and a digest of its files
+(:func:`~.records.adapter_key`: ``name@files:<sha256>``), so two engines' adapters
+of one name but other weights never share a page; that composite is also what the
+daemon's vLLM-format events carry inside ``lora_name`` (spec/vllm-events.md), so a
+router asks with it, not with the bare adapter name.
+
+The scheduler side (:mod:`.scheduler`) allocates once per request through an I/O
+thread (:mod:`.link`: vLLM's scheduler never waits for the daemon) and pins the
+hit; the worker side (:mod:`.worker`) copies pages between the mapped pool and
+vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between them. vLLM's
+``block_size`` must equal the pool's ``page_size``; layouts are checked once, at
+``register_kv_caches`` (the layout of vLLM's blocks comes from the attention
+backend; an unknown one is refused). Tensor parallelism only: pipeline or context
+parallelism is refused at start-up (:func:`~.ranks.check_parallelism`).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
 endpoint; a daemon that stops answering turns requests into misses within
@@ -27,6 +35,17 @@ through ``get_block_ids_with_load_errors``. A failed load costs a recomputation,
 never the request: the connector sets vLLM's ``kv_load_failure_policy`` to
 ``recompute`` (:func:`recompute_failed_loads`). The daemon's lease frees what a dead
 vLLM held.
+
+What keeps a copy on the right pages: a plan names pages of the sequences the
+scheduler's session holds, and carries the daemon epoch it was built on. A daemon
+restart changes the epoch, and the worker copies only into (and out of) the pool of
+its plan's epoch (:mod:`.worker`). The scheduler's session lost with the daemon
+alive (its lease ran out; same epoch, the worker's own session fine) is not
+visible to the worker: there the scheduler drops every record as soon as its link
+learns of the loss and plans nothing more on it, and the daemon keeps the lost
+session's pages fenced until the worker has reported every plan built on them
+(:mod:`.scheduler`, :mod:`.link`), so no copy lands in a page someone else was
+given, and none loads their K/V.
 """
 
 from __future__ import annotations
@@ -48,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
 from kvcore.integrations.vllm.pages import head_layout
+from kvcore.integrations.vllm.ranks import check_parallelism
 
 if TYPE_CHECKING:
     import torch
@@ -97,6 +117,7 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_parallelism(vllm_config.parallel_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         recompute_failed_loads(self._kv_transfer_config)
         self._scheduler: SchedulerSide | None = None

@@ -17,6 +17,18 @@ the rule every integration shares): every queued op is dropped (allocations answ
 as failed), nothing is sent while the quiet period runs, then the thread attaches
 again and posts ``reconnected`` with the new :class:`~kvcore.integrations.reconnect.Attachment`.
 
+This session over while the daemon lives (its lease lost: a ``lease_lost`` or
+``not_attached`` answer, or the client's heartbeat found it; the thread looks at
+least every :data:`LOSS_POLL_S` while idle): the thread posts ``lost`` at once, so
+the scheduler stops planning copies on the session's pages, and then waits, sending
+nothing, for the scheduler's :class:`Retire` of that attachment (sent once every
+plan built on it was reported run: :mod:`.scheduler`). Only then does it attach
+again, which acknowledges the loss (``Client.reconnect``): the daemon keeps a lost
+session's pages fenced until then (a map-less client does not acknowledge at once:
+:mod:`kvcore.client`), so no copy the worker still runs from an older plan writes a
+page someone else was given, or loads one of their pages. The daemon's own bound
+on that wait is its ``fence_timeout_s``.
+
 Generations: every op carries the attachment of the state the scheduler built it
 from, and every record the attachment it belongs to. The thread sends an op only on
 its own attachment (one built on an older one names sequences that died with it: it
@@ -25,7 +37,7 @@ session that does not own it, and the scheduler knows which records to ignore.
 
 Bounded: at most :data:`MAX_QUEUED` ops wait; past that, commits are dropped
 (their pages stay unpublished: a later miss, never a wrong hit); allocations,
-extensions and frees are kept (each is bounded by vLLM's live requests).
+extensions, frees and retires are kept (each is bounded by vLLM's live requests).
 """
 
 from __future__ import annotations
@@ -37,28 +49,26 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvcore.client import Batch, Client
-from kvcore.errors import BatchFailed, KVCoreError, OutOfPages
+from kvcore.errors import BatchFailed, KVCoreError, LeaseLost, NotAttached, OutOfPages
 from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
 from kvcore.prefix import KeySpace
 from kvcore.results import Allocation, Extension
 
 log = logging.getLogger("kvcore.vllm")
 MAX_QUEUED = 4096  # ops waiting for the thread; commits past this are dropped
+LOSS_POLL_S = 0.05  # seconds: how often the idle thread looks for a lease the heartbeat lost
 
 
 @dataclass(frozen=True, slots=True)
 class Allocate:
-    """Start sequence ``seq`` for request ``req_id`` (a prefix lookup and its pin) in the
-    key space of ``model``, ``lora`` and ``salt`` within the session's namespace
-    (:class:`~kvcore.prefix.KeySpace`)."""
+    """Start sequence ``seq`` for request ``req_id`` (a prefix lookup and its pin) in
+    ``space`` (namespace None: the session's; :class:`.records.KeySpaces`)."""
 
     attachment: Attachment  # of the state the op was built from: sent on no other
     req_id: str
     seq: int
     tokens: list[int]
-    salt: str
-    lora: str
-    model: str
+    space: KeySpace
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +97,16 @@ class Free:
     seq: int
 
 
-Op = Allocate | Extend | Commit | Free
+@dataclass(frozen=True, slots=True)
+class Retire:
+    """The scheduler holds nothing of ``attachment`` any more, a session the thread said
+    is ``lost``: no record, and no plan built on it that the worker has not reported.
+    The thread may now attach again (which frees that session's pages)."""
+
+    attachment: Attachment
+
+
+Op = Allocate | Extend | Commit | Free | Retire
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +115,12 @@ class Done:
     record belongs to). ``kind``: ``allocated`` (``result`` an Allocation),
     ``extended`` (an Extension), ``refused`` (the op's request runs without kvcore
     from now on; the link logged why), ``failed`` (an allocation that did not run: a
-    miss, ask again later), ``reconnected`` (``attachment`` is a new session: every
+    miss, ask again later), ``lost`` (``attachment``'s session is over though the
+    daemon lives: its sequences are gone, its pages fenced until the scheduler's
+    :class:`Retire`), ``reconnected`` (``attachment`` is a new session: every
     sequence of the old one is gone)."""
 
-    kind: Literal["allocated", "extended", "refused", "failed", "reconnected"]
+    kind: Literal["allocated", "extended", "refused", "failed", "lost", "reconnected"]
     attachment: Attachment
     req_id: str = ""
     seq: int = 0
@@ -115,6 +136,8 @@ class DaemonLink:
         self._timeout_s = timeout_s  # the bound on one round trip
         self._reconnect = Reconnector.of(client, retry_s=retry_s, what="vLLM scheduler")
         self._posted = self._reconnect.attachment  # of the last ``reconnected`` posted
+        self._over: Attachment | None = None  # the last session posted ``lost``
+        self._retired: Attachment | None = None  # the last one the scheduler retired
         self._inbox: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
         self._idle = threading.Condition()
@@ -166,7 +189,14 @@ class DaemonLink:
     # -- the thread ------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (first := self._inbox.get()) is not None:
+        while True:
+            try:
+                first = self._inbox.get(timeout=LOSS_POLL_S)
+            except queue.Empty:
+                self._while_idle()
+                continue
+            if first is None:
+                return
             ops = [first]
             while True:
                 try:
@@ -187,13 +217,15 @@ class DaemonLink:
                 self._idle.notify_all()
 
     def _handle(self, ops: list[Op]) -> None:
-        if not self._reconnect.ready():
-            self._drop(ops)
+        for op in ops:
+            if isinstance(op, Retire):
+                self._retired = op.attachment
+        ops = [op for op in ops if not isinstance(op, Retire)]
+        self._notice_loss()
+        if self._over == self._posted != self._retired or not self._attached():
+            self._drop(ops)  # lost and not retired yet (its pages in use), or the daemon gone
             return
-        now = self._reconnect.attachment
-        if now != self._posted:  # attached again: the scheduler learns it before any answer
-            self._posted = now
-            self._answer(Done("reconnected", now))
+        now = self._posted
         self._drop([op for op in ops if op.attachment != now])  # sequences of a dead session
         ops = [op for op in ops if op.attachment == now]
         one_by_one = False
@@ -219,6 +251,46 @@ class DaemonLink:
                     return
                 ops = ops[1:]
 
+    def _attached(self) -> bool:
+        """Whether to call the daemon now (attaching again first where due: the
+        Reconnector's rule); a new session is posted ``reconnected`` before any answer."""
+        if not self._reconnect.ready():
+            return False
+        now = self._reconnect.attachment
+        if now != self._posted:
+            self._posted = now
+            self._answer(Done("reconnected", now))
+        return True
+
+    def _while_idle(self) -> None:
+        """No op for :data:`LOSS_POLL_S`: post a lease the heartbeat found lost; attach
+        again after a retired loss (the scheduler, sending nothing on a lost session,
+        would otherwise wait for the ``reconnected`` forever)."""
+        try:
+            self._notice_loss()
+            if self._over == self._posted == self._retired:
+                self._attached()
+        except Exception:  # never let the thread die: vLLM would wait forever
+            log.exception("kvcore: the daemon link failed; requests are misses")
+
+    def _notice_loss(self) -> None:
+        """If the client learned its lease is lost (the heartbeat, or an answer), end the
+        session posted last."""
+        if self.client.lease_lost:
+            self._end(self._posted)
+
+    def _end(self, attachment: Attachment) -> None:
+        """``attachment``'s session is over though the daemon lives: post ``lost`` (once);
+        nothing is sent until the scheduler retires it."""
+        if self._over != attachment:
+            self._over = attachment
+            log.warning(
+                "kvcore: vLLM scheduler: the daemon ended this session (its lease ran out: "
+                "the process was silent for longer than the lease); requests are misses "
+                "until the copies planned on it are done, then it attaches again"
+            )
+            self._answer(Done("lost", attachment))
+
     def _answer(self, done: Done) -> None:
         with self._answered:
             self._done.put(done)
@@ -243,6 +315,9 @@ class DaemonLink:
             self._reconnect.gone(exc, what)
             if isinstance(op, Allocate):
                 self._answer(Done("failed", op.attachment, op.req_id, op.seq))
+            cause = exc.error if isinstance(exc, BatchFailed) else exc
+            if isinstance(cause, LeaseLost | NotAttached):  # over, though the daemon lives
+                self._end(op.attachment)
             return False
         if isinstance(exc, OutOfPages):
             log.info("kvcore: %s: %s", what, exc)
@@ -273,12 +348,12 @@ def _queue(batch: Batch, ops: list[Op]) -> None:
     for op in ops:
         match op:
             case Allocate():
-                batch.allocate(
-                    op.seq, op.tokens, KeySpace(model=op.model, lora=op.lora, salt=op.salt)
-                )
+                batch.allocate(op.seq, op.tokens, op.space)
             case Extend():
                 batch.extend(op.seq, op.num_tokens)
             case Commit():
                 batch.commit(op.seq, op.tokens, start=op.start)
             case Free():
                 batch.free(op.seq)
+            case Retire():  # pragma: no cover - taken out by _handle
+                raise AssertionError(op)

@@ -77,8 +77,9 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     ``epoch`` is the daemon epoch of the state the plan was built from: its page numbers
     are pages of that epoch's pool, and the worker runs the plan on no other.
     ``fail_blocks``: vLLM blocks promised a load that will never run (the state it was
-    planned from is gone: the daemon restarted); the worker reports them as load errors,
-    so vLLM recomputes them."""
+    planned from is gone: the daemon restarted, the scheduler's session was lost, or
+    the daemon's answer did not fit); the worker reports them as load errors, so vLLM
+    recomputes them."""
 
     step: int = 0
     epoch: int = 0

@@ -14,15 +14,42 @@ workers' :class:`~kvcore.integrations.vllm.metadata.StepReport` with
 committed only once every rank saved it; and it unions the workers' blocks with
 load errors (``invalid_block_ids``), so a hit that failed on any rank is
 recomputed on all of them.
+
+Only tensor parallelism: pipeline stages hold other layers, and context-parallel
+ranks other tokens, under the same TP rank, so they would map one shard and save
+different K/V into the same pages. :func:`check_parallelism` refuses them until
+the pool is sharded by stage and context rank too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from kvcore.client import Client
-from kvcore.errors import LayoutMismatch
+from kvcore.errors import LayoutMismatch, Unsupported
+
+UNSHARDED = (
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+)
+"""vLLM's ``ParallelConfig`` sizes (vLLM 0.32's names) whose ranks share a TP rank, so
+would share a pool shard: each must be 1."""
+
+
+def check_parallelism(parallel_config: Any) -> None:
+    """:class:`~kvcore.errors.Unsupported`, naming the setting, if vLLM runs pipeline or
+    context parallelism (a size of :data:`UNSHARDED` over 1; a size vLLM does not have
+    counts as 1): its ranks would save different K/V into the same pages."""
+    for name in UNSHARDED:
+        size = getattr(parallel_config, name, 1)
+        if size > 1:
+            raise Unsupported(
+                f"kvcore's vLLM connector supports tensor parallelism only: {name}={size} "
+                f"would have its ranks share one pool shard and save different K/V into "
+                f"the same pages; run with {name}=1"
+            )
 
 
 class ShardOptions(TypedDict):

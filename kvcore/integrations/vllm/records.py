@@ -17,27 +17,44 @@ its :class:`Phase` says which of its fields mean something::
     HELD, RUNNING  finished, no copy in flight                    (none), sequence freed
     ASKED, MISSED, finished                                       (none); an answer still on
     WITHOUT                                                       its way is freed on arrival
-    any            the link attached again (a new session)        (none): dropped whole
+    ASKED, HELD,   an answer that does not fit the record         WITHOUT (logged), FINISHED:
+    RUNNING,       (:meth:`RequestRecord.fits`)                   (none); its sequence freed
+    FINISHED                                                      once no copy is in flight
+    any            the session lost, or attached again            (none): dropped whole
 
-Records of one session only: on a re-attach every record is dropped at once (the
-sequences died with the old session); the loads a RUNNING record had queued for the
-next plan become load errors (vLLM recomputes those blocks).
+Records of one session only: when the link reports the session lost (its lease, the
+daemon alive) or attached again (a new session), every record is dropped at once
+(the sequences died with the session); the loads a RUNNING record had queued for
+the next plan become load errors (vLLM recomputes those blocks).
 
 Pages and tokens: ``pages``, ``hit``, ``confirmed``, ``scheduled`` count pages of
 ``page_size`` tokens from the request's first token; ``capacity``, ``limit``,
 ``local_hit`` and ``asked_tokens`` count tokens.
+
+What a request is keyed by on the daemon (its :class:`~kvcore.prefix.KeySpace`: the
+engine's model, its LoRA adapter's name and files, its cache salt) is built here too,
+once per request (:class:`KeySpaces`), and travels as one value to the allocation.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcore.integrations.identity import path_weights
+from kvcore.prefix import MAX_KEY_PART_BYTES, KeySpace
+from kvcore.results import Allocation, Extension
+
 if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
     from vllm.v1.request import Request
 
-    from kvcore.results import Allocation, Extension
+log = logging.getLogger("kvcore.vllm")
+MAX_ADAPTERS = 1024  # adapters whose key a KeySpaces remembers (then it starts over)
 
 
 class Phase(enum.Enum):
@@ -89,11 +106,35 @@ class RequestRecord:
         self.limit = limit
         self.hit = self.confirmed = self.scheduled = hit
 
+    def fits(self, answer: Allocation | Extension, page_size: int) -> bool:
+        """Whether the daemon's answer can be this record's: an allocation (the record
+        ASKED) with a page for every token asked and a hit within them; an extension (an
+        extend on its way) with a page for every token after it, each copy's source in
+        the block table and its destination not. Anything else (a daemon that broke its
+        contract) must never reach vLLM's hooks as an exception: the caller drops the
+        request from kvcore instead."""
+        if isinstance(answer, Extension):
+            pages = len(self.pages) + len(answer.new_pages)
+            table = set(self.pages)
+            return (
+                self.phase in HOLDING
+                and self.extending > 0
+                and pages * page_size >= self.capacity + self.extending
+                and all(src in table and dst not in table for src, dst in answer.copies)
+            )
+        return (
+            self.phase is Phase.ASKED
+            and len(answer.pages) * page_size >= self.asked_tokens
+            and 0 <= answer.num_cached_tokens <= self.asked_tokens
+        )
+
     def extended(self, ext: Extension) -> None:
-        """The sequence grew by the ``extending`` tokens asked: its new pages, and the
-        copy-on-write of its (partial, unsaved) last page if it was shared."""
+        """The sequence grew by the ``extending`` tokens asked (an answer that
+        :meth:`fits`): its new pages, and the copy-on-write of its (partial, unsaved)
+        last page if it was shared."""
+        where = {page: i for i, page in enumerate(self.pages)}
         for src, dst in ext.copies:
-            self.pages[self.pages.index(src)] = dst
+            self.pages[where[src]] = dst
         self.pages += ext.new_pages
         self.capacity += self.extending
         self.extending = 0
@@ -145,13 +186,62 @@ class Reach:
         return num_computed_tokens >= max(self.loadable(request), self.limit(request))
 
 
-def identity(request: Request) -> tuple[str, str] | None:
-    """The request's key space on the daemon, ``(salt, lora)``; None if its tokens do
-    not determine its K/V (multimodal inputs, prompt embeddings)."""
-    if getattr(request, "prompt_embeds", None) is not None or getattr(request, "mm_features", None):
-        return None
-    lora = getattr(request, "lora_request", None)
-    return getattr(request, "cache_salt", None) or "", lora.lora_name if lora is not None else ""
+@dataclass(slots=True)
+class KeySpaces:
+    """The key space of each request on the daemon (spec/hashing.md): the session's
+    namespace (None), the engine's ``model`` identity (:mod:`kvcore.integrations.identity`),
+    the request's LoRA adapter (:func:`adapter_key`) and its ``cache_salt``. Changed only
+    by the scheduler side (its adapter keys, remembered per adapter)."""
+
+    model: str
+    _adapters: dict[tuple[int, str, str], str] = field(default_factory=dict)
+
+    def of(self, request: Request) -> KeySpace | None:
+        """The request's key space; None if its tokens do not determine its K/V
+        (multimodal inputs, prompt embeddings)."""
+        if getattr(request, "prompt_embeds", None) is not None or getattr(
+            request, "mm_features", None
+        ):
+            return None
+        lora: LoRARequest | None = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None) or ""
+        return KeySpace(None, self.model, self._adapter(lora) if lora is not None else "", salt)
+
+    def _adapter(self, lora: LoRARequest) -> str:
+        """:func:`adapter_key`, computed once per adapter vLLM registered (its id, name and
+        path): vLLM loads an adapter's files once under its id, so a retrain in place
+        reaches the engine's K/V only under a new registration, which is keyed afresh."""
+        ident = (lora.lora_int_id, lora.lora_name, lora.lora_path)
+        key = self._adapters.get(ident)
+        if key is None:
+            if len(self._adapters) >= MAX_ADAPTERS:
+                self._adapters.clear()
+            key = self._adapters[ident] = adapter_key(lora.lora_name, lora.lora_path)
+        return key
+
+
+def adapter_key(name: str, path: str) -> str:
+    """The ``lora`` part of a key space for vLLM's adapter ``name`` loaded from ``path``:
+    ``name@files:<digest>`` of the adapter's files where ``path`` is a readable local file
+    or directory (:func:`~kvcore.integrations.identity.path_weights`: relative names,
+    sizes, ``mtime_ns``; two engines' adapters of one name but other weights, or one
+    retrained in place, never share a page), else ``name@path`` (a hub id: vLLM resolves
+    it on its workers). At most :data:`~kvcore.prefix.MAX_KEY_PART_BYTES` bytes: a longer
+    one is its name's start and the SHA-256 of the whole. vLLM-format events carry this
+    string in ``lora_name`` (``kvcore_ipc.vllm_events.lora_name_of``)."""
+    local = Path(path)
+    weights = path
+    try:
+        if path and local.exists():
+            weights = path_weights(local)
+    except OSError as exc:
+        log.info("kvcore: adapter %r at %r: %s; keyed by its path", name, path, exc)
+    key = f"{name}@{weights}"
+    if len(key.encode()) <= MAX_KEY_PART_BYTES:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    head = name.encode()[: MAX_KEY_PART_BYTES - len(digest) - 8].decode(errors="ignore")
+    return f"{head}@sha256:{digest}"
 
 
 def tokens_of(request: Request) -> list[int]:

@@ -35,14 +35,25 @@ drops every record at once (loads queued for the next plan become load errors:
 vLLM recomputes them); a plan carries the epoch of the records it was built from,
 and a report counts only for the (epoch, sequence) it was planned for.
 
+A session lost with the daemon alive (its lease ran out: the epoch is the same, so
+the worker, whose own session is fine, would run any plan on it) is taken the same
+way as soon as the link posts ``lost``: every record dropped, queued loads turned
+into load errors, and nothing planned or asked on that session any more. Plans
+built before that may still be running in the worker: the session's pages stay
+fenced on the daemon (the link's client does not acknowledge the loss) until this
+side sends :class:`~.link.Retire`, once the worker reported the last plan with a
+copy built on it (the worker runs plans in order); the link attaches again only
+then, which frees them (:mod:`.link`).
+
 vLLM's contract: ``get_num_new_matched_tokens`` may be asked many times. A
 request answered and then not scheduled keeps its pin for at most
 :data:`HOLD_PASSES` scheduling passes (vLLM usually schedules it in the next one:
 it waited for memory or a batch slot), then it is freed and asked afresh; a
 request aborted while waiting is freed at ``request_finished``.
 
-Identity: the engine's model, a request's ``cache_salt`` and LoRA adapter select
-its key space on the daemon (spec/hashing.md): no two of them share a page.
+Identity: the engine's model, a request's ``cache_salt`` and LoRA adapter (its
+name and a digest of its files) select its key space on the daemon
+(:class:`~.records.KeySpaces`, spec/hashing.md): no two of them share a page.
 Requests kvcore cannot key (multimodal inputs, prompt embeddings: their tokens do
 not say what the K/V holds) get 0 matched tokens and save nothing.
 
@@ -52,20 +63,30 @@ returned only once its commits are on the daemon (the link waited for them, at
 most ``timeout_s``): the consumer asked next finds them. That is the one wait.
 
 Failures never fail vLLM: a refused allocation (a quota, a forbidden namespace,
-a prompt over ``max_request_tokens``) makes its request run without kvcore; out
-of pages is a miss; the daemon gone makes every request a miss until the link
-attaches again (:mod:`kvcore.integrations.reconnect`).
+a prompt over ``max_request_tokens``) makes its request run without kvcore; so does
+an answer that does not fit what was asked (:meth:`~.records.RequestRecord.fits`,
+logged); out of pages is a miss; the daemon gone, or this session lost, makes every
+request a miss until the link attaches again (:mod:`kvcore.integrations.reconnect`).
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import TYPE_CHECKING
 
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.reconnect import Attachment
-from kvcore.integrations.vllm.link import Allocate, Commit, DaemonLink, Extend, Free
+from kvcore.integrations.vllm.link import (
+    Allocate,
+    Commit,
+    DaemonLink,
+    Done,
+    Extend,
+    Free,
+    Retire,
+)
 from kvcore.integrations.vllm.metadata import (
     ConnectorConfig,
     KvcoreStats,
@@ -75,10 +96,10 @@ from kvcore.integrations.vllm.metadata import (
 )
 from kvcore.integrations.vllm.records import (
     HOLDING,
+    KeySpaces,
     Phase,
     Reach,
     RequestRecord,
-    identity,
     tokens_of,
 )
 from kvcore.results import Allocation, Extension
@@ -88,21 +109,24 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger("kvcore.vllm")
 HOLD_PASSES = 8  # scheduling passes an answered, unscheduled request keeps its pin
 EXTEND_PAGES = 4  # pages a sequence grows by at a time for generated tokens
 
 
 class SchedulerSide:
     """Scheduler half of :class:`~kvcore.integrations.vllm.KvcoreConnector`. ``model``
-    is the engine's model identity: part of every request's key space."""
+    is the engine's model identity (:func:`kvcore.integrations.identity.vllm_model`):
+    part of every request's key space, so required (no default that would put every
+    engine's pages in one space)."""
 
     def __init__(
-        self, config: ConnectorConfig, block_size: int, role: str = "kv_both", *, model: str = ""
+        self, config: ConnectorConfig, block_size: int, role: str = "kv_both", *, model: str
     ) -> None:
         from kvcore.integrations.vllm.worker import attach
 
         self.config = config
-        self.model = model
+        self.spaces = KeySpaces(model)
         client = attach(config, map_memory=False)
         self.page_size = client.layout.page_size
         if block_size != self.page_size:
@@ -119,9 +143,15 @@ class SchedulerSide:
         )
         self.stats = KvcoreStats()
         self._records: dict[str, RequestRecord] = {}  # vLLM request id -> its one record
+        self._retiring: dict[Ticket, int] = {}  # dropped sequences -> their plans in flight
         self._failed_blocks: list[int] = []  # loads promised on a dropped state: next plan
         self._pass_late = False  # an answer came late in this pass: wait for no more
         self._step = 0
+        self._copy_step = 0  # the last step whose plan has a copy (requests)
+        self._reported_step = 0  # the last step the worker reported run
+        self._lost = False  # ``attachment``'s session is over (the link posted ``lost``)
+        self._drain_step = 0  # lost: the last plan with a copy on it, to be reported
+        self._retired = False  # lost: Retire sent (the link may attach again)
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self.kv_cache_manager: KVCacheManager | None = None
 
@@ -219,12 +249,15 @@ class SchedulerSide:
         for record in touched.values():
             record.in_flight += 1
         plan.requests = sorted(self._ticket(record) for record in touched.values())
+        if plan.requests:
+            self._copy_step = plan.step
         return plan
 
     def on_report(self, report: StepReport) -> None:
         """The worker finished steps: commit what it saved, release finished requests.
         Only entries of this side's epoch and of the very sequences planned count."""
         self._absorb()
+        self._reported_step = max(self._reported_step, *report.steps, 0)
         for ticket, upto in report.saved.items():
             record = self._planned(ticket)
             if record is None or upto <= record.confirmed:
@@ -240,12 +273,14 @@ class SchedulerSide:
         for ticket in report.requests:
             record = self._planned(ticket)
             if record is None:
+                self._retiring_done(ticket)
                 continue
             assert record.in_flight > 0, record
             record.in_flight -= 1
             if record.phase is Phase.FINISHED and not record.in_flight:
                 finished_commits |= record.confirmed > record.hit
                 self._release(record)
+        self._retire_if_drained()
         if finished_commits and not self.reach.loads:
             # a producer's answer means its pages are in kvcore (the consumer asks next)
             self.link.wait_idle(self.config.timeout_s)
@@ -291,62 +326,124 @@ class SchedulerSide:
             if record.phase in HOLDING:
                 self._release(record)
         self._records.clear()
+        for ticket in self._retiring:
+            self.link.send(Free(self.attachment, ticket.seq))
+        self._retiring.clear()
         self.link.close()
 
     # -- the daemon's answers ------------------------------------------------------------
 
     def _absorb(self) -> None:
-        """Take the link's records: sequences arrive, grow, were refused; or the link
-        attached again, and the state of the old session is dropped."""
+        """Take the link's records: sequences arrive, grow, were refused; or this session
+        was lost, or the link attached again: the state of the old session is dropped."""
         for done in self.link.take():
             if done.kind == "reconnected":
                 self._reattached(done.attachment)
                 continue
-            if done.attachment != self.attachment:
+            if done.attachment != self.attachment or self._lost:
                 continue  # of a session this side no longer holds: its sequences are gone
+            if done.kind == "lost":
+                self._session_lost()
+                continue
             record = self._records.get(done.req_id)
             if record is None or record.seq != done.seq:  # finished meanwhile, or stale
                 if done.kind == "allocated":
                     self.link.send(Free(self.attachment, done.seq))
                 continue
-            if done.kind == "allocated" and record.phase is Phase.ASKED:
-                assert isinstance(done.result, Allocation)
+            if done.result is not None and not record.fits(done.result, self.page_size):
+                self._misfit(record, done)
+            elif isinstance(done.result, Allocation):
                 record.allocated(done.result, self.page_size, self.reach.limit(record.request))
-            elif done.kind == "extended":
-                assert isinstance(done.result, Extension)
+            elif isinstance(done.result, Extension):
                 record.extended(done.result)
             elif record.phase is Phase.ASKED:  # a failed or refused allocation
                 record.phase = Phase.MISSED if done.kind == "failed" else Phase.WITHOUT
                 record.seq = 0
-            elif done.kind == "refused":  # an extension: no room to grow
-                record.limit = min(record.limit, record.capacity)
+            elif done.kind == "refused":  # an extension: no room to grow; saves stop at
+                aligned = record.capacity // self.page_size * self.page_size  # a whole page
+                record.limit = min(record.limit, aligned)
                 record.extending = 0
 
     def _reattached(self, attachment: Attachment) -> None:
-        """A new session: every record of the old one goes. Loads they queued for the
-        next plan will never run: vLLM is told they failed (it recomputes them); their
+        """A new session: every record of the old one goes (:meth:`_drop_records`); their
         requests run on without kvcore, or are asked afresh if vLLM asks again."""
+        self._drop_records()
+        self.attachment = attachment
+        self._lost = self._retired = False
+
+    def _session_lost(self) -> None:
+        """This session is over though the daemon lives (its lease lost): its records go
+        as on a re-attach, nothing is asked or planned on it any more, and it is retired
+        once no plan built on it can still run (:meth:`_retire_if_drained`)."""
+        self._drop_records()
+        self._lost = True
+        self._drain_step = self._copy_step
+        self._retire_if_drained()
+
+    def _retire_if_drained(self) -> None:
+        """Once the worker reported the last plan with a copy on the lost session's pages
+        (it runs plans in order: every earlier one ran too), tell the link it may attach
+        again, which lets the daemon free those pages (:class:`~.link.Retire`)."""
+        if self._lost and not self._retired and self._reported_step >= self._drain_step:
+            self._retired = True
+            self.link.send(Retire(self.attachment))
+
+    def _drop_records(self) -> None:
+        """Every record goes (their sequences died with the session). Loads they queued
+        for the next plan will never run: vLLM is told they failed (it recomputes them)."""
         for record in self._records.values():
             self._failed_blocks += [block for _, block in record.loads]
         self._records.clear()
-        self.attachment = attachment
+        self._retiring.clear()
+
+    def _misfit(self, record: RequestRecord, done: Done) -> None:
+        """The daemon's answer does not fit the record (RequestRecord.fits): the request
+        runs without kvcore from now on, never an exception in vLLM's hooks. Its queued
+        loads fail (vLLM recomputes them), nothing more of it is committed, and its
+        sequence is freed once no plan with a copy of it is in flight."""
+        req_id = record.request.request_id
+        log.warning(
+            "kvcore: the daemon's %s answer for request %s does not fit what was asked "
+            "(%r); the request runs without kvcore from now on",
+            done.kind,
+            req_id,
+            done.result,
+        )
+        self._failed_blocks += [block for _, block in record.loads]
+        if record.in_flight:
+            self._retiring[self._ticket(record)] = record.in_flight
+        else:
+            self.link.send(Free(self.attachment, record.seq))
+        if record.phase is Phase.FINISHED:
+            del self._records[req_id]
+        else:
+            self._records[req_id] = RequestRecord(record.request, Phase.WITHOUT)
+
+    def _retiring_done(self, ticket: Ticket) -> None:
+        """A plan of a sequence dropped by :meth:`_misfit` was reported: free it after
+        its last one."""
+        left = self._retiring.pop(ticket, 0) - 1
+        if left > 0:
+            self._retiring[ticket] = left
+        elif left == 0:
+            self.link.send(Free(self.attachment, ticket.seq))
 
     # -- internals -----------------------------------------------------------------------
 
     def _allocate(self, request: Request) -> RequestRecord | None:
         """Send the request's allocation; its record (ASKED), or None if it runs without
-        kvcore this time (its tokens do not determine its K/V, or the daemon is gone)."""
-        key_space = identity(request)
+        kvcore this time (its tokens do not determine its K/V, the daemon is gone, or
+        this session is lost)."""
+        if self._lost or self.link.quiet():
+            return None
+        space = self.spaces.of(request)
         tokens = tokens_of(request)
-        if key_space is None or len(tokens) < 2 or self.link.quiet():
+        if space is None or len(tokens) < 2:
             return None
         seq = random.getrandbits(63) or 1
         record = RequestRecord(request, Phase.ASKED, seq, asked_tokens=len(tokens))
         self._records[request.request_id] = record
-        salt, lora = key_space
-        self.link.send(
-            Allocate(self.attachment, request.request_id, seq, tokens, salt, lora, self.model)
-        )
+        self.link.send(Allocate(self.attachment, request.request_id, seq, tokens, space))
         return record
 
     def _wait_for(self, req_id: str) -> RequestRecord | None:

@@ -19,6 +19,12 @@ committed). So is a plan whose loads fail for any reason (the lease lost while
 copying): its saves may hold K/V computed from those blocks. The blocks a plan names
 in ``fail_blocks`` (loads the scheduler side knows will never run) are reported
 failed too.
+
+The scheduler side's session lost while the daemon lives keeps the epoch, so the
+worker cannot tell its plans apart: the scheduler plans nothing on that session
+once it knows, and the daemon keeps the session's pages fenced (nobody else's)
+until the worker reported the plans built on them (:mod:`.scheduler`). That is why
+every plan with a copy is reported, refused or not.
 """
 
 from __future__ import annotations
