@@ -168,7 +168,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_kv_heads: int = 8
     head_dim: int = 64
     page_size: int = 16
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # kvcore.layout.DTYPE_SIZES: 2- and 4-byte floats, fp8
+    kind: str = "kv"  # "kv" (K and V) or "latent" (MLA: num_kv_heads 1, head_dim latent)
     size: int | str = "256MiB"
     num_pages: int | None = None
     shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
@@ -235,6 +236,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 self.page_size,
                 self.dtype,
                 self.num_pages,
+                self.kind,
             )
         return KVLayout.for_budget(
             parse_size(self.size) // max(self.shards, 1),
@@ -243,6 +245,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             head_dim=self.head_dim,
             page_size=self.page_size,
             dtype=self.dtype,
+            kind=self.kind,
         )
 
 

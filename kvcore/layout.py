@@ -2,11 +2,21 @@
 
 One pool is one allocation holding every layer, layer-major::
 
-    pool bytes = [num_layers][num_pages][2][page_size][num_kv_heads][head_dim]  (dtype)
-                  ^ one layer view: [num_pages, 2, page_size, num_kv_heads, head_dim]
+    pool bytes = [num_layers][num_pages][parts][page_size][num_kv_heads][head_dim]  (dtype)
+                  ^ one layer view: [num_pages, parts, page_size, num_kv_heads, head_dim]
 
-K and V of a page sit side by side (index 0 is K, 1 is V), the last dim is
-contiguous; this is FlashInfer's NHD paged layout and vLLM's Triton layout.
+A page's ``kind`` says what ``parts`` holds:
+
+* ``"kv"`` (parts = 2): K and V side by side (index 0 is K, 1 is V), the last dim
+  contiguous; FlashInfer's NHD paged layout and vLLM's Triton layout;
+* ``"latent"`` (parts = 1, ``num_kv_heads`` = 1): MLA's one cached vector per token,
+  ``head_dim`` = ``kv_lora_rank + qk_rope_head_dim`` elements (DeepSeek: 512 + 64),
+  no V half.
+
+Dtypes are the 2- and 4-byte floats and the 1-byte ``float8_e4m3fn`` /
+``float8_e5m2``. An fp8 page holds the engine's quantized bytes as they are: the
+scales that turn them into K/V belong to the model part of the key space
+(kvcore/integrations/identity.py), never to the page.
 Page ``p`` means the same page index in every layer. A slot is
 ``page * page_size + offset`` (tokens); page ids and page counts are in pages,
 ``page_size`` in tokens, byte counts in bytes.
@@ -24,7 +34,16 @@ from kvcore.errors import BadRequest
 if TYPE_CHECKING:
     import torch
 
-DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_SIZES: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+KINDS: dict[str, int] = {"kv": 2, "latent": 1}
+"""Page kinds and the parts each holds per token and head (K and V; one latent vector)."""
 MAX_PAGES = 1 << 31  # page ids are int32 in block tables
 
 
@@ -47,6 +66,7 @@ class KVLayout:
     page_size: int  # tokens per page
     dtype: str  # one of DTYPE_SIZES
     num_pages: int
+    kind: str = "kv"  # one of KINDS
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages"):
@@ -59,6 +79,13 @@ class KVLayout:
             raise BadRequest(
                 f"KVLayout.dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}"
             )
+        if self.kind not in KINDS:
+            raise BadRequest(f"KVLayout.kind must be one of {sorted(KINDS)}, got {self.kind!r}")
+        if self.kind == "latent" and self.num_kv_heads != 1:
+            raise BadRequest(
+                "a latent (MLA) layout has num_kv_heads=1 and head_dim = kv_lora_rank + "
+                f"qk_rope_head_dim, got num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def dtype_size(self) -> int:
@@ -66,13 +93,18 @@ class KVLayout:
         return DTYPE_SIZES[self.dtype]
 
     @property
+    def parts(self) -> int:
+        """Vectors per token and head: 2 (K and V) or 1 (a latent vector)."""
+        return KINDS[self.kind]
+
+    @property
     def page_shape(self) -> tuple[int, int, int, int]:
-        """Shape of one page in one layer: [2, page_size, num_kv_heads, head_dim]."""
-        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+        """Shape of one page in one layer: [parts, page_size, num_kv_heads, head_dim]."""
+        return (self.parts, self.page_size, self.num_kv_heads, self.head_dim)
 
     @property
     def layer_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one layer's cache: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        """Shape of one layer's cache: [num_pages, parts, page_size, num_kv_heads, head_dim]."""
         return (self.num_pages, *self.page_shape)
 
     @property
@@ -83,7 +115,7 @@ class KVLayout:
     @property
     def page_bytes_per_layer(self) -> int:
         """Bytes of one page in one layer."""
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
+        return self.parts * self.page_size * self.num_kv_heads * self.head_dim * self.dtype_size
 
     @property
     def layer_bytes(self) -> int:
@@ -114,15 +146,16 @@ class KVLayout:
         head_dim: int,
         page_size: int,
         dtype: str,
+        kind: str = "kv",
     ) -> KVLayout:
         """The largest pool that fits ``budget_bytes``; BadRequest if not even one page fits."""
-        probe = cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages=1)
+        probe = cls(num_layers, num_kv_heads, head_dim, page_size, dtype, 1, kind)
         num_pages = min(budget_bytes // probe.page_bytes, MAX_PAGES)
         if num_pages < 1:
             raise BadRequest(
                 f"a budget of {budget_bytes} bytes holds no page of {probe.page_bytes} bytes"
             )
-        return cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages)
+        return cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages, kind)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +165,7 @@ class KVLayout:
             "page_size": self.page_size,
             "dtype": self.dtype,
             "num_pages": self.num_pages,
+            "kind": self.kind,
         }
 
     def torch_dtype(self) -> torch.dtype:

@@ -81,7 +81,9 @@ class _Message(Struct, forbid_unknown_fields=False, omit_defaults=True):
 
 
 class PoolLayout(_Message):
-    """Geometry of a pool; one layer view is [num_pages, 2, page_size, num_kv_heads, head_dim].
+    """Geometry of a pool; one layer view is
+    [num_pages, parts, page_size, num_kv_heads, head_dim], parts 2 (kind "kv": K, V)
+    or 1 (kind "latent": MLA's one vector per token, num_kv_heads 1).
 
     In an attach request ``num_pages == 0`` means "any number of pages".
     """
@@ -90,8 +92,9 @@ class PoolLayout(_Message):
     num_kv_heads: Annotated[int, Meta(ge=1)]
     head_dim: Annotated[int, Meta(ge=1)]
     page_size: Annotated[int, Meta(ge=1)]  # tokens per page
-    dtype: str  # "float16" | "bfloat16" | "float32"
+    dtype: str  # "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "float8_e5m2"
     num_pages: NonNeg
+    kind: str = "kv"  # "kv" | "latent"; absent = "kv" (a peer of protocol 2 before it)
 
 
 class HostMemory(_Message, tag="shm", tag_field="kind"):

@@ -53,12 +53,14 @@ def layout_fingerprint(layout: KVLayout) -> bytes:
     """16 bytes naming the shape of a page's bytes (not the pool's size).
 
     Equal for two layouts iff they agree on layers, kv heads, head dim, page
-    size, dtype, and the machine's byte order (the bytes are native-endian).
+    size, dtype, kind, and the machine's byte order (the bytes are native-endian).
     """
     text = (
         f"layers={layout.num_layers};kv_heads={layout.num_kv_heads};head_dim={layout.head_dim};"
         f"page_size={layout.page_size};dtype={layout.dtype};order={sys.byteorder}"
     )
+    if layout.kind != "kv":  # kv layouts keep the fingerprints they had before kinds
+        text += f";kind={layout.kind}"
     message = _FINGERPRINT_DOMAIN + b";" + text.encode()
     return hashlib.blake2b(message, digest_size=FINGERPRINT_BYTES).digest()
 
