@@ -1,70 +1,51 @@
-"""Daemon configuration: pools, endpoints, leases and limits, from flags or TOML.
+"""Daemon configuration: pools, endpoints, leases and limits, from TOML, environment and flags.
 
-A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`::
+A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`; each
+setting is its field below, whose comment gives its meaning and unit::
 
-    endpoint = "ipc:///run/kvcore/kvcore.sock"   # default: see default_endpoint()
-    events = ""                                  # PUB endpoint; "" = no event stream
+    endpoint = "ipc:///run/kvcore/kvcore.sock"
     lease_timeout_s = 10.0
 
-    [[pools]]
+    [[pools]]               # PoolConfig
     name = "default"
-    device = "cpu"          # or "cuda:N"
     num_layers = 16
-    num_kv_heads = 8
-    head_dim = 64
-    page_size = 16          # tokens per page
     dtype = "bfloat16"
-    size = "256MiB"         # bytes (int, or "512MiB", "2GiB"); or give num_pages instead
-    session_max_pages = 0   # quotas (0 = none): page references a session's sequences hold,
-    session_max_sequences = 65536      # live sequences per session,
-    namespace_max_pages = 0            # and the same summed over a namespace's sessions
-    namespace_max_sequences = 0
-    tenant_max_pages = 0               # the same over a tenant's sessions (tenant_max_*)
-    process_max_sequences = 65536      # and over one client process's (process_max_*)
-    group = ""              # host pools: a group whose members (tenants) may map it
+    kind = "kv"
+    size = "256MiB"
 
-    [[tenants]]             # who may attach to what (docs/security.md); none: single user
+    [pools.tiers]           # TierConfig: the lower tiers below that pool, all off by default
+    host = "4GiB"
+    disk = "/var/cache/kvcore/default"
+
+    [[tenants]]             # TenantConfig: who may attach to what (docs/security.md)
     name = "alice"
-    uids = [1001]           # ipc:// peers by the uid the kernel reports
-    keys = ["<z85 public key>"]        # tcp:// peers by CURVE key
-    namespaces = ["alice"]  # the namespaces its sessions may use ("*": any)
-    pools = []              # the pools it may attach to ([]: every pool)
+    uids = [1001]
 
-``KVCORE_<FIELD>`` environment variables override the file for every scalar field
-(``KVCORE_LEASE_TIMEOUT_S=5``, ``KVCORE_EVENTS=auto``), ``KVCORE_POOL_<FIELD>``
-sets a field of every configured pool (``KVCORE_POOL_SIZE=1GiB``) and
-``KVCORE_POOLS`` replaces the pools by ``;``-separated ``--pool`` specs
-(:func:`apply_env`). Flags override both; ``--pool`` takes the same keys as
-``k=v,k=v``.
-Invalid configuration raises :class:`~kvcore.errors.BadRequest`.
+The other sources name the same fields and convert to the same types:
 
-Under a pool, a ``[pools.tiers]`` table declares the lower tiers below it
-(:class:`TierConfig`; docs/concepts.md, "Tiers")::
+* ``--pool k=v,k=v`` gives one pool. Its keys (:data:`POOL_KEYS`) are PoolConfig's field
+  names (``-`` may stand for ``_``: ``num-layers=2``) and TierConfig's flag names: a tier
+  field's flag is declared beside it (``host`` is ``host_tier``, ``disk_size``
+  ``disk_tier_size``, ``secret_file`` ``tier_secret_file``), else it is the field's name
+  (``remote_master``).
+* ``KVCORE_<FIELD>`` sets a scalar field of ServiceConfig (``KVCORE_LEASE_TIMEOUT_S=5``),
+  ``KVCORE_POOL_<KEY>`` that ``--pool`` key of every configured pool
+  (``KVCORE_POOL_SIZE=1GiB``, ``KVCORE_POOL_HOST_TIER=4GiB``), and ``KVCORE_POOLS``
+  replaces the pools by ``;``-separated ``--pool`` specs (:func:`apply_env`).
 
-    [pools.tiers]
-    host = "4GiB"                         # daemon-owned host memory (bytes; 0 = none)
-    disk = "/var/cache/kvcore/default"    # a directory of this user's alone ("" = none)
-    disk_size = "64GiB"                   # bytes the disk tier may use
-    remote_master = "10.0.0.1:50051"      # Mooncake master ("" = no remote tier)
-    remote_metadata = "http://10.0.0.1:8080/metadata"
-    remote_timeout_s = 1.0                # the longest a request waits on the store
-    secret_file = "/etc/kvcore/tier.secret"  # the deployment's secret (docs/tiers.md)
-
-As ``--pool`` keys: ``host_tier=4GiB``, ``disk_tier=/path``,
-``disk_tier_size=64GiB``, ``remote_master=host:port``,
-``remote_metadata=http://host:port/metadata``, ``remote_timeout_s=0.5``,
-``tier_secret_file=/path`` (:data:`TIER_FLAG_KEYS`). A remote tier without a
-secret is refused unless ``insecure_remote_tier`` (``--insecure-remote-tier``):
-any client of the master could plant the K/V it serves. Every tier is off by
-default; a pool with none is served exactly as before. Sizes are bytes (an int
-or "512MiB"); page counts follow from the pool's layout.
+Flags override the environment, which overrides the file. A flag's or variable's text
+converts to its field's type one way (:func:`_convert`): ints, floats and bools
+(``true``/``false``/``1``/``0``) from their text, strings as given; sizes (``int |
+str``: bytes, or "512MiB") stay the text, which :func:`~kvcore.sizes.parse_size` reads.
+Invalid configuration raises :class:`~kvcore.errors.BadRequest`, naming the flag or
+variable and its value.
 
 This module is the schema alone: it imports neither the tiers (kvcore.tiers)
 nor anything that opens a socket. The trust checks of the runtime directory
 and of ipc:// socket paths are :mod:`kvcore.paths` (docs/security.md); sizes
 are parsed by :mod:`kvcore.sizes`. It is one file over ~400 lines because the
-schema is read as one: every setting of the TOML file, its flag and its
-``KVCORE_*`` variable, and the checks that hold between them.
+schema is read as one: every setting, its sources, and the checks that hold
+between them.
 """
 
 from __future__ import annotations
@@ -72,8 +53,9 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Annotated, Any
 
 import msgspec
 
@@ -88,27 +70,25 @@ MAX_SHARDS = 64  # regions of one pool (tensor-parallel ranks)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "KVCORE_"
 
-# --pool keys -> TierConfig fields
-TIER_FLAG_KEYS = {
-    "host_tier": "host",
-    "disk_tier": "disk",
-    "disk_tier_size": "disk_size",
-    "remote_master": "remote_master",
-    "remote_metadata": "remote_metadata",
-    "remote_timeout_s": "remote_timeout_s",
-    "remote_local_hostname": "remote_local_hostname",
-    "tier_secret_file": "secret_file",
-    "tier_previous_secret_file": "previous_secret_file",
-    "tier_encrypt": "encrypt",
-}
+
+def _flag(name: str) -> msgspec.Meta:
+    """A TierConfig field's ``--pool`` key (and ``KVCORE_POOL_<KEY>``), where the field's
+    own name would not say it is a tier's: read by :func:`_pool_keys`."""
+    return msgspec.Meta(extra={"flag": name})
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The tiers below one pool; all off by default. Sizes in bytes, times in seconds."""
+    """The tiers below one pool (docs/concepts.md, "Tiers"); all off by default, and a pool
+    with none is served exactly as before. Sizes in bytes (an int or "512MiB"; page counts
+    follow from the pool's layout), times in seconds."""
 
-    host: int | str = 0
-    disk: str = ""
-    disk_size: int | str = "16GiB"
+    host: Annotated[int | str, _flag("host_tier")] = 0  # daemon-owned host memory; 0 = none
+    # A directory of this user's alone ("" = none), and the bytes it may use.
+    disk: Annotated[str, _flag("disk_tier")] = ""
+    disk_size: Annotated[int | str, _flag("disk_tier_size")] = "16GiB"
+    # A Mooncake store: its master ("host:port"; "" = no remote tier) and metadata server
+    # ("http://host:port/metadata"), this node's address to it, and the longest a request
+    # waits on the store.
     remote_master: str = ""
     remote_metadata: str = ""
     remote_local_hostname: str = "127.0.0.1"
@@ -118,9 +98,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # entry and names the store's objects; "" = entries only checksummed. A remote tier
     # without one trusts every client of the master, so the daemon refuses it unless
     # ServiceConfig.insecure_remote_tier (--insecure-remote-tier), and then warns.
-    secret_file: str = ""
-    previous_secret_file: str = ""  # also accepted on read, during a rotation
-    encrypt: bool = False  # entries also AES-256-GCM encrypted (needs a secret_file)
+    secret_file: Annotated[str, _flag("tier_secret_file")] = ""
+    # Also accepted on read, during a rotation.
+    previous_secret_file: Annotated[str, _flag("tier_previous_secret_file")] = ""
+    # Entries also AES-256-GCM encrypted (needs a secret_file).
+    encrypt: Annotated[bool, _flag("tier_encrypt")] = False
 
     @property
     def enabled(self) -> bool:
@@ -163,14 +145,14 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     Manager, so page p is page p of every shard and one prefix index serves all ranks."""
 
     name: str = "default"
-    device: str = "cpu"
+    device: str = "cpu"  # or "cuda:N": allocated on that GPU, shared by CUDA IPC
     num_layers: int = 16
     num_kv_heads: int = 8
-    head_dim: int = 64
-    page_size: int = 16
+    head_dim: int = 64  # elements
+    page_size: int = 16  # tokens per page
     dtype: str = "bfloat16"  # kvcore.layout.DTYPE_SIZES: 2- and 4-byte floats, fp8
     kind: str = "kv"  # "kv" (K and V) or "latent" (MLA: num_kv_heads 1, head_dim latent)
-    size: int | str = "256MiB"
+    size: int | str = "256MiB"  # bytes (an int or "512MiB"), or give num_pages instead
     num_pages: int | None = None
     shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
     # Quotas, 0 = none. Pages count page references: a page shared by n of the
@@ -190,7 +172,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # it is 0660 of that group, so tenants of other uids in it can map the pool.
     group: str = ""
     # Lower tiers below the pool (host memory, a disk directory, a Mooncake store); off by
-    # default. TOML: a [pools.tiers] table; --pool: host_tier=, disk_tier=, ... (TierConfig).
+    # default. TOML: a [pools.tiers] table; --pool: TierConfig's flags (host_tier=, ...).
     tiers: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def validate(self) -> None:
@@ -250,10 +232,11 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Who may attach to what: peers matched by uid (ipc://) or CURVE key (tcp://)."""
+    """Who may attach to what: peers matched by uid (ipc://) or CURVE key (tcp://). No
+    tenants: a single-user daemon, every admitted peer its operator (docs/security.md)."""
 
     name: str
-    uids: list[int] = msgspec.field(default_factory=list)
+    uids: list[int] = msgspec.field(default_factory=list)  # ipc:// peers, by the kernel's uid
     keys: list[str] = msgspec.field(default_factory=list)  # z85 CURVE public keys (40 chars)
     namespaces: list[str] = msgspec.field(default_factory=lambda: ["*"])  # "*": any
     pools: list[str] = msgspec.field(default_factory=list)  # []: every pool
@@ -425,71 +408,85 @@ def load_toml(path: str | Path) -> ServiceConfig:
 
 def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -> ServiceConfig:
     """``config`` with the ``KVCORE_*`` variables of ``environ`` (default: os.environ)
-    applied (see the module doc). Values are converted to the field's type (``1``,
-    ``true``, ``2.5``); a bad value raises BadRequest naming the variable. Variables
-    that name no field are left alone (other parts of kvcore read some)."""
+    applied (see the module doc): ``KVCORE_<FIELD>``, then ``KVCORE_POOLS``, then
+    ``KVCORE_POOL_<KEY>`` over the pools that leaves. A bad value raises BadRequest
+    naming the variable; variables that name no setting are left alone (other parts of
+    kvcore read some)."""
     environ = os.environ if environ is None else environ
-    scalar = {
-        f.name: f.type
+    changes = {
+        f.name: _convert(var, environ[var], f.type)
         for f in msgspec.structs.fields(ServiceConfig)
-        if f.name not in ("pools", "tenants")
+        if f.name not in ("pools", "tenants") and (var := ENV_PREFIX + f.name.upper()) in environ
     }
-    changes: dict[str, object] = {}
-    for field_name, field_type in scalar.items():
-        var = ENV_PREFIX + field_name.upper()
-        if var in environ:
-            changes[field_name] = _env_value(var, environ[var], field_type)
     config = msgspec.structs.replace(config, **changes)
     if environ.get(ENV_PREFIX + "POOLS"):
-        config.pools = [parse_pool_spec(spec) for spec in environ[ENV_PREFIX + "POOLS"].split(";")]
-    for f in msgspec.structs.fields(PoolConfig):
-        var = f"{ENV_PREFIX}POOL_{f.name.upper()}"
-        if var in environ and f.name != "tiers":  # tiers: a table, in TOML or --pool
-            value = _env_value(var, environ[var], f.type)
-            config.pools = [msgspec.structs.replace(p, **{f.name: value}) for p in config.pools]
+        specs = environ[ENV_PREFIX + "POOLS"].split(";")
+        config.pools = [parse_pool_spec(spec, ENV_PREFIX + "POOLS") for spec in specs]
+    pool_vars = {key: f"{ENV_PREFIX}POOL_{key.upper()}" for key in POOL_KEYS}
+    pool, tiers = _pool_fields(
+        {key: environ[var] for key, var in pool_vars.items() if var in environ},
+        lambda key: pool_vars[key],
+    )
+    config.pools = [
+        msgspec.structs.replace(p, **pool, tiers=msgspec.structs.replace(p.tiers, **tiers))
+        for p in config.pools
+    ]
     return config
 
 
-def _env_value(var: str, raw: str, field_type: object) -> object:
+def _convert(label: str, raw: str, field_type: Any) -> Any:
+    """``raw``, the text of the flag or variable ``label``, as ``field_type``: ints, floats
+    and bools (true/false/1/0) from their text, strings (and sizes, ``int | str``) as
+    given. The one conversion of every flag and variable; BadRequest naming ``label`` and
+    ``raw`` if it does not convert."""
     try:
         return msgspec.convert(raw, field_type, strict=False)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"{var}={raw!r}: {exc}") from None
+        raise BadRequest(f"{label}={raw!r}: {exc}") from None
 
 
-def parse_pool_spec(spec: str) -> PoolConfig:
-    """A PoolConfig from ``"name=a,device=cpu,num_layers=2,size=64MiB"``."""
-    fields: dict[str, object] = {}
+def _pool_keys() -> dict[str, tuple[bool, msgspec.structs.FieldInfo]]:
+    """Every ``--pool`` key -> (whether it is a TierConfig field, that field): a PoolConfig
+    field's key is its name, a TierConfig field's the flag declared beside it (:func:`_flag`),
+    else its name."""
+    keys = {f.name: (False, f) for f in msgspec.structs.fields(PoolConfig) if f.name != "tiers"}
+    for f in msgspec.structs.fields(TierConfig):
+        metas = getattr(f.type, "__metadata__", ())
+        flag = next(
+            (m.extra["flag"] for m in metas if isinstance(m, msgspec.Meta) and m.extra), f.name
+        )
+        assert flag not in keys, f"--pool key {flag} names two settings"
+        keys[flag] = (True, f)
+    return keys
+
+
+POOL_KEYS = _pool_keys()
+
+
+def _pool_fields(
+    raw: Mapping[str, str], label: Callable[[str], str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The PoolConfig and the TierConfig fields that the ``--pool`` keys of ``raw`` set, each
+    value converted to its field's type (:func:`_convert`, naming ``label(key)``)."""
+    pool: dict[str, Any] = {}
+    tiers: dict[str, Any] = {}
+    for key, value in raw.items():
+        is_tier, field = POOL_KEYS[key]
+        (tiers if is_tier else pool)[field.name] = _convert(label(key), value, field.type)
+    return pool, tiers
+
+
+def parse_pool_spec(spec: str, source: str = "--pool") -> PoolConfig:
+    """A PoolConfig from ``"name=a,device=cpu,num_layers=2,size=64MiB,host_tier=1GiB"``
+    (the keys of :data:`POOL_KEYS`); BadRequest naming ``source`` (the flag, or the
+    variable that held the spec) and the bad item."""
+    raw: dict[str, str] = {}
     for item in filter(None, spec.split(",")):
         key, sep, value = item.partition("=")
-        if not sep:
-            raise BadRequest(f"--pool: {item!r} is not key=value")
         key = key.strip().replace("-", "_")
-        value = value.strip()
-        fields[key] = int(value) if re.fullmatch(r"[0-9]+", value) else value
-    tiers = split_tier_flags(fields)
-    if tiers is not None:
-        fields["tiers"] = tiers
-    try:
-        return msgspec.convert(fields, PoolConfig)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"--pool {spec!r}: {exc}") from None
-
-
-def split_tier_flags(fields: dict[str, object]) -> dict[str, object] | None:
-    """Move the tier keys of a ``--pool`` spec out of ``fields`` (in place) into the
-    fields of a TierConfig; None if there are none."""
-    tiers = {TIER_FLAG_KEYS[key]: fields.pop(key) for key in list(fields) if key in TIER_FLAG_KEYS}
-    if "disk" in tiers:
-        tiers["disk"] = str(tiers["disk"])
-    if "remote_timeout_s" in tiers:
-        tiers["remote_timeout_s"] = float(str(tiers["remote_timeout_s"]))
-    for key in ("secret_file", "previous_secret_file"):
-        if key in tiers:
-            tiers[key] = str(tiers[key])
-    if "encrypt" in tiers:
-        flag = str(tiers["encrypt"]).lower()
-        if flag not in ("true", "1", "false", "0"):
-            raise BadRequest(f"tier_encrypt is true or false, not {tiers['encrypt']!r}")
-        tiers["encrypt"] = flag in ("true", "1")
-    return tiers or None
+        if not sep or key not in POOL_KEYS:
+            problem = "unknown key" if sep else "not key=value"
+            raise BadRequest(f"{source} {spec!r}: {item!r}: {problem} ({', '.join(POOL_KEYS)})")
+        raw[key] = value.strip()
+    pool, tiers = _pool_fields(raw, lambda key: f"{source} {key}")
+    return PoolConfig(**pool, tiers=TierConfig(**tiers))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
 import pytest
 
 from kvcore.config import (
+    POOL_KEYS,
     PoolConfig,
     ServiceConfig,
     TenantConfig,
@@ -20,6 +22,7 @@ from kvcore.daemon.daemon import check_shm
 from kvcore.daemon.serve import add_arguments, build_config
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
+from kvcore.layout import DTYPE_SIZES, KINDS
 from kvcore.sizes import parse_size
 
 
@@ -82,6 +85,86 @@ def test_pool_spec_parses_ascii_digits_only() -> None:
             parse_pool_spec(spec)
 
 
+# Text for a setting of each declared type, and what it converts to.
+SAMPLES: dict[object, tuple[str, object]] = {
+    int: ("3", 3),
+    float: ("0.5", 0.5),
+    bool: ("true", True),
+    str: ("x", "x"),
+    int | str: ("4GiB", "4GiB"),
+    int | None: ("5", 5),
+}
+
+
+def test_a_pool_setting_converts_one_way_from_flags_and_environment() -> None:
+    """Every --pool key (TierConfig's by their flag names) converts its text to its field's
+    type, and its KVCORE_POOL_<KEY> variable gives the same pool: a new pool setting is
+    one field. A bad value names the flag or variable and the value."""
+    for key, (is_tier, field) in POOL_KEYS.items():
+        declared = getattr(field.type, "__origin__", field.type)  # Annotated: its type
+        text, value = SAMPLES[declared]
+        flagged = parse_pool_spec(f"{key}={text}")
+        env = apply_env(ServiceConfig(), {f"KVCORE_POOL_{key.upper()}": text}).pools[0]
+        assert flagged == env, key
+        assert getattr(flagged.tiers if is_tier else flagged, field.name) == value, key
+    assert parse_size(parse_pool_spec("size=4096").size) == 4096  # a byte count as text
+    for key, text in (("tier_encrypt", "maybe"), ("remote_timeout_s", "abc"), ("shards", "")):
+        with pytest.raises(BadRequest, match=f"--pool {key}={text!r}"):
+            parse_pool_spec(f"name=a,{key}={text}")
+        var = f"KVCORE_POOL_{key.upper()}"
+        with pytest.raises(BadRequest, match=f"{var}={text!r}"):
+            apply_env(ServiceConfig(), {var: text})
+    with pytest.raises(BadRequest, match=r"KVCORE_POOLS 'colour=red'.*unknown key"):
+        apply_env(ServiceConfig(), {"KVCORE_POOLS": "colour=red"})
+
+
+LATENT = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 576, "num_pages": 8}
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPE_SIZES))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_dtype_and_kind_comes_from_flags_file_and_environment(
+    tmp_path: Path, dtype: str, kind: str
+) -> None:
+    """fp8 and latent pools, as any: --pool (through the daemon's command line), the TOML
+    file, KVCORE_POOLS and KVCORE_POOL_<KEY> give the same valid pool."""
+    settings = {**LATENT, "dtype": dtype, "kind": kind}
+    spec = ",".join(f"{key}={value}" for key, value in settings.items())
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    toml = tmp_path / "kvcore.toml"
+    toml.write_text(
+        "[[pools]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+    )
+    env = {f"KVCORE_POOL_{key.upper()}": str(value) for key, value in settings.items()}
+    pools = [
+        build_config(parser.parse_args(["--pool", spec])).pools[0],
+        load_toml(toml).pools[0],
+        apply_env(ServiceConfig(), {"KVCORE_POOLS": spec}).pools[0],
+        apply_env(ServiceConfig(), env).pools[0],
+    ]
+    for pool in pools:
+        pool.validate()
+        assert (pool.layout().dtype, pool.layout().kind) == (dtype, kind)
+    assert pools.count(pools[0]) == len(pools)
+
+
+@pytest.mark.parametrize(("key", "allowed"), [("dtype", DTYPE_SIZES), ("kind", KINDS)])
+def test_a_bad_dtype_or_kind_names_the_allowed_values(
+    tmp_path: Path, key: str, allowed: dict[str, int]
+) -> None:
+    toml = tmp_path / "kvcore.toml"
+    toml.write_text(f'[[pools]]\nnum_pages = 8\n{key} = "fp9"\n')
+    for config in (
+        ServiceConfig(pools=[parse_pool_spec(f"num_pages=8,{key}=fp9")]),
+        load_toml(toml),
+        apply_env(ServiceConfig(), {f"KVCORE_POOL_{key.upper()}": "fp9"}),
+    ):
+        with pytest.raises(BadRequest, match="fp9") as refused:
+            config.validate()
+        assert all(name in str(refused.value) for name in allowed)
+
+
 def test_environment_overrides_the_file_and_flags_override_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,8 +204,8 @@ def test_host_pools_larger_than_shared_memory_are_refused() -> None:
 
 def test_debug_logs_the_effective_configuration() -> None:
     env = {**os.environ, "KVCORE_LEASE_TIMEOUT_S": "5"}
-    with DaemonProcess.private(
-        "--pool", "num_layers=1,num_pages=8", "--log-level", "DEBUG", env=env
-    ) as d:
+    pool = "num_layers=1,num_kv_heads=1,head_dim=576,dtype=float8_e4m3fn,kind=latent,num_pages=8"
+    with DaemonProcess.private("--pool", pool, "--log-level", "DEBUG", env=env) as d:
         line = next(ln for ln in d.lines if "effective configuration" in ln)
     assert '"lease_timeout_s": 5.0' in line and '"num_pages": 8' in line
+    assert '"dtype": "float8_e4m3fn", "kind": "latent"' in line  # and the daemon serves it

@@ -12,7 +12,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvcore.config import PoolConfig, ServiceConfig, TierConfig, apply_env, parse_pool_spec
+from kvcore.config import (
+    POOL_KEYS,
+    PoolConfig,
+    ServiceConfig,
+    TierConfig,
+    apply_env,
+    parse_pool_spec,
+)
 from kvcore.daemon.tiering import TieredManager, open_stack
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest
@@ -28,13 +35,23 @@ def test_tiers_are_off_by_default() -> None:
     assert not parse_pool_spec("name=a,num_pages=8").tiers.enabled
 
 
-def test_flags_and_toml_agree(tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    flags = parse_pool_spec(
-        f"name=a,num_pages=8,host_tier=1MiB,disk_tier={disk},"
-        "disk_tier_size=2MiB,remote_master=127.0.0.1:1,"
-        "remote_metadata=http://127.0.0.1:2/metadata,remote_timeout_s=0.5"
-    )
+def test_flags_toml_and_environment_agree(tmp_path: Path) -> None:
+    """Every tier setting, by its --pool flag, its [pools.tiers] key and its
+    KVCORE_POOL_<FLAG> variable, gives the same TierConfig."""
+    disk, secret = tmp_path / "disk", tmp_path / "secret"
+    flags = {
+        "host_tier": "1MiB",
+        "disk_tier": str(disk),
+        "disk_tier_size": "2MiB",
+        "remote_master": "127.0.0.1:1",
+        "remote_metadata": "http://127.0.0.1:2/metadata",
+        "remote_timeout_s": "0.5",
+        "remote_local_hostname": "10.0.0.2",
+        "tier_secret_file": str(secret),
+        "tier_previous_secret_file": f"{secret}.old",
+        "tier_encrypt": "true",
+    }
+    spec = "name=a,num_pages=8," + ",".join(f"{key}={value}" for key, value in flags.items())
     toml = f"""
 [[pools]]
 name = "a"
@@ -46,13 +63,30 @@ disk_size = "2MiB"
 remote_master = "127.0.0.1:1"
 remote_metadata = "http://127.0.0.1:2/metadata"
 remote_timeout_s = 0.5
+remote_local_hostname = "10.0.0.2"
+secret_file = "{secret}"
+previous_secret_file = "{secret}.old"
+encrypt = true
 """
     (from_file,) = msgspec.toml.decode(toml.encode(), type=ServiceConfig).pools
+    env = {f"KVCORE_POOL_{key.upper()}": value for key, value in flags.items()}
+    (from_env,) = apply_env(ServiceConfig(pools=[PoolConfig(name="a", num_pages=8)]), env).pools
+    assert parse_pool_spec(spec) == from_file == from_env
     assert from_file.tiers.enabled and from_file.tiers.host_bytes() == 1 << 20
-    assert from_file.tiers.disk_bytes() == flags.tiers.disk_bytes() == 2 << 20
-    assert from_file.tiers.host_bytes() == flags.tiers.host_bytes()
-    for field in ("disk", "remote_master", "remote_metadata", "remote_timeout_s"):
-        assert getattr(from_file.tiers, field) == getattr(flags.tiers, field)
+    assert from_file.tiers.disk_bytes() == 2 << 20 and from_file.tiers.encrypt is True
+    assert parse_pool_spec("host_tier=4096,disk_tier=7").tiers.host_bytes() == 4096
+    assert parse_pool_spec("disk_tier=7").tiers.disk == "7"  # a path, however it reads
+
+
+def test_the_deployment_guide_names_every_tier_flag() -> None:
+    """docs/deploy.md lists the tier settings' --pool keys: a new one is named there too."""
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
+    flags = [key for key, (tier, _) in POOL_KEYS.items() if tier]
+    assert [key for key in flags if f"`{key}`" not in guide] == [
+        key
+        for key in flags
+        if key.startswith("remote_")  # "the `remote_*` keys as they are"
+    ]
 
 
 @pytest.mark.parametrize(
