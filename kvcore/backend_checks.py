@@ -1,4 +1,5 @@
-"""Boundary checks of the kernel API (kvcore.backend): BadRequest for bad input.
+"""Boundary checks of the kernel API (kvcore.backend): BadRequest for bad input,
+Unsupported for a cache no kernel computes on yet (a latent pool's).
 
 Two kinds. Shape, dtype and device checks read no tensor data; the run methods
 (``decode``/``prefill``/``write_kv``/``copy_pages`` of a plan) use only these.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvcore.errors import BadRequest
+from kvcore.errors import BadRequest, Unsupported
 from kvcore.layout import cdiv
 
 if TYPE_CHECKING:
@@ -46,12 +47,21 @@ def check_tensor(
 
 
 def check_cache(kv_cache: object) -> torch.Tensor:
-    """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1], last dim contiguous."""
+    """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1], last dim contiguous.
+
+    A latent (MLA) pool's layer view ``[num_pages, 1, page_size, 1, head_dim]`` is
+    :class:`~kvcore.errors.Unsupported`: no kernel computes on latent pages yet."""
     import torch
 
     if not isinstance(kv_cache, torch.Tensor):
         raise BadRequest(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     shape = tuple(kv_cache.shape)
+    if len(shape) == 5 and shape[1] == 1 and shape[3] == 1 and min(shape) >= 1:
+        raise Unsupported(
+            f"kv_cache {list(shape)} is a latent (MLA) pool's layer (kind=latent, dtype="
+            f"{str(kv_cache.dtype).removeprefix('torch.')}): no kernel computes on latent "
+            "pages yet"
+        )
     if len(shape) != 5 or shape[1] != 2 or min(shape) < 1:
         raise BadRequest(
             f"kv_cache must have shape [num_pages, 2, page_size, num_kv_heads, head_dim] "

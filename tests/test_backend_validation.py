@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_torch import TorchBackend
 
-from kvcore.backend import AttentionPlan, Backend
+from kvcore.backend import AttentionPlan, Backend, available, get
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
-from kvcore.layout import cdiv
+from kvcore.layout import KVLayout, cdiv
 
 I32, I64 = torch.int32, torch.int64
 NUM_PAGES, PAGE, HKV, D = 4, 4, 2, 8
@@ -531,3 +532,32 @@ def test_runs_never_synchronise_on_cuda(name: str) -> None:
         backend.prefill(prefill, query, kv, 0.125)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (KVLayout(1, HKV, D, PAGE, "float8_e4m3fn", NUM_PAGES), "dtype=float8_e4m3fn"),
+        (KVLayout(1, HKV, D, PAGE, "float8_e5m2", NUM_PAGES), "dtype=float8_e5m2"),
+        (KVLayout(1, 1, 24, PAGE, "bfloat16", NUM_PAGES, kind="latent"), "kind=latent"),
+    ],
+    ids=["e4m3fn", "e5m2", "latent"],
+)
+def test_fp8_and_latent_pools_are_unsupported_by_every_plan(layout: KVLayout, message: str) -> None:
+    """No kernel computes on them yet: each installed backend's plans refuse a pool's layer
+    view by its dtype or kind, before any value is read."""
+    (view,) = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+    plans: list[Callable[[Backend], object]] = [
+        lambda b: b.plan_decode(view, t32(0, 1).reshape(1, 2), t32(5)),
+        lambda b: b.plan_prefill(view, t32(0, 1).reshape(1, 2), t32(0, 5), t32(5)),
+        lambda b: b.plan_write(view, t64(0)),
+        lambda b: b.plan_copy(view, t64(0), t64(1)),
+    ]
+    for name in available():
+        try:
+            backend = get(name)
+        except Unsupported:  # cannot load here (cupy without a GPU)
+            continue
+        for plan in plans:
+            with pytest.raises(Unsupported, match=message):
+                plan(backend)

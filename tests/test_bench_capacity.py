@@ -24,6 +24,7 @@ REQUIRED = (
     "pages_saved_fraction",
     "hit_rate",
     "hit_rate_optimal",
+    "fp8_vs_bf16_pages_ratio",
 )
 SMALL = ["--requests", "60", "--num-pages", "256", "--max-new-tokens", "512", "--arrival-rate", "2"]
 
@@ -70,6 +71,19 @@ def test_report_has_the_keys_and_meets_the_targets() -> None:
             assert summary["finished"] == 60
             assert summary["failed_allocations"] == 0  # admission checks exactly
     json.dumps(report)  # plain JSON
+
+
+def test_pages_per_gib_of_fp8_and_latent_layouts() -> None:
+    """fp8 holds twice the pages of bfloat16 at one geometry (the default one: 32 layers,
+    8 KV heads of 128, pages of 16 tokens); a latent page of 576 elements a token."""
+    report = capacity.run(_args(SMALL))
+    per_gib = report["pages_per_gib"]
+    assert report["fp8_vs_bf16_pages_ratio"] == 2.0
+    assert per_gib["kv"]["float8_e4m3fn"] == per_gib["kv"]["float8_e5m2"] == 1024
+    assert per_gib["kv"]["bfloat16"] == (1 << 30) / (32 * 2 * 16 * 8 * 128 * 2) == 512
+    assert per_gib["latent_dim"] == 576
+    assert per_gib["latent"]["bfloat16"] == (1 << 30) / (32 * 16 * 576 * 2)
+    assert per_gib["latent"]["float8_e4m3fn"] == 2 * per_gib["latent"]["bfloat16"]
 
 
 def test_report_is_deterministic_for_a_seed() -> None:

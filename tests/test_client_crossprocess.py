@@ -1,5 +1,7 @@
 """Two engine processes, one daemon: K/V written by one are read by the other through a
-prefix hit, zero-copy, each through its own mapping of the pool."""
+prefix hit, zero-copy, each through its own mapping of the pool; for an fp8 pool and a
+latent (MLA) pool too, whose mapped views have the layout's dtype and shape and whose
+bytes (fp8 NaN and infinity patterns included) cross unchanged."""
 
 from __future__ import annotations
 
@@ -15,18 +17,23 @@ from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 
 POOL = "name=kv,num_layers=3,num_kv_heads=2,head_dim=8,page_size=4,dtype=float32,num_pages=32"
+FP8_POOL = "name=fp8,num_layers=2,num_kv_heads=2,head_dim=8,page_size=4,dtype=float8_e4m3fn"
+LATENT_POOL = "name=latent,kind=latent,num_layers=2,num_kv_heads=1,head_dim=24,page_size=4"
 
 ENGINE = r"""
 import json, sys
 import torch
 from kvcore import Client
 
-role, endpoint = sys.argv[1], sys.argv[2]
+role, endpoint, pool = sys.argv[1], sys.argv[2], sys.argv[3]
 prompt = list(range(1000, 1018))  # 4 full pages of 4 tokens + 2 tokens
-client = Client.connect(endpoint, pool="kv", namespace="shared-ns")
+client = Client.connect(endpoint, pool=pool, namespace="shared-ns")
 layout = client.layout
 
 def expected(layer, page_index):
+    if layout.dtype != "float32":  # every byte value: fp8 NaNs (0x7F, 0xFF) and infinities
+        data = (torch.arange(layout.page_bytes_per_layer) + 31 * layer + 7 * page_index) % 256
+        return data.to(torch.uint8).view(layout.torch_dtype()).view(layout.page_shape)
     # K/V of one page as a function of (layer, token position, head, dim): no page ids in it
     pos = torch.arange(page_index * layout.page_size, (page_index + 1) * layout.page_size)
     head = torch.arange(layout.num_kv_heads).view(1, -1, 1)
@@ -48,12 +55,13 @@ else:
     alloc = client.allocate(2, prompt)
     hit_pages = alloc.num_cached_tokens // layout.page_size
     same = all(
-        torch.equal(cache[page], expected(layer, i))
+        torch.equal(cache[page].view(torch.uint8), expected(layer, i).view(torch.uint8))
         for layer, cache in enumerate(client.kv_caches)
         for i, page in enumerate(alloc.pages[:hit_pages])
     )
-    print(json.dumps({"pages": alloc.pages, "cached": alloc.num_cached_tokens, "same": same}),
-          flush=True)
+    view = client.kv_caches[0]
+    print(json.dumps({"pages": alloc.pages, "cached": alloc.num_cached_tokens, "same": same,
+                      "view": [str(view.dtype), list(view.shape)]}), flush=True)
 client.close()
 """
 
@@ -61,13 +69,15 @@ client.close()
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     tmp: Path = tmp_path_factory.mktemp("xproc")
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", POOL) as d:
+    pools = ("--pool", POOL, "--pool", f"{FP8_POOL},num_pages=32")
+    latent = ("--pool", f"{LATENT_POOL},dtype=bfloat16,num_pages=16")
+    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", *pools, *latent) as d:
         yield d
 
 
-def start(role: str, endpoint: str) -> subprocess.Popen[str]:
+def start(role: str, endpoint: str, pool: str = "kv") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", ENGINE, role, endpoint],
+        [sys.executable, "-c", ENGINE, role, endpoint, pool],
         text=True,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -102,3 +112,21 @@ def test_reader_process_sees_the_writer_process_bytes_through_a_prefix_hit(
         stats = observer.stats()
         assert stats.hit_tokens == 16 and stats.held_pages == 0 and stats.evictable_pages == 4
         observer.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "pool, view",
+    [
+        ("fp8", ["torch.float8_e4m3fn", [32, 2, 4, 2, 8]]),
+        ("latent", ["torch.bfloat16", [16, 1, 4, 1, 24]]),
+    ],
+)
+def test_fp8_and_latent_pools_cross_processes_byte_for_byte(
+    daemon: DaemonProcess, pool: str, view: list[object]
+) -> None:
+    reader = start("reader", daemon.endpoint, pool)
+    written = finish(start("writer", daemon.endpoint, pool))
+    assert written["published"] == 4
+    read = finish(reader, "go\n")
+    assert read["cached"] == 16 and read["pages"][:4] == written["pages"][:4]  # type: ignore[index]
+    assert read["same"] is True and read["view"] == view

@@ -11,12 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.daemon.tiering import TieredManager
 from kvcore.errors import OutOfPages
 from kvcore.layout import KVLayout
 from kvcore.prefix import PageRemoved, PageStored
-from kvcore.tiers import DiskTier, HostTier, TierStack
+from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages
 
 PAGE = 2
 LAYOUT = KVLayout(
@@ -83,29 +84,37 @@ def test_hits_below_the_pool_return_the_written_bytes(
         stack.close()
 
 
-def test_a_spilled_page_comes_back_from_the_host_tier(tmp_path: Path) -> None:
-    memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
-    views = LAYOUT.layer_views(memory)
-    manager = TieredManager(LAYOUT, views, TierStack(HostTier(LAYOUT, 16)))
-    first = [1, 2, 3, 4, 5]
+@pytest.mark.parametrize("medium", ["host", "disk"])
+@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, id="float32"), *BYTE_LAYOUTS])
+def test_a_spilled_page_comes_back_from_a_lower_tier(
+    tmp_path: Path, layout: KVLayout, medium: str
+) -> None:
+    """Byte for byte, every byte value: fp8 NaN and infinity patterns, latent pages."""
+    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    views = layout.layer_views(memory)
+    if medium == "host":
+        stack = TierStack(HostTier(layout, 16))
+    else:
+        stack = TierStack(disk=DiskTier(layout, tmp_path / "disk", 16 * (layout.page_bytes + 80)))
+    manager = TieredManager(layout, views, stack)
+    full = 2 * layout.page_size  # tokens of the two full pages a prompt commits
+    first = list(range(1, full + 2))
     got = manager.allocate(0, first)
-    for layer, view in enumerate(views):
-        view[got.pages[0]].fill_(10.0 + layer)
-        view[got.pages[1]].fill_(20.0 + layer)
+    written = byte_pages(layout, 2)
+    scatter_pages(views, got.pages[:2], written)
     manager.commit(0, first)
     manager.free(0)
-    for i in range(3):  # push the first prompt's pages out of the pool
-        manager.allocate(10 + i, [100 + i] * 5)
-        manager.commit(10 + i, [100 + i] * 5)
+    for i in range(layout.num_pages):  # push the first prompt's pages out of the pool
+        manager.allocate(10 + i, [100 + i] * (full + 1))
+        manager.commit(10 + i, [100 + i] * (full + 1))
         manager.free(10 + i)
-    assert manager.lookup(first).num_cached_tokens == 4
+    assert manager.lookup(first).num_cached_tokens == full
     again = manager.allocate(1, first)
-    assert again.num_cached_tokens == 4
-    for layer, view in enumerate(views):
-        assert bool((view[again.pages[0]] == 10.0 + layer).all())
-        assert bool((view[again.pages[1]] == 20.0 + layer).all())
-    assert manager.tier_stats()["host"].hits == 2
+    assert again.num_cached_tokens == full
+    assert same_bytes(gather_pages(views, again.pages[:2]), written)
+    assert manager.tier_stats()[medium].hits == 2
     manager.check_integrity()
+    stack.close()
 
 
 def test_a_lookup_brings_pages_up_and_changes_no_sequence() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -10,9 +11,11 @@ import torch
 from hf_helpers import SMALL, daemon, held, module_endpoint, padded, private_client, reference
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
+from kvcore import Client
 from kvcore.demo_model import greedy
 from kvcore.errors import BadRequest, LayoutMismatch, OutOfPages, Timeout, Unsupported
 from kvcore.integrations.transformers import KVCoreCache
+from kvcore.layout import KVLayout
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,29 @@ def test_a_pool_that_does_not_fit_the_model_is_refused(
     with (
         private_client(endpoint, SMALL, dtype="bfloat16") as client,
         pytest.raises(LayoutMismatch, match="dtype"),
+    ):
+        KVCoreCache(client, model)
+    assert model.config._attn_implementation == "sdpa"  # a refused cache never bound
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kind", "message"),
+    [
+        ("float8_e4m3fn", "kv", "dtype=float8_e4m3fn"),
+        ("float8_e5m2", "kv", "dtype=float8_e5m2"),
+        ("float32", "latent", "kind=latent"),
+    ],
+)
+def test_fp8_and_latent_pools_are_unsupported(
+    endpoint: str, model: torch.nn.Module, dtype: str, kind: str, message: str
+) -> None:
+    latent = kind == "latent"  # one head, K's and V's width: the same bytes as a pool of one
+    heads, width = (1, 2 * SMALL.head_dim) if latent else (SMALL.num_kv_heads, SMALL.head_dim)
+    layout = KVLayout(SMALL.num_layers, heads, width, 16, dtype, 64, kind=kind)
+    pool = f"t-{secrets.token_hex(4)}"
+    with (
+        Client.connect(endpoint, pool=pool, layout=layout, ephemeral=True) as client,
+        pytest.raises(Unsupported, match=message),
     ):
         KVCoreCache(client, model)
     assert model.config._attn_implementation == "sdpa"  # a refused cache never bound

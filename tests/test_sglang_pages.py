@@ -114,6 +114,22 @@ def test_an_unknown_layout_or_a_partial_page_is_refused() -> None:
         host_pages(torch.zeros(2, 1, 12, 1, 1), "layer_first", 8)
 
 
+def test_an_fp8_kv_cache_is_refused_naming_the_setting() -> None:
+    """SGLang keeps an fp8 KV cache (--kv-cache-dtype fp8_e4m3) in uint8 buffers: refused
+    by name, not taken for a pool of bytes."""
+    from types import SimpleNamespace
+
+    from kvcore.integrations.sglang.attach import expected_layout
+
+    host = SimpleNamespace(
+        layout="layer_first", head_num=2, head_dim=8, layer_num=2, page_size=16, dtype=torch.uint8
+    )
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        expected_layout(host)
+    layout, name = expected_layout(SimpleNamespace(**{**vars(host), "dtype": torch.bfloat16}))
+    assert (layout.dtype, layout.kind, name) == ("bfloat16", "kv", "layer_first")
+
+
 @dataclasses.dataclass(frozen=True)
 class Rank:
     """The fields of SGLang's HiCacheStorageConfig that a rank's key space reads."""
@@ -224,7 +240,7 @@ def test_weights_nothing_names_are_this_process_alone_and_say_so(
 @pytest.mark.parametrize(
     ("rank", "why"),
     [
-        (Rank(is_mla_model=True), "MLA"),
+        (Rank(is_mla_model=True), "MLA.*is_mla_model.*--hicache-storage-backend"),
         (Rank(should_split_heads=True), "split heads"),
         (Rank(attn_cp_size=2), "split heads or contexts"),
     ],

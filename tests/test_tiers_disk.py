@@ -14,6 +14,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
@@ -133,13 +134,47 @@ def tier_dir(tmp_path: Path) -> Path:
     return tmp_path / "tier"
 
 
-def test_restart_serves_old_entries_after_verifying(tier_dir: Path) -> None:
-    pages = torch.randn(3, *PAGE)
-    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
-        tier.put_many(KEYS[:3], pages)
-    with DiskTier(LAYOUT, tier_dir, 10 * ENTRY) as tier:
-        assert tier.match(KEYS[:3]) == 3
-        assert torch.equal(tier.get_many(KEYS[:3]), pages)
+@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, id="float32"), *BYTE_LAYOUTS])
+def test_restart_serves_old_entries_after_verifying(tier_dir: Path, layout: KVLayout) -> None:
+    """Every byte value comes back (fp8 NaN and infinity patterns, latent pages)."""
+    keys = [tier_key(layout_fingerprint(layout), PrefixKey(bytes([i]) * 32)) for i in range(3)]
+    pages = byte_pages(layout, 3)
+    size = 10 * (HEADER_BYTES + layout.page_bytes)
+    with DiskTier(layout, tier_dir, size) as tier:
+        tier.put_many(keys, pages)
+    with DiskTier(layout, tier_dir, size) as tier:
+        assert tier.match(keys) == 3
+        assert same_bytes(tier.get_many(keys), pages)
+
+
+@pytest.mark.parametrize(
+    "written, asked",
+    [
+        pytest.param(
+            KVLayout(2, 2, 8, 4, "float8_e4m3fn", 8),
+            KVLayout(2, 2, 8, 4, "float8_e5m2", 8),
+            id="fp8",
+        ),
+        pytest.param(
+            KVLayout(2, 1, 16, 4, "bfloat16", 8, kind="latent"),
+            KVLayout(2, 1, 8, 4, "bfloat16", 8),
+            id="latent-vs-kv",
+        ),
+    ],
+)
+def test_a_page_of_one_layout_is_a_miss_for_another_of_its_size(
+    tier_dir: Path, written: KVLayout, asked: KVLayout
+) -> None:
+    """Same geometry and page bytes, another dtype or kind: never served across."""
+    assert written.page_bytes == asked.page_bytes
+    prefix = PrefixKey(bytes([9]) * 32)
+    size = 4 * (HEADER_BYTES + written.page_bytes)
+    with DiskTier(written, tier_dir, size) as tier:
+        tier.put_many([tier_key(tier.fingerprint, prefix)], byte_pages(written, 1))
+    with DiskTier(asked, tier_dir, size) as tier:
+        key = [tier_key(tier.fingerprint, prefix)]
+        assert tier.match(key) == 0 and len(tier.get_many(key)) == 0
+        assert tier.stats().corrupt == 0
 
 
 @pytest.mark.parametrize("damage", ["header", "truncate", "renamed", "symlink"])

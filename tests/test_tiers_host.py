@@ -9,6 +9,7 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
@@ -139,3 +140,23 @@ def test_promote_and_staged_get_write_exact_pool_pages() -> None:
     with pytest.raises(BadRequest):
         tier.promote(KEYS[:2], pool, [0])
     assert tier.stats().hits == 5 and tier.stats().misses == 1
+
+
+@pytest.mark.parametrize("layout", BYTE_LAYOUTS)
+def test_fp8_and_latent_pages_come_back_byte_for_byte(layout: KVLayout) -> None:
+    from kvcore.tiers import gather_pages, scatter_pages
+
+    keys = [tier_key(layout_fingerprint(layout), PrefixKey(bytes([i]) * 32)) for i in range(5)]
+    pages = byte_pages(layout, 5)
+    tier = HostTier(layout, 3)
+    spilled = tier.put_spill(keys, pages)  # two overflow: the put's oldest pass through
+    assert spilled.keys == keys[:2] and same_bytes(spilled.pages, pages[:2])
+    assert same_bytes(tier.get_many(keys[2:]), pages[2:])
+    spilled = tier.put_spill(keys[:1], pages[:1])  # pushes out the LRU entry's bytes
+    assert spilled.keys == keys[2:3] and same_bytes(spilled.pages, pages[2:3])
+    pool = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+    assert tier.promote([keys[3], keys[0]], pool, [5, 2]) == 2
+    assert same_bytes(gather_pages(pool, [5, 2]), pages[[3, 0]])
+    scatter_pages(pool, [7, 1], pages[1:3])
+    assert same_bytes(gather_pages(pool, [7, 1]), pages[1:3])
+    tier.check_integrity()

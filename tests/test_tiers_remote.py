@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from mooncake_helpers import SKIP_REASON, Master, _free_port, master_binary, start_master
+from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
@@ -56,19 +57,23 @@ def connect(master: Master, layout: KVLayout = LAYOUT, **bounds: float) -> Remot
     return tier
 
 
-def test_pages_published_by_one_daemon_are_hits_for_another(master: Master) -> None:
-    keys = chain("shared")
-    pages = torch.randn(len(keys), *PAGE).to(torch.float16)
-    writer, reader = connect(master), connect(master)
+@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, id="float16"), *BYTE_LAYOUTS])
+def test_pages_published_by_one_daemon_are_hits_for_another(
+    master: Master, layout: KVLayout
+) -> None:
+    """Byte for byte, every byte value (fp8 NaN and infinity patterns, latent pages)."""
+    keys = chain("shared", layout)
+    pages = byte_pages(layout, len(keys))
+    writer, reader = connect(master, layout), connect(master, layout)
     try:
         assert writer.put_many(keys[:4], pages[:4]) == []
         assert writer.flush(READY_S)
         assert reader.match(keys) == 4
         got = reader.get_many(keys)
-        assert got.shape == (4, *PAGE) and torch.equal(got, pages[:4])
+        assert same_bytes(got, pages[:4])
         stats = reader.stats()
         assert (stats.hits, stats.misses, stats.corrupt) == (4, 2, 0)
-        assert stats.bytes_out == 4 * LAYOUT.page_bytes
+        assert stats.bytes_out == 4 * layout.page_bytes
         assert writer.stats().stored == 4
         writer.check_integrity()
     finally:
@@ -76,17 +81,34 @@ def test_pages_published_by_one_daemon_are_hits_for_another(master: Master) -> N
         reader.close()
 
 
-def test_layouts_and_namespaces_stay_apart(master: Master) -> None:
-    other_layout = dataclasses.replace(LAYOUT, num_kv_heads=1, head_dim=16)  # same bytes per page
-    assert other_layout.page_bytes == LAYOUT.page_bytes
-    tier, other = connect(master), connect(master, other_layout)
+@pytest.mark.parametrize(
+    "layout, other_layout",  # the same bytes per page, another shape, dtype or kind
+    [
+        pytest.param(LAYOUT, dataclasses.replace(LAYOUT, num_kv_heads=1, head_dim=16), id="shape"),
+        pytest.param(
+            KVLayout(2, 2, 8, 4, "float8_e4m3fn", 8),
+            KVLayout(2, 2, 8, 4, "float8_e5m2", 8),
+            id="fp8",
+        ),
+        pytest.param(
+            KVLayout(2, 1, 16, 4, "float16", 8, kind="latent"),
+            KVLayout(2, 1, 8, 4, "float16", 8),
+            id="latent",
+        ),
+    ],
+)
+def test_layouts_and_namespaces_stay_apart(
+    master: Master, layout: KVLayout, other_layout: KVLayout
+) -> None:
+    assert other_layout.page_bytes == layout.page_bytes
+    tier, other = connect(master, layout), connect(master, other_layout)
     try:
-        keys = chain("apart", salt=1)
-        tier.put_many(keys, torch.zeros(len(keys), *PAGE, dtype=torch.float16))
+        keys = chain("apart", layout, salt=1)
+        tier.put_many(keys, byte_pages(layout, len(keys)))
         assert tier.flush(READY_S)
         assert tier.match(keys) == len(keys)
         assert other.match(chain("apart", other_layout, salt=1)) == 0
-        assert tier.match(chain("apart-2", salt=1)) == 0
+        assert tier.match(chain("apart-2", layout, salt=1)) == 0
         with pytest.raises(BadRequest):
             other.match(keys)
     finally:

@@ -19,18 +19,25 @@ allocate would pin out of the LRU): each policy's summary reports
 Each policy runs on a plain trace and a shared-prefix variant of the same seed,
 and the paged policies again on a pool large enough that nothing is evicted.
 Units: tokens and pages as named; a "step" is one engine iteration.
+
+``pages_per_gib`` says what the page format buys, by arithmetic (no replay): pages
+of the configured geometry per GiB in bfloat16 and in the fp8 dtypes (their
+ratio, ``fp8_vs_bf16_pages_ratio``, is 2.0: one byte an element instead of two),
+and of a latent (MLA) layout of the same layers and page size, one vector of
+``--latent-dim`` elements a token (DeepSeek's 512 + 64 = 576).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from kvcore.bench.report import Figure, Target
 from kvcore.bench.simulate import ContiguousPool, PagedPool, Pool, RunStats, simulate
 from kvcore.bench.trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.errors import BadRequest
-from kvcore.layout import KVLayout
+from kvcore.layout import FP8_DTYPES, KVLayout
 from kvcore.manager import Manager
 
 POLICIES = ("contiguous", "paged", "paged_prefix")
@@ -50,6 +57,12 @@ HEADLINE = (  # what `kvcore bench capacity` prints without --json (docs/benchma
     Figure("hit_rate_fixed_budget", "hit rate at the fixed budget"),
     Figure("shared_prefix_concurrency_ratio", "concurrency, paged / contiguous (shared prefixes)"),
     Figure("shared_prefix_prefix_vs_paged_concurrency", "concurrency, prefix cache / paged"),
+    Figure(
+        "fp8_vs_bf16_pages_ratio",
+        "pages per GiB, fp8 / bfloat16 (same geometry)",
+        Target("==", 2.0, required=True),
+    ),
+    Figure("pages_per_gib.latent.bfloat16", "pages per GiB, latent (MLA) layout, bfloat16"),
 )
 
 
@@ -74,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
     g.add_argument("--head-dim", type=int, default=128, help="elements per head")
     g.add_argument("--dtype", default="bfloat16", help="element type of K and V")
+    g.add_argument(
+        "--latent-dim",
+        type=int,
+        default=576,
+        help="elements of the latent (MLA) vector a token, for pages_per_gib",
+    )
     g.add_argument(
         "--watermark",
         type=float,
@@ -133,14 +152,7 @@ def no_eviction_layout(trace: Trace, layout: KVLayout) -> KVLayout:
     """A pool that holds every page the trace ever allocates: nothing is evicted,
     nobody waits or is preempted."""
     pages = sum(layout.pages_for(len(r.prompt) + len(r.output)) for r in trace.requests)
-    return KVLayout(
-        layout.num_layers,
-        layout.num_kv_heads,
-        layout.head_dim,
-        layout.page_size,
-        layout.dtype,
-        pages,
-    )
+    return replace(layout, num_pages=pages)
 
 
 def replay(
@@ -180,6 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **_capacity_figures(variants["plain"], no_evict),
         **_hit_figures(shared, layout, variants["shared_prefix"], no_evict, fixed_prefix_stats),
         **_shared_prefix_figures(variants["shared_prefix"]),
+        **_memory_figures(layout, args.latent_dim),
         "config": _config(args, layout, big, plain, shared),
         "plain": variants["plain"],
         "shared_prefix": variants["shared_prefix"],
@@ -254,6 +267,23 @@ def _shared_prefix_figures(shared: dict[str, Any]) -> dict[str, Any]:
             prefix["mean_concurrency"], paged["mean_concurrency"]
         ),
         "pages_saved_per_sequence_fixed_budget": None if per_seq is None else 1.0 - per_seq,
+    }
+
+
+def _memory_figures(layout: KVLayout, latent_dim: int) -> dict[str, Any]:
+    """Pages per GiB (a rate: GiB / page_bytes, not rounded) of ``layout``'s geometry
+    per dtype, and of a latent layout (one head of ``latent_dim`` elements) of its
+    layers and page size; the fp8 / bfloat16 ratio of the first."""
+    dtypes = ("bfloat16", *sorted(FP8_DTYPES))
+    latent = replace(layout, num_kv_heads=1, head_dim=latent_dim, kind="latent")
+    per_gib = {
+        name: {dtype: GIB / replace(shape, dtype=dtype).page_bytes for dtype in dtypes}
+        for name, shape in (("kv", replace(layout, kind="kv")), ("latent", latent))
+    }
+    kv = per_gib["kv"]
+    return {
+        "pages_per_gib": {**per_gib, "latent_dim": latent_dim},
+        "fp8_vs_bf16_pages_ratio": kv["float8_e4m3fn"] / kv["bfloat16"],
     }
 
 

@@ -86,7 +86,7 @@ class TieredManager:
     continue into them; the Manager's operations and promises otherwise (a failed
     operation changed nothing), lookup aside (module docstring).
 
-    ``views`` are the pool's layer views (``[num_pages, 2, page_size, H, D]`` each,
+    ``views`` are the pool's layer views (``[num_pages, parts, page_size, H, D]`` each,
     over the pool's memory); only this class reads or writes them, and only on the
     daemon's thread. ``manager`` is driven by this class alone. Not thread-safe.
     """

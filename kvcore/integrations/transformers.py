@@ -45,7 +45,8 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   and attention mask width (the columns seen so far plus the fed ones) are
   checked, and a second generate call (which restarts them) is a BadRequest
   before anything is written. Beam search, cache reordering, cropping,
-  assisted decoding and sliding-window attention raise Unsupported.
+  assisted decoding and sliding-window attention raise Unsupported, and so does
+  a pool of fp8 dtype or latent (MLA) kind (no kernel computes on them yet).
 * Life cycle. :meth:`close` (or leaving ``with``) commits the written full
   pages and frees every sequence. A forward that raises frees them at once
   (the cache is then spent), so a failed generate leaves nothing held; so does
@@ -67,6 +68,7 @@ from kvcore.errors import BadRequest, LayoutMismatch, Unsupported
 from kvcore.integrations import hf_binding
 from kvcore.integrations.identity import transformers_model
 from kvcore.integrations.paged_rows import PagedRows, StepPlan
+from kvcore.layout import FP8_DTYPES
 from kvcore.prefix import KeySpace
 
 if TYPE_CHECKING:
@@ -143,6 +145,13 @@ class KVCoreCache(Cache):
     ) -> None:
         if not client.kv_caches:
             raise BadRequest("the client has not mapped the pool (Client.connect(map_memory=True))")
+        layout = client.layout
+        if layout.kind != "kv" or layout.dtype in FP8_DTYPES:
+            raise Unsupported(
+                f"pool {client.pool!r} has dtype={layout.dtype} kind={layout.kind}: the "
+                "transformers cache computes on kind=kv pools of float16, bfloat16 or float32 "
+                "(no kernel computes on fp8 or latent pages yet)"
+            )
         self.client = client
         self.backend = backends.get(backend) if isinstance(backend, str) else backend
         self._kv = client.kv_caches

@@ -7,7 +7,7 @@
     8       48    tier key (layout fingerprint || prefix key)
     56      8     payload length in bytes, u64 LE (= the layout's page_bytes)
     64      16    blake2b-128 of bytes [0, 64) || payload
-    80      n     payload: the page, [num_layers, 2, page_size, kv_heads, head_dim], native order
+    80      n     payload: the page, [num_layers, parts, page_size, kv_heads, head_dim], native order
 
 An entry is valid for a reader iff the magic matches, the key equals the key
 the reader asked for (so a renamed or foreign file never answers another key),

@@ -1,9 +1,10 @@
 """HostTier: daemon-owned host memory below a pool, a fixed number of page slots.
 
-One preallocated tensor ``[capacity_pages, num_layers, 2, page_size, H, D]``
+One preallocated tensor ``[capacity_pages, num_layers, parts, page_size, H, D]``
 holds every entry; a slot is one page (``page_bytes`` bytes). Puts and gets
-are one ``index_copy_`` / ``index_select`` over the slots for the whole batch:
-no Python copy of bytes, no loop over layers.
+are one ``index_copy_`` / ``index_select`` over the slots for the whole batch
+(float8 through uint8 views: bytes, as kvcore.tiers.transfer copies): no Python
+copy of bytes, no loop over layers.
 
 Invariants (:meth:`HostTier.check_integrity`):
 
@@ -32,7 +33,7 @@ from kvcore.tiers.base import (
     check_pages,
     layout_fingerprint,
 )
-from kvcore.tiers.transfer import promote_rows
+from kvcore.tiers.transfer import promote_rows, raw
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Spilled:
     """Entries a put pushed out of the host tier, least recently used first, with
-    their bytes: ``pages`` is ``[len(keys), L, 2, page_size, H, D]``, for the next
+    their bytes: ``pages`` is ``[len(keys), L, parts, page_size, H, D]``, for the next
     tier down."""
 
     keys: list[TierKey]
@@ -167,10 +168,10 @@ class HostTier(LocalKeys):
         )
         targets = [self._free.pop() for _ in store_keys]
         if store_keys:
-            self._slots.index_copy_(
+            raw(self._slots).index_copy_(
                 0,
                 torch.tensor(targets, dtype=torch.int64),
-                pages[torch.tensor(store_rows, dtype=torch.int64)],
+                raw(pages[torch.tensor(store_rows, dtype=torch.int64)]),
             )
         lru.update(zip(store_keys, targets, strict=True))
         stats = self._stats

@@ -388,7 +388,7 @@ class RemoteTier:
 
 @dataclass(slots=True)
 class _Batch:
-    """Pages to publish: a private copy, ``[len(keys), L, 2, page_size, H, D]``."""
+    """Pages to publish: a private copy, ``[len(keys), L, parts, page_size, H, D]``."""
 
     keys: list[TierKey]
     pages: torch.Tensor

@@ -56,7 +56,7 @@ class TierStack:
         self._local: list[Tier] = [t for t in (host, disk) if t is not None]
 
     def spill(self, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
-        """Pages the pool evicts (``[n, L, 2, page_size, H, D]``, on the CPU): into the
+        """Pages the pool evicts (``[n, L, parts, page_size, H, D]``, on the CPU): into the
         host tier, whose own evictions go to the disk tier (or straight to disk)."""
         if self.host is not None:
             spilled = self.host.put_spill(keys, pages)

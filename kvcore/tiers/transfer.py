@@ -1,13 +1,13 @@
 """Moving pages between a pool and a tier in bulk: one indexed copy per layer.
 
 A pool is seen per layer (KVLayout.layer_views): ``L`` tensors
-``[num_pages, 2, page_size, H, D]``. A tier stores whole pages across layers,
+``[num_pages, parts, page_size, H, D]``. A tier stores whole pages across layers,
 so a batch of ``n`` pages is one tensor, page-major::
 
     pool   views[l][page_ids[i]]        for l in 0..L-1   (L tensors, one per layer)
              |  gather_pages: L index_select           ^  scatter_pages: L index_copy_
              v                                          |
-    batch  pages[i, l]                  [n, L, 2, page_size, H, D]  (contiguous)
+    batch  pages[i, l]                  [n, L, parts, page_size, H, D]  (contiguous)
 
 Each page of the batch is then ``page_bytes`` contiguous bytes, ready for a
 host slot, a file or a store object (:func:`byte_view`); pages read back from a
@@ -15,6 +15,10 @@ file or a store object become a batch again by :func:`pages_from_bytes`. :func:`
 tier's own page store (the host tier's slots) straight into pool pages. Page ids are pool page indices (pages,
 not bytes); no Python loop runs per page or per byte. The batch lives on the
 pool's device unless ``device`` says otherwise.
+
+Every copy moves bytes: a float8 tensor is copied through its uint8 view
+(:func:`raw`), so fp8 pages (NaN and infinity patterns included) and latent pages
+come back byte for byte, whatever torch implements for float8 on a device.
 """
 
 from __future__ import annotations
@@ -42,13 +46,26 @@ def _index(
     return index
 
 
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or for a float8 tensor its uint8 view (same shape, same bytes,
+    zero-copy). Copies go through it: torch has no CPU ``index_copy_`` for float8, and
+    a copy of uint8 elements is a copy of the bytes."""
+    import torch
+
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 def _check_views(views: Sequence[torch.Tensor]) -> None:
     if not views:
         raise BadRequest("a pool has at least one layer view")
     first = views[0]
     for view in views:
         if view.dim() != 5 or view.shape != first.shape or view.dtype != first.dtype:
-            raise BadRequest("layer views must all be [num_pages, 2, page_size, H, D] of one dtype")
+            raise BadRequest(
+                "layer views must all be [num_pages, parts, page_size, H, D] of one dtype"
+            )
 
 
 def gather_pages(
@@ -57,7 +74,7 @@ def gather_pages(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Copy pool pages ``page_ids`` out of every layer: ``[n, L, 2, page_size, H, D]``,
+    """Copy pool pages ``page_ids`` out of every layer: ``[n, L, parts, page_size, H, D]``,
     contiguous, on ``device`` (default: the pool's). One index_select per layer."""
     import torch
 
@@ -68,14 +85,14 @@ def gather_pages(
         (index.numel(), len(views), *first.shape[1:]), dtype=first.dtype, device=first.device
     )
     for layer, view in enumerate(views):
-        torch.index_select(view, 0, index, out=out[:, layer])
+        torch.index_select(raw(view), 0, index, out=raw(out[:, layer]))
     return out if device is None else out.to(device)
 
 
 def scatter_pages(
     views: Sequence[torch.Tensor], page_ids: Sequence[int] | torch.Tensor, pages: torch.Tensor
 ) -> None:
-    """Write ``pages`` ``[n, L, 2, page_size, H, D]`` into pool pages ``page_ids`` of
+    """Write ``pages`` ``[n, L, parts, page_size, H, D]`` into pool pages ``page_ids`` of
     every layer (one device transfer, then one index_copy_ per layer). ``page_ids``
     must be distinct."""
     _check_views(views)
@@ -94,7 +111,7 @@ def scatter_pages(
         _copy_rows(views, index.tolist(), pages, range(len(pages)))
         return
     for layer, view in enumerate(views):
-        view.index_copy_(0, index, pages[:, layer])
+        raw(view).index_copy_(0, index, raw(pages[:, layer]))
 
 
 def _copy_rows(
@@ -106,7 +123,7 @@ def _copy_rows(
     for page, row in zip(page_ids, rows, strict=True):
         source = pages[row]
         for layer, view in enumerate(views):
-            view[page].copy_(source[layer])
+            raw(view[page]).copy_(raw(source[layer]))
 
 
 def promote_rows(
@@ -115,7 +132,7 @@ def promote_rows(
     store: torch.Tensor,
     rows: Sequence[int],
 ) -> None:
-    """Copy ``store[rows[i]]`` (``[L, 2, page_size, H, D]`` each) into pool pages
+    """Copy ``store[rows[i]]`` (``[L, parts, page_size, H, D]`` each) into pool pages
     ``page_ids[i]`` of every layer: one copy of each byte on a CPU pool (no staging
     batch); on another device, one gather on the host, one transfer, one
     ``index_copy_`` per layer."""
@@ -126,7 +143,7 @@ def promote_rows(
         _copy_rows(views, page_ids, store, rows)
         return
     index = torch.tensor(list(rows), dtype=torch.int64)
-    scatter_pages(views, page_ids, store.index_select(0, index))
+    scatter_pages(views, page_ids, store.index_select(0, index))  # index_select: any dtype
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -138,13 +155,13 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     size = tensor.numel() * tensor.element_size()
     if size == 0:
         return memoryview(bytearray())
-    raw = (ctypes.c_char * size).from_address(tensor.data_ptr())
-    return memoryview(raw).cast("B")
+    chars = (ctypes.c_char * size).from_address(tensor.data_ptr())
+    return memoryview(chars).cast("B")
 
 
 def pages_from_bytes(buffer: bytearray, count: int, layout: KVLayout) -> torch.Tensor:
     """The first ``count`` pages of ``buffer`` (``layout.page_bytes`` bytes each, page
-    after page) as a batch ``[count, L, 2, page_size, H, D]`` of the layout's dtype on
+    after page) as a batch ``[count, L, parts, page_size, H, D]`` of the layout's dtype on
     the CPU, zero-copy: the batch keeps ``buffer`` alive.
 
     ``buffer`` may be longer (room for pages whose read then failed). A batch of no

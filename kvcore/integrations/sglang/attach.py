@@ -14,7 +14,7 @@ from typing import Any
 from kvcore.client import Client
 from kvcore.errors import LayoutMismatch, Timeout
 from kvcore.integrations.sglang.pages import LAYOUTS
-from kvcore.layout import KVLayout
+from kvcore.layout import DTYPE_SIZES, KVLayout
 from kvcore.prefix import DEFAULT_NAMESPACE
 
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
@@ -44,7 +44,7 @@ def expected_layout(host: Any) -> tuple[KVLayout, str]:
     """The kvcore layout an SGLang MHA host pool's pages have (its ``layer_num``,
     ``head_num``, ``head_dim``, ``page_size``, ``dtype``), and its layout name.
     ValueError for a host pool kvcore cannot store (MLA, split K/V widths, an
-    unknown layout)."""
+    unknown layout, SGLang's uint8 bytes of an fp8 KV cache)."""
     layout = getattr(host, "layout", None)
     if layout not in LAYOUTS or not hasattr(host, "head_num"):
         raise ValueError(
@@ -54,6 +54,12 @@ def expected_layout(host: Any) -> tuple[KVLayout, str]:
     if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
         raise ValueError("kvcore's SGLang storage needs equal K and V head dims")
     dtype = str(host.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_SIZES:  # SGLang keeps an fp8 KV cache as uint8 bytes
+        raise ValueError(
+            f"kvcore's SGLang storage does not hold {dtype} host pools (an fp8 KV cache, "
+            "--kv-cache-dtype fp8_e4m3 or fp8_e5m2, is one) yet; serve with "
+            "--kv-cache-dtype auto or without --hicache-storage-backend on kvcore"
+        )
     kv = KVLayout(
         num_layers=host.layer_num,
         num_kv_heads=host.head_num,

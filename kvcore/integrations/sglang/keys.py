@@ -117,7 +117,10 @@ def rank_identity(config: StorageRank, server: ServerModel, model_id: str = "") 
     """The model identity of an SGLang rank (module docstring). ValueError for what
     kvcore does not store yet (MLA, split heads, context parallelism), or no model."""
     if config.is_mla_model:
-        raise ValueError("kvcore's SGLang storage does not hold MLA caches yet")
+        raise ValueError(
+            "kvcore's SGLang storage does not hold MLA caches yet (the model's attention is "
+            "MLA: SGLang's is_mla_model); serve it without --hicache-storage-backend on kvcore"
+        )
     if config.should_split_heads or getattr(config, "dcp_size", 1) > 1 or config.attn_cp_size > 1:
         raise ValueError(
             "kvcore's SGLang storage does not split heads or contexts across ranks yet"
