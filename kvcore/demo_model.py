@@ -14,7 +14,7 @@ matches the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -88,6 +88,45 @@ class TinyLlama:
         gen = torch.Generator().manual_seed(seed)
         ids: torch.Tensor = torch.randint(3, self.vocab_size, (length,), generator=gen)
         return [int(t) for t in ids.tolist()]
+
+
+@dataclass(frozen=True, slots=True)
+class TinyGemma3(TinyLlama):
+    """A Gemma-3-style hybrid of the same geometry: layers alternate between a sliding
+    window of ``window`` tokens (even layers) and full attention (odd layers), as vLLM's
+    hybrid KV cache allocator serves them (two KV cache groups)."""
+
+    window: int = 64
+
+    @property
+    def layer_types(self) -> list[str]:
+        return [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_layers)
+        ]
+
+    def build(self, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
+        """The model (transformers' ``Gemma3ForCausalLM``) in eval mode on CPU."""
+        import torch
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(  # type: ignore[call-arg]
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            sliding_window=self.window,
+            layer_types=self.layer_types,
+            max_position_embeddings=self.max_positions,
+            initializer_range=self.init_std,
+            attn_implementation=attn_implementation,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            model = Gemma3ForCausalLM(config)
+        return model.to(getattr(torch, dtype)).eval()
 
 
 def timed_greedy(

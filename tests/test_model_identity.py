@@ -6,6 +6,7 @@ tests/test_vllm_models.py; SGLang's ranks: tests/test_sglang_pages.py."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -19,11 +20,13 @@ from hf_helpers import SMALL
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvcore.integrations.identity import (
+    CHECKPOINT_SCALES,
     ModelIdentity,
     Source,
     config_digest,
     hub_weights,
     kv_dtype_of,
+    kv_scales_of,
     path_weights,
     process_nonce,
     source_of,
@@ -255,3 +258,45 @@ def test_equal_inputs_give_equal_strings_in_another_process(checkpoint: Path) ->
         transformers_model(SMALL.build("bfloat16"), "tiny"),
     ]
     assert out[3] != process_nonce()  # a nonce is one process's alone
+
+
+def test_quantized_kv_scales_are_the_checkpoints_unless_computed_per_instance(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A float cache has no scales (its identity is unchanged); an fp8 one's scales
+    are the checkpoint's (covered by the source); scales an engine computes itself
+    make its key space this process's alone, with one warning naming the setting."""
+    for float_cache in ("auto", "bfloat16", "float32", ""):
+        assert kv_scales_of(float_cache) == ""
+    for fp8 in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert kv_scales_of(fp8) == CHECKPOINT_SCALES == "checkpoint"
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        assert kv_scales_of("fp8", computed=True, setting="calc_scales") == process_nonce()
+    assert len(caplog.records) == 1 and "calc_scales" in caplog.text
+    fp8 = msgspec.structs.replace(BASE, kv_dtype="fp8_e4m3", kv_scales=CHECKPOINT_SCALES)
+    nonce = msgspec.structs.replace(fp8, kv_scales=process_nonce())
+    assert len({space_model(BASE), space_model(fp8), space_model(nonce)}) == 3
+
+
+def test_vllm_fp8_caches_key_their_scales(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM 0.32 scales fp8 K/V by the checkpoint's k_scale/v_scale (1.0 if none):
+    "checkpoint". A vLLM that computes them at start-up (``calculate_kv_scales``,
+    absent from 0.32's CacheConfig) shares with no other process."""
+    pytest.importorskip("vllm")
+    from vllm_helpers import engine_config, write_model
+
+    from kvcore.integrations.identity import vllm_identity, vllm_model
+
+    model = write_model(tmp_path / "llama")
+    plain = engine_config(model)
+    assert vllm_identity(plain).kv_scales == ""
+    assert not hasattr(plain.cache_config, "calculate_kv_scales")
+    fp8 = engine_config(model, kv_cache_dtype="fp8")
+    ident = vllm_identity(fp8)
+    assert (ident.kv_dtype, ident.kv_scales) == ("fp8", CHECKPOINT_SCALES)
+    assert vllm_model(engine_config(model, kv_cache_dtype="fp8")) == vllm_model(fp8)
+    assert vllm_model(fp8) != vllm_model(plain)
+    object.__setattr__(fp8.cache_config, "calculate_kv_scales", True)  # an older vLLM's
+    with caplog.at_level(logging.WARNING, logger="kvcore"):
+        assert vllm_identity(fp8).kv_scales == process_nonce()
+    assert "calculate_kv_scales" in caplog.text

@@ -11,13 +11,16 @@ if not vllm_available():
 
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.vllm.pages import (
+    FP8_CACHE_DTYPES,
     KV_BLOCKS,
     KV_LAST,
+    LATENT,
     VllmGeometry,
     block_view,
     check_layout,
     copy_pages,
     head_layout,
+    pool_dtype,
 )
 from kvcore.layout import KVLayout
 
@@ -123,3 +126,126 @@ def test_block_view_refuses_strides_it_cannot_read() -> None:
     block_view(cache, KV_LAST)  # K | V halves of a contiguous last dim: readable
     with pytest.raises(LayoutMismatch, match="do not fit the kv_blocks layout"):
         block_view(cache, KV_BLOCKS)
+
+
+# -- fp8 and MLA's latent cache ---------------------------------------------------------
+
+FP8_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def random_bytes(*shape: int) -> torch.Tensor:
+    return torch.randint(
+        0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
+
+
+@pytest.mark.parametrize("layout", [KV_BLOCKS, KV_LAST])
+@pytest.mark.parametrize("pool_dtype_", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_blocks_round_trip_through_an_fp8_pool_byte_for_byte(
+    layout: str, pool_dtype_: str
+) -> None:
+    """vLLM keeps fp8 caches as uint8; the pool is float8_*: every byte (NaN patterns
+    too) crosses both ways unchanged."""
+    cache = random_bytes(B, H, N, 2 * D)  # vLLM's [B, H, N, 2D] uint8
+    view = block_view(cache, layout)  # type: ignore[arg-type]
+    pool = torch.zeros(5, 2, N, H, D, dtype=getattr(torch, pool_dtype_))
+    copy_pages(view, torch.tensor([4, 1]), pool, torch.tensor([0, 3]))
+    assert torch.equal(pool[0].view(torch.uint8), view[4]) and torch.equal(
+        pool[3].view(torch.uint8), view[1]
+    )
+    back = torch.zeros_like(cache)
+    copy_pages(pool, torch.tensor([3, 0]), block_view(back, layout), torch.tensor([2, 5]))  # type: ignore[arg-type]
+    assert torch.equal(back[2], cache[1]) and torch.equal(back[5], cache[4])
+    assert not back[0].any()  # other blocks untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_latent_blocks_round_trip_through_a_latent_pool(dtype: torch.dtype) -> None:
+    """An MLA cache [B, 1, N, 576] is [B, 1, N, 1, 576] in a kind=latent pool (a float
+    cache, or fp8 bytes into a float8 pool)."""
+    cache = random_bytes(B, 1, N, 576).to(dtype)
+    view = block_view(cache, LATENT)
+    assert view.shape == (B, 1, N, 1, 576) and view.data_ptr() == cache.data_ptr()
+    pool_type = torch.float32 if dtype == torch.float32 else torch.float8_e4m3fn
+    pool = torch.zeros(4, 1, N, 1, 576, dtype=pool_type)
+    copy_pages(view, torch.tensor([5, 2]), pool, torch.tensor([1, 0]))
+    back = torch.zeros_like(cache)
+    copy_pages(pool, torch.tensor([0, 1]), block_view(back, LATENT), torch.tensor([0, 3]))
+    assert torch.equal(back[0], cache[2]) and torch.equal(back[3], cache[5])
+    assert not back[1].any()
+    with pytest.raises(LayoutMismatch, match="latent layout"):
+        block_view(torch.zeros(B, 2, N, 576), LATENT)  # one latent vector per token
+
+
+@pytest.mark.skipif(not FP8_CPU, reason="vLLM's CPU fp8 KV cache needs AVX-512 or AMX")
+@pytest.mark.parametrize("cache_dtype", list(FP8_CACHE_DTYPES))
+def test_the_pool_dtype_is_the_format_vllms_cpu_kernel_writes(cache_dtype: str) -> None:
+    """vLLM's CPU attention writes V / v_scale in the format FP8_CACHE_DTYPES names for
+    its kv_cache_dtype (the V half is in token order: [N, D] per block and head)."""
+    from vllm import _custom_ops as ops
+
+    tokens, v_scale = 8, 2.0
+    gen = torch.Generator().manual_seed(0)
+    key, value = (3 * torch.randn(tokens, H, 32, generator=gen) for _ in range(2))
+    cache = torch.zeros(1, H, 2 * N * 8, 32, dtype=torch.uint8)  # N*8 = 32 tokens a block
+    k_half, v_half = cache.chunk(2, dim=2)
+    slots = torch.arange(tokens)
+    ops.cpu_attn_reshape_and_cache(
+        key, value, k_half, v_half, slots, "vec", 1.0, v_scale, cache_dtype
+    )
+    fmt = getattr(torch, pool_dtype(cache_dtype, cache.dtype))
+    stored = v_half[0, :, :tokens].transpose(0, 1).contiguous().view(fmt).float()
+    want = value / v_scale
+    step = {torch.float8_e4m3fn: 2**-3, torch.float8_e5m2: 2**-2}  # one ulp, relative
+    assert ((stored - want).abs() <= want.abs() * step[fmt] + 1e-2).all()
+    other = torch.float8_e5m2 if fmt == torch.float8_e4m3fn else torch.float8_e4m3fn
+    misread = v_half[0, :, :tokens].transpose(0, 1).contiguous().view(other).float()
+    assert not ((misread - want).abs() <= want.abs() * step[other] + 1e-2).all()
+
+
+def test_pool_dtypes_of_vllm_cache_dtypes() -> None:
+    assert pool_dtype("auto", torch.bfloat16) == "bfloat16"
+    assert pool_dtype("fp8", torch.uint8) == "float8_e4m3fn"
+    assert pool_dtype("fp8_e4m3", torch.uint8) == "float8_e4m3fn"
+    assert pool_dtype("fp8_e5m2", torch.uint8) == "float8_e5m2"
+    for fp8 in FP8_CACHE_DTYPES:
+        with pytest.raises(LayoutMismatch, match=rf"'{fp8}' \(fnuz fp8 on this platform\)"):
+            pool_dtype(fp8, torch.uint8, fp8_fnuz=True)
+    with pytest.raises(LayoutMismatch, match="'fp8_per_token_head'"):
+        pool_dtype("fp8_per_token_head", torch.uint8)
+
+
+def test_fp8_and_latent_mismatches_name_the_pool_flag_that_fits() -> None:
+    caches = [random_bytes(B, H, N, 2 * 64) for _ in range(2)]
+    fp8 = VllmGeometry.of(caches, KV_BLOCKS, "fp8")
+    assert fp8 == VllmGeometry(2, H, 64, N, "float8_e4m3fn", "kv")
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(KVLayout(2, H, 64, N, "float32", 8), fp8, "kv")
+    assert "dtype: pool float32, vLLM float8_e4m3fn" in str(err.value)
+    assert f"page_size={N},dtype=float8_e4m3fn,kind=kv,num_pages=<pages>" in str(err.value)
+    check_layout(KVLayout(2, H, 64, N, "float8_e4m3fn", 8), fp8, "kv")
+    mla = VllmGeometry.of([torch.zeros(B, 1, 16, 576)] * 3, LATENT, "auto")
+    assert mla == VllmGeometry(3, 1, 576, 16, "float32", "latent")
+    with pytest.raises(LayoutMismatch) as err:
+        check_layout(KVLayout(3, 1, 576, 16, "float32", 8), mla, "mla")
+    assert "kind: pool kv, vLLM latent" in str(err.value)
+    flag = (
+        "name=mla,num_layers=3,num_kv_heads=1,head_dim=576,page_size=16,dtype=float32,kind=latent"
+    )
+    assert flag in str(err.value)
+    check_layout(KVLayout(3, 1, 576, 16, "float32", 8, "latent"), mla, "mla")
+    with pytest.raises(LayoutMismatch, match="layer 1"):  # kv_cache_dtype_skip_layers
+        VllmGeometry.of([caches[0], torch.zeros(B, H, N, 2 * 64)], KV_BLOCKS, "fp8")
+
+
+@pytest.mark.parametrize(
+    "backend", ["CPU_MLA", "AMX_MLA", "TRITON_MLA", "FLASHMLA", "CUTLASS_MLA", "FLASHINFER_MLA"]
+)
+def test_mla_backends_cache_latent_vectors(backend: str) -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    try:
+        cls = AttentionBackendEnum[backend].get_class()
+    except (ImportError, AssertionError) as exc:  # a GPU backend this build lacks
+        pytest.skip(f"{backend}: {exc}")
+    assert head_layout(cls) == LATENT

@@ -1,11 +1,13 @@
-"""The connector refuses pipeline and context parallelism at start-up, in both roles.
+"""The connector refuses context parallelism at start-up, in both roles, and lets
+tensor and pipeline parallelism through.
 
-kvcore shards a pool by tensor-parallel rank only: a pipeline stage's (or a context
-rank's) worker has the TP rank of another stage's, maps the same shard and would save
-other layers' (other tokens') K/V into the same slots. Until the pool is sharded by
-stage, the connector refuses such an engine with Unsupported naming the setting, before
-it connects to anything (the endpoint here has no daemon: a Timeout would mean it tried).
-The configs are vLLM's own (EngineArgs.create_engine_config), as an engine builds them.
+kvcore shards a pool by worker (tensor-parallel rank and pipeline stage,
+kvcore/integrations/vllm/ranks.py); a context rank's worker has the shard of another
+context rank's and would save other tokens' K/V into the same slots. The connector
+refuses such an engine with Unsupported naming the setting, before it connects to
+anything (the endpoint here has no daemon: a Timeout would mean it tried). The configs
+are vLLM's own (EngineArgs.create_engine_config), as an engine builds them. Pipeline
+stages sharing pages: tests/test_vllm_pipeline.py.
 """
 
 from __future__ import annotations
@@ -56,10 +58,6 @@ def test_the_sizes_checked_are_vllms_own_settings() -> None:
     assert all(name in fields for name in UNSHARDED), UNSHARDED
 
 
-def test_pipeline_parallelism_is_refused(model: Path, tmp_path: Path) -> None:
-    refused(config(model, tmp_path, pipeline_parallel_size=2), "pipeline_parallel_size")
-
-
 def test_decode_context_parallelism_is_refused(model: Path, tmp_path: Path) -> None:
     dcp = config(model, tmp_path, tensor_parallel_size=4, decode_context_parallel_size=2)
     refused(dcp, "decode_context_parallel_size")
@@ -73,7 +71,8 @@ def test_prefill_context_parallelism_is_refused(model: Path, tmp_path: Path) -> 
     refused(pcp, "prefill_context_parallel_size")
 
 
-def test_tensor_parallelism_alone_passes(model: Path, tmp_path: Path) -> None:
+def test_tensor_and_pipeline_parallelism_pass(model: Path, tmp_path: Path) -> None:
     check_parallelism(config(model, tmp_path).parallel_config)
     check_parallelism(config(model, tmp_path, tensor_parallel_size=2).parallel_config)
+    check_parallelism(config(model, tmp_path, pipeline_parallel_size=2).parallel_config)
     check_parallelism(object())  # a vLLM without these settings: each counts as 1

@@ -65,15 +65,15 @@ def test_two_tp2_engines_share_a_prefix_through_a_sharded_pool(model: Path, daem
 def test_a_pool_of_other_shards_than_ranks_is_a_layout_mismatch(daemon: str) -> None:
     from kvcore import Client
     from kvcore.errors import LayoutMismatch
-    from kvcore.integrations.vllm.ranks import TensorRank
+    from kvcore.integrations.vllm.ranks import WorkerRank
 
     with pytest.raises(LayoutMismatch, match=r"2 shard.*expects 4.*shards=4"):
-        Client.connect(daemon, map_memory=False, **TensorRank(3, 4).connect_options())
+        Client.connect(daemon, map_memory=False, **WorkerRank(3, 4).connect_options())
     with (
         Client.connect(daemon, map_memory=False) as any_count,  # asks for no count
         pytest.raises(LayoutMismatch, match=r"2 shard.*tensor_parallel_size=1.*shards=1"),
     ):
-        TensorRank(0, 1).check(any_count, "default")
-    with Client.connect(daemon, map_memory=False, **TensorRank(1, 2).connect_options()) as rank1:
-        TensorRank(1, 2).check(rank1, "default")
-    assert TensorRank.current() == TensorRank(0, 1)  # no vLLM process group here
+        WorkerRank(0, 1).check(any_count, "default")
+    with Client.connect(daemon, map_memory=False, **WorkerRank(1, 2).connect_options()) as rank1:
+        WorkerRank(1, 2).check(rank1, "default")
+    assert WorkerRank.current() == WorkerRank(0, 1)  # no vLLM process group here

@@ -33,22 +33,25 @@ class FakeRequest:
 
 @dataclass
 class FakeBlocks:
-    """vLLM's KVCacheBlocks (one group) and, for build_plan, its KVCacheManager: each
-    request gets ``per_request`` block ids, ``stride`` apart from the previous one's."""
+    """vLLM's KVCacheBlocks and, for build_plan, its KVCacheManager: each request gets
+    ``per_request`` block ids, ``stride`` apart from the previous one's, from 1 (vLLM's
+    block 0 is its null block, never a request's). ``more[req_id]``: the block ids of
+    further KV cache groups (a hybrid model's; 0 where vLLM holds none)."""
 
     ids: dict[str, list[int]] = field(default_factory=dict)
     per_request: int = 40
     stride: int = 100
+    more: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def of(self, req_id: str) -> Any:
         if req_id not in self.ids:
-            first = self.stride * len(self.ids)
+            first = self.stride * len(self.ids) + 1
             self.ids[req_id] = list(range(first, first + self.per_request))
-        ids = self.ids[req_id]
-        return type("Blocks", (), {"get_block_ids": lambda _: (ids,)})()
+        ids = self.get_block_ids(req_id)
+        return type("Blocks", (), {"get_block_ids": lambda _: ids})()
 
-    def get_block_ids(self, req_id: str) -> tuple[list[int]]:
-        return (self.ids[req_id],)
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.ids[req_id], *self.more.get(req_id, []))
 
 
 @dataclass

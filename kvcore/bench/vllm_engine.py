@@ -92,6 +92,11 @@ def totals():
     counts["preemptions"] = connector._scheduler.preemptions
     return counts
 
+def kv_groups():
+    groups = engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    hybrid = not engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+    return {"groups": [type(g.kv_cache_spec).__name__ for g in groups], "hybrid": hybrid}
+
 def lora(path):
     if path is None:
         return None
@@ -117,6 +122,9 @@ for line in sys.stdin:
     cmd = json.loads(line)
     if cmd["op"] == "stats":
         print(json.dumps(totals()), flush=True)
+        continue
+    if cmd["op"] == "kv_groups":
+        print(json.dumps(kv_groups()), flush=True)
         continue
     params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                             detokenize=False, logprobs=cmd.get("logprobs") or None)
@@ -212,7 +220,9 @@ class Engine(LineProcess):
     lines on stdin: ``generate`` (greedy; ``abort`` lists prompts aborted after the
     first step) returns tokens, vLLM's cached-token counts (its own prefix hits plus
     the connector's, in tokens) and each prompt's time to first token in seconds;
-    ``stats`` the connector's counters since start-up.
+    ``stats`` the connector's counters since start-up; ``kv_groups`` vLLM's KV cache
+    groups (``groups``: each one's spec class) and whether its hybrid allocator is on
+    (``hybrid``).
 
     ``connector`` is the connector's extra config (None: no connector), ``kv_role``
     vLLM's role for it (``kv_both``, ``kv_producer``, ``kv_consumer``).
@@ -309,6 +319,9 @@ class Engine(LineProcess):
 
     def stats(self) -> dict[str, Any]:
         return self.call(op="stats")
+
+    def kv_groups(self) -> dict[str, Any]:
+        return self.call(op="kv_groups")
 
 
 def settle(endpoint: str, timeout_s: float = 30.0) -> Stats:

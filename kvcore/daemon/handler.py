@@ -268,8 +268,8 @@ class Handler:
         if body.shards and body.shards != pool.shards:
             raise LayoutMismatch(
                 f"pool {pool.name!r} has {pool.shards} shard(s); the client expects "
-                f"{body.shards} (one per tensor-parallel rank): serve it with "
-                f"--pool ...,shards={body.shards}"
+                f"{body.shards} (one per worker: tensor-parallel rank x pipeline stage): "
+                f"serve it with --pool ...,shards={body.shards}"
             )
         memory = pool.memory(body.shard)  # BadRequest past the last shard
         pid = peer.pid if peer is not None and peer.pid is not None else body.pid

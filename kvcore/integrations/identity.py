@@ -40,9 +40,20 @@ What enters, and why:
   declaration that deployments are the same model (the same weights at two
   paths). It is the only way two different sources share pages.
 * ``dtype`` (the model computes in), ``kv_dtype`` (the cache stores in: "auto"
-  resolved by :func:`kv_dtype_of`), ``kv_scales`` (a digest of fp8 KV scales; ""
-  until kvcore stores fp8) and ``quantization``: they change K/V for the same
-  weights, and enter even under a ``model_id``.
+  resolved by :func:`kv_dtype_of`), ``kv_scales`` and ``quantization``: they
+  change K/V for the same weights, and enter even under a ``model_id``.
+* ``kv_scales``: where the scales of a quantized KV cache (fp8: each layer's
+  ``k_scale`` / ``v_scale``; the cache holds K/scale, V/scale) come from, for
+  pages written under one scale are garbage read under another. "" for a float
+  cache (no scales: the identity of every float engine is unchanged).
+  :data:`CHECKPOINT_SCALES` ("checkpoint") where they are a function of the
+  source: read from the checkpoint, or the engine's default 1.0 where it holds
+  none; the source (weights' files, or an operator's ``model_id``, which
+  declares the checkpoints the same) covers them, so they are not digested.
+  :func:`process_nonce` where the engine computes them per instance from the
+  first batches it runs (an older vLLM's ``calculate_kv_scales``; vLLM 0.32 has
+  no such setting): two instances get other scales, so such an engine shares
+  with no other process, and says so once in a warning naming the setting.
 * The shard: ``tp_size`` and ``pp_size`` always; ``tp_rank`` and ``pp_rank`` where
   the pool's layout does not separate ranks already. In vLLM every TP rank writes
   its own shard of one sharded pool under one key, so its ranks are ``None``; each
@@ -73,6 +84,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "CHECKPOINT_SCALES",
     "ModelIdentity",
     "Source",
     "adapter_state",
@@ -80,6 +92,7 @@ __all__ = [
     "declared",
     "hub_weights",
     "kv_dtype_of",
+    "kv_scales_of",
     "local_path",
     "path_weights",
     "process_nonce",
@@ -95,6 +108,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DOMAIN = b"kvcore/model/v1"
+CHECKPOINT_SCALES = "checkpoint"  # kv_scales: the source's (module docstring)
+FLOAT_CACHE_DTYPES = frozenset({"auto", "float", "half", "float16", "bfloat16", "float32"})
 DUMMY = "dummy"  # the load format of random weights (vLLM's and SGLang's --load-format)
 # Config keys that are runtime switches or bookkeeping, not the model, at any depth.
 _VOLATILE = frozenset(
@@ -142,7 +157,7 @@ class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     source: Source
     dtype: str  # the dtype the model computes in ("bfloat16"); "" if the engine does not say
     kv_dtype: str  # the dtype the KV cache stores ("fp8_e4m3"); "" if the engine does not say
-    kv_scales: str = ""  # digest of the fp8 KV scales, when they exist
+    kv_scales: str = ""  # where a quantized cache's scales come from (module docstring)
     quantization: str = ""  # the quantization method ("fp8", "awq"); "" for none
     tp_size: int = 1
     pp_size: int = 1
@@ -197,6 +212,24 @@ def kv_dtype_of(cache_dtype: str, dtype: str) -> str:
     """The dtype a KV cache stores: an engine's ``"auto"`` cache dtype is the model's
     ``dtype``; any other (``"fp8_e4m3"``, "" for unknown) is itself."""
     return dtype if cache_dtype == "auto" else cache_dtype
+
+
+def kv_scales_of(cache_dtype: str, *, computed: bool = False, setting: str = "") -> str:
+    """``kv_scales`` of an engine's cache: "" for a float ``cache_dtype``;
+    :data:`CHECKPOINT_SCALES` for a quantized one whose scales the checkpoint gives
+    (or the engine's default); :func:`process_nonce` if the engine ``computed`` them
+    itself, with a warning naming its ``setting``."""
+    if cache_dtype in FLOAT_CACHE_DTYPES or not cache_dtype:
+        return ""
+    if not computed:
+        return CHECKPOINT_SCALES
+    log.warning(
+        "kvcore: %s computes the %s KV cache scales in this instance; its pages are "
+        "shared with no other process (scales from the checkpoint are)",
+        setting,
+        cache_dtype,
+    )
+    return process_nonce()
 
 
 def process_nonce() -> str:
@@ -336,8 +369,9 @@ def vllm_model(vllm_config: Any, model_id: str = "") -> str:
     """The ``model`` string of a vLLM engine, from its ``VllmConfig`` (vLLM 0.32):
     ``model_config`` (``model``, ``revision``, ``code_revision``, ``hf_config``,
     ``dtype``, ``quantization``), ``load_config`` (``load_format``,
-    ``download_dir``), ``cache_config.cache_dtype`` and ``parallel_config``'s TP and
-    PP sizes. Equal on every rank (the sharded pool separates them)."""
+    ``download_dir``), ``cache_config.cache_dtype`` (and ``calculate_kv_scales``,
+    where a vLLM has it: :func:`kv_scales_of`) and ``parallel_config``'s TP and PP
+    sizes. Equal on every rank (the sharded pool separates them)."""
     return space_model(vllm_identity(vllm_config, model_id))
 
 
@@ -370,10 +404,15 @@ def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
                 name,
             )
     dtype = _name(mc.dtype)
+    cache = vllm_config.cache_config
+    computed = bool(getattr(cache, "calculate_kv_scales", False))  # not in vLLM 0.32
     return ModelIdentity(
         source=source,
         dtype=dtype,
-        kv_dtype=kv_dtype_of(str(vllm_config.cache_config.cache_dtype), dtype),
+        kv_dtype=kv_dtype_of(str(cache.cache_dtype), dtype),
+        kv_scales=kv_scales_of(
+            str(cache.cache_dtype), computed=computed, setting="calculate_kv_scales"
+        ),
         quantization=str(mc.quantization or ""),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),

@@ -24,8 +24,9 @@ hit; the worker side (:mod:`.worker`) copies pages between the mapped pool and
 vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between them. vLLM's
 ``block_size`` must equal the pool's ``page_size``; layouts are checked once, at
 ``register_kv_caches`` (the layout of vLLM's blocks comes from the attention
-backend; an unknown one is refused). Tensor parallelism only: pipeline or context
-parallelism is refused at start-up (:func:`~.ranks.check_parallelism`).
+backend; an unknown one is refused). Tensor and pipeline parallelism shard the pool
+by worker (:mod:`.ranks`); context parallelism is refused at start-up
+(:func:`~.ranks.check_parallelism`).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
 endpoint; a daemon that stops answering turns requests into misses within
@@ -55,6 +56,8 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        KVConnectorTransferResults,
+        SupportsHMA,
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -65,7 +68,13 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutMismatch
-from kvcore.integrations.vllm.metadata import ConnectorConfig, KvcoreStats, StepPlan, StepReport
+from kvcore.integrations.vllm.metadata import (
+    ConnectorConfig,
+    KvcoreStats,
+    KvGroups,
+    StepPlan,
+    StepReport,
+)
 from kvcore.integrations.vllm.pages import head_layout
 from kvcore.integrations.vllm.ranks import check_parallelism
 
@@ -107,8 +116,13 @@ def recompute_failed_loads(transfer: KVTransferConfig) -> None:
         transfer.kv_load_failure_policy = "recompute"
 
 
-class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM's entry point; each role builds one side and forwards the hooks to it."""
+class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM's entry point; each role builds one side and forwards the hooks to it.
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache allocator on (sliding-window layers
+    hold only their window); both sides take its KV cache groups (:class:`KvGroups`).
+    A hybrid engine's hits load asynchronously in vLLM's terms (one step later): vLLM
+    0.32 fails an engine of several groups on block-level load errors, so its failed
+    loads are reported by request (``failed_recving``)."""
 
     def __init__(
         self,
@@ -120,6 +134,7 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         check_parallelism(vllm_config.parallel_config)
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         recompute_failed_loads(self._kv_transfer_config)
+        groups = KvGroups.of(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -134,11 +149,12 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 vllm_config.cache_config.block_size,
                 self._kv_transfer_config.kv_role,
                 model=model,
+                groups=groups,
             )
         else:
             from kvcore.integrations.vllm.worker import WorkerSide
 
-            self._worker = WorkerSide(config)
+            self._worker = WorkerSide(config, groups)
 
     # -- scheduler side ------------------------------------------------------------------
 
@@ -146,12 +162,14 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
         self._scheduler.kv_cache_manager = kv_cache_manager
+        self._scheduler.null_block = kv_cache_manager.block_pool.null_block.block_id
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
+        tokens = self._scheduler.num_new_matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens) and self._scheduler.groups.count > 1  # async: hybrid
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -178,6 +196,13 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler.finished(request)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished`` with the hybrid allocator (every group's blocks):
+        kvcore holds no block past it either."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._scheduler or self._worker
         return side.stats.take() if side is not None else None
@@ -197,7 +222,8 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"vLLM registered a KV cache for {name!r} but no attention layer of that "
                 f"name: kvcore cannot tell its attention backend, so not the cache's layout"
             )
-        self._worker.register(kv_caches, head_layout(ctx[name].attn_backend))
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        self._worker.register(kv_caches, head_layout(ctx[name].attn_backend), cache_dtype)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
@@ -222,6 +248,11 @@ class KvcoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         plan = self._get_connector_metadata()
         assert isinstance(plan, StepPlan), type(plan)
         self._worker.save(plan)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid engine's loads this step: finished, and which of them failed."""
+        done, failed = self._worker.take_recv() if self._worker is not None else (set(), set())
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

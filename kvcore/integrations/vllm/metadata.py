@@ -59,6 +59,53 @@ class ConnectorConfig:
         return parse_extra(cls, extra, what="kv_connector_extra_config")
 
 
+NO_BLOCK = -1
+"""A load's block in a group that holds none for that page (vLLM's null block)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroups:
+    """vLLM's KV cache groups as the connector serves them: ``count`` groups (one block
+    table each; 1 without the hybrid allocator), ``layer_group`` maps each layer name
+    to its group. ``unservable`` names a group kvcore cannot serve ("" if none): its
+    state is no per-token K/V (Mamba, linear attention) or its blocks are no pages
+    (a ring buffer); then the engine gets no hit and saves nothing, never a wrong
+    answer. Full-attention groups are served whole; sliding-window and chunked-local
+    ones whole too, less the blocks vLLM holds none of (its null block)."""
+
+    count: int = 1
+    layer_group: dict[str, int] = field(default_factory=dict)
+    unservable: str = ""
+
+    @classmethod
+    def of(cls, kv_cache_config: Any) -> KvGroups:
+        """From vLLM's ``KVCacheConfig`` (None: one group, every layer in it)."""
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            MLAAttentionSpec,
+            SlidingWindowSpec,
+            UniformTypeKVCacheSpecs,
+        )
+
+        served = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+        if kv_cache_config is None:
+            return cls()
+        groups = kv_cache_config.kv_cache_groups
+        layer_group = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        for g, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            specs = (
+                list(spec.kv_cache_specs.values())
+                if isinstance(spec, UniformTypeKVCacheSpecs)
+                else [spec]
+            )
+            if not all(type(one) in served for one in specs):  # subclasses differ in kind
+                what = f"group {g} ({type(spec).__name__}, layers {', '.join(group.layer_names)})"
+                return cls(len(groups), layer_group, what)
+        return cls(max(len(groups), 1), layer_group)
+
+
 class Ticket(NamedTuple):
     """A request's copies in one plan, as its report must match them: vLLM's request id,
     and the daemon ``epoch`` and sequence ``seq`` they were planned for."""
@@ -79,7 +126,16 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     ``fail_blocks``: vLLM blocks promised a load that will never run (the state it was
     planned from is gone: the daemon restarted, the scheduler's session was lost, or
     the daemon's answer did not fit); the worker reports them as load errors, so vLLM
-    recomputes them."""
+    recomputes them.
+
+    Hybrid engines (several KV cache groups, :class:`KvGroups`): ``load_blocks`` and
+    ``save_blocks`` are group 0's blocks, ``load_more[g - 1]`` / ``save_more[g - 1]``
+    group g's, each aligned with the pages; a load's block is :data:`NO_BLOCK` where
+    its group holds none (vLLM's null block: outside a sliding window), and that
+    group's layers skip the page. Their loads are asynchronous in vLLM's terms (vLLM
+    fails a multi-group engine on block-level load errors): ``recv`` names the
+    requests whose loads this plan runs, reported finished (or failed) by request id,
+    and ``fail_recv`` those whose loads will never run (as ``fail_blocks``)."""
 
     step: int = 0
     epoch: int = 0
@@ -90,6 +146,17 @@ class StepPlan(KVConnectorMetadata):  # type: ignore[misc]
     saved: dict[Ticket, int] = field(default_factory=dict)
     requests: list[Ticket] = field(default_factory=list)
     fail_blocks: list[int] = field(default_factory=list)
+    load_more: list[list[int]] = field(default_factory=list)
+    save_more: list[list[int]] = field(default_factory=list)
+    recv: list[str] = field(default_factory=list)
+    fail_recv: list[str] = field(default_factory=list)
+
+    def blocks(self, group: int, save: bool) -> list[int]:
+        """KV cache group ``group``'s block for each page of the loads (or saves)."""
+        first, more = (
+            (self.save_blocks, self.save_more) if save else (self.load_blocks, self.load_more)
+        )
+        return first if group == 0 else more[group - 1]
 
 
 @dataclass(slots=True)

@@ -93,7 +93,8 @@ class RequestRecord:
     in_flight: int = 0  # sent plans with a copy of this request, not yet reported
     extending: int = 0  # tokens of the extend on its way (0: none)
     passes: int = 0  # HELD: scheduling passes since it was answered
-    loads: list[tuple[int, int]] = field(default_factory=list)  # RUNNING: (page, block) to plan
+    loads: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # RUNNING: to plan
+    # (page, its block in each KV cache group: NO_BLOCK where the group holds none)
 
     def allocated(self, alloc: Allocation, page_size: int, limit: int) -> None:
         """ASKED -> HELD: the daemon's answer; the sequence pins ``alloc``'s hit (whole

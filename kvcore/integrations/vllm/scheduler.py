@@ -62,6 +62,13 @@ saves, ``kv_both`` (the default) does both. A producer's finished request is
 returned only once its commits are on the daemon (the link waited for them, at
 most ``timeout_s``): the consumer asked next finds them. That is the one wait.
 
+Hybrid models (several KV cache groups; docs/architecture.md, "Hybrid models"):
+a page's block travels per group; a save stops for good at the first page some
+group holds no block of (vLLM's null block: outside a sliding window), and loads
+skip such blocks; a hybrid engine's loads are asynchronous in vLLM's terms (they
+fail by request, :class:`~.metadata.StepPlan`). An engine with a group kvcore
+cannot serve (Mamba state) is all misses.
+
 Failures never fail vLLM: a refused allocation (a quota, a forbidden namespace,
 a prompt over ``max_request_tokens``) makes its request run without kvcore; so does
 an answer that does not fit what was asked (:meth:`~.records.RequestRecord.fits`,
@@ -88,8 +95,10 @@ from kvcore.integrations.vllm.link import (
     Retire,
 )
 from kvcore.integrations.vllm.metadata import (
+    NO_BLOCK,
     ConnectorConfig,
     KvcoreStats,
+    KvGroups,
     StepPlan,
     StepReport,
     Ticket,
@@ -118,18 +127,36 @@ class SchedulerSide:
     """Scheduler half of :class:`~kvcore.integrations.vllm.KvcoreConnector`. ``model``
     is the engine's model identity (:func:`kvcore.integrations.identity.vllm_model`):
     part of every request's key space, so required (no default that would put every
-    engine's pages in one space)."""
+    engine's pages in one space). ``groups``: vLLM's KV cache groups (hybrid models:
+    several; :class:`~.metadata.KvGroups`); one kvcore page holds a page of every
+    group's layers (docs/architecture.md), so its block ids travel per group, and an
+    engine with a group kvcore cannot serve is all misses."""
 
     def __init__(
-        self, config: ConnectorConfig, block_size: int, role: str = "kv_both", *, model: str
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        role: str = "kv_both",
+        *,
+        model: str,
+        groups: KvGroups | None = None,
     ) -> None:
         from kvcore.integrations.vllm.worker import attach
 
         self.config = config
         self.spaces = KeySpaces(model)
+        self.groups = groups or KvGroups()
+        self.serves = not self.groups.unservable
+        if not self.serves:
+            log.warning(
+                "kvcore: vLLM's KV cache %s is no per-token attention K/V kvcore can hold: "
+                "every request of this engine is a kvcore miss (nothing loaded or saved)",
+                self.groups.unservable,
+            )
+        self.null_block = 0  # vLLM's null block id (bind_kv_cache_manager reads it)
         client = attach(config, map_memory=False)
         self.page_size = client.layout.page_size
-        if block_size != self.page_size:
+        if block_size != self.page_size and self.serves:
             client.close()
             raise LayoutMismatch(
                 f"vLLM's block_size is {block_size}, pool {config.pool!r} has page_size "
@@ -145,6 +172,7 @@ class SchedulerSide:
         self._records: dict[str, RequestRecord] = {}  # vLLM request id -> its one record
         self._retiring: dict[Ticket, int] = {}  # dropped sequences -> their plans in flight
         self._failed_blocks: list[int] = []  # loads promised on a dropped state: next plan
+        self._failed_recv: list[str] = []  # the same, of hybrid engines: request ids
         self._pass_late = False  # an answer came late in this pass: wait for no more
         self._step = 0
         self._copy_step = 0  # the last step whose plan has a copy (requests)
@@ -165,7 +193,7 @@ class SchedulerSide:
         req_id = request.request_id
         record = self._records.get(req_id)
         if record is None:
-            if self.reach.covered(request, num_computed_tokens):
+            if not self.serves or self.reach.covered(request, num_computed_tokens):
                 return 0
             record = self._allocate(request)
             if record is None:
@@ -204,8 +232,8 @@ class SchedulerSide:
         first = record.local_hit // self.page_size
         last = first + num_external_tokens // self.page_size
         assert last <= record.confirmed, (first, last, record.confirmed)
-        (block_ids,) = blocks.get_block_ids()[:1]
-        record.loads = [(record.pages[i], block_ids[i]) for i in range(first, last)]
+        ids = blocks.get_block_ids()
+        record.loads = [(record.pages[i], self._group_blocks(ids, i)) for i in range(first, last)]
         self.stats.add("external_hit_tokens", num_external_tokens)
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
@@ -215,9 +243,14 @@ class SchedulerSide:
         self._pass_late = False  # the pass is over: the next one may wait again
         self._step += 1
         plan = StepPlan(
-            step=self._step, epoch=self.attachment.epoch, fail_blocks=self._failed_blocks
+            step=self._step,
+            epoch=self.attachment.epoch,
+            fail_blocks=self._failed_blocks,
+            load_more=[[] for _ in range(self.groups.count - 1)],
+            save_more=[[] for _ in range(self.groups.count - 1)],
+            fail_recv=self._failed_recv,
         )
-        self._failed_blocks = []
+        self._failed_blocks, self._failed_recv = [], []
         touched: dict[str, RequestRecord] = {}  # request id -> record with a copy in the plan
         for record in list(self._records.values()):
             if record.phase is Phase.HELD:
@@ -225,8 +258,12 @@ class SchedulerSide:
                 if record.passes > HOLD_PASSES and not record.in_flight:
                     self._release(record)
             elif record.loads:
-                plan.load_pages += [page for page, _ in record.loads]
-                plan.load_blocks += [block for _, block in record.loads]
+                for page, blocks in record.loads:
+                    plan.load_pages.append(page)
+                    for g, block in enumerate(blocks):
+                        plan.blocks(g, save=False).append(block)
+                if self.groups.count > 1:
+                    plan.recv.append(record.request.request_id)
                 record.loads = []
                 touched[record.request.request_id] = record
         for req_id, n in output.num_scheduled_tokens.items():
@@ -239,10 +276,18 @@ class SchedulerSide:
             if upto <= running.scheduled:
                 continue
             assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-            (block_ids,) = self.kv_cache_manager.get_block_ids(req_id)[:1]
+            ids = self.kv_cache_manager.get_block_ids(req_id)
             for i in range(running.scheduled, upto):
-                plan.save_blocks.append(block_ids[i])
+                blocks = self._group_blocks(ids, i)
+                if NO_BLOCK in blocks:  # a group holds none of it: it and all after it
+                    upto = i  # stay unsaved (commits are prefix chains)
+                    running.limit = i * self.page_size
+                    break
+                for g, block in enumerate(blocks):
+                    plan.blocks(g, save=True).append(block)
                 plan.save_pages.append(running.pages[i])
+            if upto <= running.scheduled:
+                continue
             running.scheduled = upto
             plan.saved[self._ticket(running)] = upto
             touched[req_id] = running
@@ -392,7 +437,7 @@ class SchedulerSide:
         """Every record goes (their sequences died with the session). Loads they queued
         for the next plan will never run: vLLM is told they failed (it recomputes them)."""
         for record in self._records.values():
-            self._failed_blocks += [block for _, block in record.loads]
+            self._fail_loads(record)
         self._records.clear()
         self._retiring.clear()
 
@@ -409,7 +454,7 @@ class SchedulerSide:
             req_id,
             done.result,
         )
-        self._failed_blocks += [block for _, block in record.loads]
+        self._fail_loads(record)
         if record.in_flight:
             self._retiring[self._ticket(record)] = record.in_flight
         else:
@@ -484,6 +529,23 @@ class SchedulerSide:
         if computed + self.page_size > record.capacity:
             record.extending = min(EXTEND_PAGES * self.page_size, record.limit - record.capacity)
             self.link.send(Extend(self.attachment, req_id, record.seq, record.extending))
+
+    def _group_blocks(self, ids: tuple[list[int], ...], i: int) -> tuple[int, ...]:
+        """Block ``i`` of a request in each KV cache group (``ids``: vLLM's block ids per
+        group); NO_BLOCK where the group holds none (vLLM's null block, or none yet)."""
+        return tuple(
+            g[i] if i < len(g) and g[i] != self.null_block else NO_BLOCK
+            for g in ids[: self.groups.count]
+        )
+
+    def _fail_loads(self, record: RequestRecord) -> None:
+        """The record's queued loads will never run: vLLM is told in the next plan (by
+        block on one group; by request on several, whose loads are asynchronous)."""
+        if record.loads and self.groups.count > 1:
+            self._failed_recv.append(record.request.request_id)
+        else:
+            self._failed_blocks += [blocks[0] for _, blocks in record.loads]
+        record.loads = []
 
     def _release(self, record: RequestRecord) -> None:
         """Free the record's sequence and forget the request."""

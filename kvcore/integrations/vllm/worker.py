@@ -6,7 +6,7 @@ loads before the forward (``start_load_kv``; synchronous, so every layer is
 loaded before attention reads it), saves after it (``wait_for_save``; one
 gather/scatter per layer, never waited for on a GPU), and reports each save, once
 its copy is complete, in a :class:`StepReport` that the scheduler turns into
-commits. A worker of a tensor-parallel engine maps the shard of its rank
+commits. A worker of a tensor- or pipeline-parallel engine maps the shard of its rank
 (:mod:`.ranks`). No K/V crosses the socket; no Python loop runs per token.
 
 Generations: a plan runs only on the pool of its epoch (the daemon start the
@@ -39,8 +39,10 @@ from kvcore.client import Client
 from kvcore.errors import Timeout
 from kvcore.integrations.reconnect import Reconnector
 from kvcore.integrations.vllm.metadata import (
+    NO_BLOCK,
     ConnectorConfig,
     KvcoreStats,
+    KvGroups,
     StepPlan,
     StepReport,
     Ticket,
@@ -52,7 +54,7 @@ from kvcore.integrations.vllm.pages import (
     check_layout,
     copy_pages,
 )
-from kvcore.integrations.vllm.ranks import TensorRank
+from kvcore.integrations.vllm.ranks import WorkerRank
 
 log = logging.getLogger("kvcore.vllm")
 RETIRED_EPOCHS = 16  # epochs the worker remembers leaving (their plans: refused at once)
@@ -80,55 +82,78 @@ def attach(config: ConnectorConfig, *, map_memory: bool, **options: Any) -> Clie
 
 
 class WorkerSide:
-    """Worker half of :class:`~kvcore.integrations.vllm.KvcoreConnector`."""
+    """Worker half of :class:`~kvcore.integrations.vllm.KvcoreConnector`. ``groups``:
+    vLLM's KV cache groups; each layer's copies use its group's blocks (pool layer i
+    is the model's attention layer i, whatever its group). ``rank``: this worker's
+    tensor-parallel rank and pipeline stage (default: vLLM's, :meth:`WorkerRank.current`)."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        groups: KvGroups | None = None,
+        rank: WorkerRank | None = None,
+    ) -> None:
         self.config = config
-        rank = TensorRank.current()
+        self.groups = groups or KvGroups()
+        self._layer_groups: list[int] = []  # per layer (as in _blocks): its KV cache group
+        self._recv: tuple[set[str], set[str]] = (set(), set())  # hybrid loads: done, failed
+        rank = rank or WorkerRank.current()
         self.client = attach(config, map_memory=True, **rank.connect_options())
         rank.check(self.client, config.pool)
         self._reconnect = Reconnector.of(self.client, retry_s=config.retry_s, what="vLLM worker")
         self._retired: OrderedDict[int, None] = OrderedDict()  # epochs left behind, oldest first
         self.stats = KvcoreStats()
-        self._blocks: list[torch.Tensor] = []  # per layer: [B, 2, N, H, D] views of vLLM's caches
+        self._blocks: list[torch.Tensor] = []  # per layer: [B, parts, N, H, D] views of vLLM caches
         self._report = StepReport()
         self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
         self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
         self._failed_blocks: set[int] = set()
         self._refused_step = -1  # the step whose loads were refused: its saves are skipped
 
-    def register(self, caches: dict[str, torch.Tensor], layout: HeadLayout) -> None:
-        """Map vLLM's per-layer caches (ordered by layer index) and check the layouts."""
+    def register(
+        self, caches: dict[str, torch.Tensor], layout: HeadLayout, cache_dtype: str = "auto"
+    ) -> None:
+        """Map vLLM's per-layer caches (ordered by layer index) and check the layouts;
+        ``cache_dtype`` is vLLM's ``kv_cache_dtype`` (the format of fp8 bytes)."""
         from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.platforms import current_platform
 
+        if self.groups.unservable:
+            return  # nothing is ever copied (the scheduler side plans no copy)
         ordered = [caches[name] for name in sorted(caches, key=extract_layer_index)]
-        check_layout(self.client.layout, VllmGeometry.of(ordered), self.config.pool)
+        fnuz = current_platform.is_fp8_fnuz()
+        geometry = VllmGeometry.of(ordered, layout, cache_dtype, fp8_fnuz=fnuz)
+        check_layout(self.client.layout, geometry, self.config.pool)
         pool, model = self.client.kv_caches[0].device, ordered[0].device
         if model != pool:
             log.info(
                 "kvcore: pool on %s, vLLM on %s: pages cross devices on each copy", pool, model
             )
         self._blocks = [block_view(cache, layout) for cache in ordered]
+        names = sorted(caches, key=extract_layer_index)
+        self._layer_groups = [self.groups.layer_group.get(name, 0) for name in names]
 
     def load(self, plan: StepPlan) -> None:
         """Copy the plan's hit pages into vLLM's blocks, every layer, before the forward;
         on a pool that is not the plan's, or a mapping fenced meanwhile, report them
         failed instead (and skip the plan's saves)."""
         self._fail(plan.fail_blocks)
+        self._recv[1].update(plan.fail_recv)
         if not plan.load_pages:
             return
         if not self._maps(plan.epoch):
             self._refuse(plan)
             return
         pool = self.client.kv_caches
-        src = torch.tensor(plan.load_pages, dtype=torch.int64, device=pool[0].device)
-        dst = torch.tensor(plan.load_blocks, dtype=torch.int64, device=self._blocks[0].device)
+        index = self._indexes(plan, save=False)
         for layer, blocks in enumerate(self._blocks):
+            src, dst = index[self._layer_groups[layer]]
             copy_pages(pool[layer], src, blocks, dst)
         _sync(self._blocks[0].device)
         if self.client.lease_lost:  # fenced while copying: what was read may be scratch
             self._refuse(plan)
             return
+        self._recv[0].update(plan.recv)
         self.stats.add("loaded_pages", len(plan.load_pages))
 
     def save(self, plan: StepPlan) -> None:
@@ -141,9 +166,9 @@ class WorkerSide:
         pending: torch.cuda.Event | None = None
         if plan.save_pages and plan.step != self._refused_step and self._maps(plan.epoch):
             pool = self.client.kv_caches
-            src = torch.tensor(plan.save_blocks, dtype=torch.int64, device=self._blocks[0].device)
-            dst = torch.tensor(plan.save_pages, dtype=torch.int64, device=pool[0].device)
+            index = self._indexes(plan, save=True)
             for layer, blocks in enumerate(self._blocks):
+                dst, src = index[self._layer_groups[layer]]
                 copy_pages(blocks, src, pool[layer], dst)
             if pool[0].device.type == "cuda":
                 pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -177,6 +202,35 @@ class WorkerSide:
         self._report.saved.update(report.saved)
         self._report.requests += report.requests
 
+    def _indexes(self, plan: StepPlan, save: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per KV cache group: the plan's pool pages and that group's vLLM blocks for
+        them (int64, each on its tensors' device), less the pages it holds no block of."""
+        pages = plan.save_pages if save else plan.load_pages
+        out = []
+        for g in range(self.groups.count):
+            blocks = plan.blocks(g, save)
+            kept = [(p, b) for p, b in zip(pages, blocks, strict=True) if b != NO_BLOCK]
+            out.append(
+                (
+                    torch.tensor([p for p, _ in kept], dtype=torch.int64, device=self._pool_device),
+                    torch.tensor(
+                        [b for _, b in kept], dtype=torch.int64, device=self._blocks[0].device
+                    ),
+                )
+            )
+        return out
+
+    @property
+    def _pool_device(self) -> torch.device:
+        return self.client.kv_caches[0].device
+
+    def take_recv(self) -> tuple[set[str], set[str]]:
+        """Hybrid engines' requests whose loads ran since the last call, and those
+        whose loads failed (vLLM wants both as finished, the failed also as failed)."""
+        done, failed = self._recv
+        self._recv = (set(), set())
+        return done | failed, failed
+
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -191,7 +245,10 @@ class WorkerSide:
     def _refuse(self, plan: StepPlan) -> None:
         """The plan's loads did not run (or read a fenced mapping): vLLM recomputes their
         blocks, and the plan's saves are skipped (they may hold K/V computed from them)."""
-        self._fail(plan.load_blocks)
+        if plan.recv:  # a hybrid engine's loads: failed by request
+            self._recv[1].update(plan.recv)
+        else:
+            self._fail(plan.load_blocks)
         self._refused_step = plan.step
 
     def _maps(self, epoch: int) -> bool:
