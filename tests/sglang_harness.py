@@ -5,9 +5,10 @@ finds it), never imported by pytest in the main environment:
 
     python tests/sglang_harness.py SPEC        # SPEC: a JSON string, a file path, or "-" (stdin)
 
-It builds SGLang 0.5.23's real objects on CPU: an ``MHATokenToKVPool`` (device "cpu"), a
-``PagedTokenToKVPoolAllocator`` over it, the real ``MHATokenToKVPoolHost`` in the asked
-layout and the cache controller, then attaches the storage backend through the
+It builds SGLang 0.5.23's real objects on CPU: an ``MHATokenToKVPool`` (device "cpu"; an
+``MLATokenToKVPool`` for an MLA layout), a ``PagedTokenToKVPoolAllocator`` over it, the
+real ``MHATokenToKVPoolHost`` (``MLATokenToKVPoolHost``) in the asked layout and the cache
+controller, then attaches the storage backend through the
 controller's own ``attach_storage_backend`` (so SGLang's ``StorageBackendFactory`` builds
 it by name: ``"file"``, or ``"dynamic"`` with ``module_path``/``class_name`` in the extra
 config). The controller is, by default, the ``HybridCacheController`` over an anchor-only
@@ -26,7 +27,12 @@ Spec (JSON object; units: tokens unless named pages):
                      pops prefetch_threshold (default 256), hicache_storage_pass_prefix_keys
                      (default false) and the timeouts before the backend sees the rest
     layout           {num_layers, num_kv_heads, head_dim, dtype, page_size,
-                      host_layout: "layer_first" | "page_first" | "page_first_direct" | "page_head"}
+                      host_layout: "layer_first" | "page_first" | "page_first_direct" | "page_head",
+                      mla: optional {kv_lora_rank, qk_rope_head_dim}: an MLA model's pools
+                      (num_kv_heads and head_dim are then unused)}; dtype is the device
+                      pool's torch dtype: an fp8 one (float8_e4m3fn) makes SGLang's uint8
+                      store, whose pages the harness fills with random bytes
+    kv_cache_dtype   with model_path: the published --kv-cache-dtype (default "auto")
     prompts          list of token lists; each is cut to whole pages, as the tree does
     chunk_pages      write only: back each prompt up as nodes of this many pages (default:
                      one node), each keyed from its parent's last hash, as the tree does
@@ -105,6 +111,7 @@ class Rig:
         self.page = int(lay["page_size"])
         self.dtype = getattr(torch, lay.get("dtype", "bfloat16"))
         self.layout = lay.get("host_layout", "layer_first")
+        self.mla = lay.get("mla")
         self.seed = int(spec.get("seed", 0))
         self.timeout = float(spec.get("timeout_s", 30))
 
@@ -116,6 +123,7 @@ class Rig:
                 model_path=spec["model_path"],
                 served_model_name=spec.get("model_name", "kvcore-test"),
                 tp_size=int(spec.get("tp_size", 1)),
+                kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                 device="cpu",
             )
             publish(args, role="scheduler")
@@ -131,23 +139,42 @@ class Rig:
 
         total = sum(len(p) // self.page * self.page for p in spec["prompts"])
         device_tokens = max(total, self.page) + self.page
-        self.kv = MHATokenToKVPool(
-            device_tokens,
-            self.page,
-            self.dtype,
-            self.heads,
-            self.head_dim,
-            self.layers,
-            "cpu",
-            False,
-            start_layer=0,
-            end_layer=self.layers,
-        )
+        layers = {"start_layer": 0, "end_layer": self.layers}
+        if self.mla:  # one latent vector a token: [parts=1, ..., heads=1, D] pages
+            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+            from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+            rank, rope = int(self.mla["kv_lora_rank"]), int(self.mla["qk_rope_head_dim"])
+            self.heads, self.head_dim = 1, rank + rope
+            self.kv: Any = MLATokenToKVPool(
+                device_tokens,
+                self.page,
+                self.dtype,
+                rank,
+                rope,
+                self.layers,
+                "cpu",
+                False,
+                **layers,
+            )
+        else:
+            self.kv = MHATokenToKVPool(
+                device_tokens,
+                self.page,
+                self.dtype,
+                self.heads,
+                self.head_dim,
+                self.layers,
+                "cpu",
+                False,
+                **layers,
+            )
         allocator = PagedTokenToKVPoolAllocator(
             device_tokens, self.page, self.dtype, "cpu", self.kv, need_sort=False
         )
         # host_to_device_ratio 2: room for every prompt's pages (the pool adds a padding page).
-        self.host = MHATokenToKVPoolHost(
+        host_class: Any = MLATokenToKVPoolHost if self.mla else MHATokenToKVPoolHost
+        self.host = host_class(
             self.kv.get_device_pool_infos()[0].buffer_info,
             2.0,
             0,
@@ -156,8 +183,8 @@ class Rig:
             pin_memory=False,
             device="cpu",
             device_capacity_tokens=self.kv.size,
-            start_layer=0,
-            end_layer=self.layers,
+            **layers,
+            **({"target_layer_num": self.layers} if self.mla else {}),
         )
 
         (
@@ -230,15 +257,21 @@ class Rig:
         assert isinstance(keys, list) and len(keys) == len(tokens) // self.page
         return keys
 
-    # Page contents, canonical order [2, layers, page_size, heads, head_dim].
+    # Page contents, canonical order [parts, layers, page_size, heads, head_dim] (parts:
+    # K and V, or MLA's one latent vector); any bytes in an fp8 cache's uint8 store
+    # (NaN and inf bit patterns included).
     def page_kv(self, key: str) -> Any:
         gen = self.torch.Generator().manual_seed(int(key[:15], 16) ^ self.seed)
-        shape = (2, self.layers, self.page, self.heads, self.head_dim)
+        shape = (1 if self.mla else 2, self.layers, self.page, self.heads, self.head_dim)
+        if self.host.dtype == self.torch.uint8:
+            return self.torch.randint(0, 256, shape, generator=gen, dtype=self.torch.uint8)
         return (self.torch.randn(shape, generator=gen) * 4).to(self.dtype)
 
     def _view(self, base: int) -> Any:
-        """The host pool's page at token index ``base`` as a canonical-order view."""
+        """The host pool's page at token index ``base`` as a canonical-order view (an
+        MLA kv_buffer is the MHA one of its layout without the leading parts dim)."""
         buf, p = self.host.kv_buffer, self.page
+        buf = buf.unsqueeze(0) if self.mla else buf
         if self.layout == "layer_first":  # [2, L, tokens, H, D]
             return buf[:, :, base : base + p]
         if self.layout == "page_first":  # [2, tokens, L, H, D]

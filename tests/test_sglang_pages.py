@@ -1,7 +1,8 @@
 """SGLang's pages and keys in kvcore, without SGLang: the strided page views of its
-four MHA host layouts against the page slices its host pool takes (the shapes of
-SGLang 0.5.23's memory_pool_host), the round trip through a kvcore pool, and the
-key spaces. The real SGLang objects drive the backend in tests/test_sglang_storage.py, and
+four MHA host layouts and three MLA ones against the page slices its host pool takes
+(tensors of exactly the shapes of SGLang 0.5.23's pool_host/mha.py and mla.py), the
+round trip through a kvcore pool (a latent one for MLA, fp8 byte for byte), what
+stays refused, and the key spaces. The real SGLang objects drive the backend in tests/test_sglang_storage.py, and
 derive the key spaces from SGLang's published arguments in tests/test_sglang_identity.py."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from transformers import LlamaConfig
 
 from kvcore.errors import BadRequest
 from kvcore.integrations.identity import path_weights, process_nonce, space_model
+from kvcore.integrations.sglang.attach import expected_layout
 from kvcore.integrations.sglang.keys import (
     MIN_PAGE_SIZE,
     ServerModel,
@@ -107,27 +110,131 @@ def test_pages_round_trip_through_a_kvcore_pool(
     assert torch.equal(back, source)
 
 
+def mla_buffer(layout: str, pages: int, layers: int, ps: int, dim: int) -> torch.Tensor:
+    """An SGLang MLA host pool's kv_buffer (its init_kv_buffer dims; dim = kv_cache_dim),
+    uint8 bytes as SGLang stores an fp8 cache, all 256 values."""
+    size = pages * ps
+    dims = {
+        "layer_first": (layers, size, 1, dim),
+        "page_first": (size, layers, 1, dim),
+        "page_first_direct": (pages, layers, ps, 1, dim),
+    }[layout]
+    return torch.randint(0, 256, dims, dtype=torch.uint8)
+
+
+def mla_page(buffer: torch.Tensor, layout: str, page: int, ps: int) -> torch.Tensor:
+    """The slice SGLang's MLA get_data_page(page * ps) takes, flattened."""
+    if layout == "layer_first":
+        return buffer[:, page * ps : (page + 1) * ps].flatten()
+    if layout == "page_first":
+        return buffer[page * ps : (page + 1) * ps].flatten()
+    return buffer[page : page + 1].flatten()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from(("layer_first", "page_first", "page_first_direct")),
+    st.integers(1, 4),  # pages
+    st.integers(1, 3),  # layers
+    st.sampled_from([1, 2, 8]),  # page size (tokens)
+    st.integers(1, 9),  # kv_cache_dim
+    st.sampled_from(["uint8", "float8_e4m3fn", "float8_e5m2"]),  # kvcore's pool dtype
+)
+def test_mla_pages_are_sglangs_and_round_trip_a_latent_pool_byte_for_byte(
+    layout: str, pages: int, layers: int, ps: int, dim: int, dtype: str
+) -> None:
+    buffer = mla_buffer(layout, pages, layers, ps, dim)
+    view = host_pages(buffer, layout, ps, latent=True)
+    assert view.shape == (pages, layers, 1, ps, 1, dim)  # kvcore's latent page per layer
+    assert view.data_ptr() == buffer.data_ptr()
+    for page in range(pages):
+        expected = mla_page(buffer, layout, page, ps)
+        assert torch.equal(flat_page(view[page], layout), expected)
+        assert torch.equal(unflat_page(expected, layout, view[page].shape), view[page])
+    if dtype == "uint8":
+        return
+    kv = KVLayout(layers, 1, dim, ps, dtype, num_pages=5, kind="latent")
+    memory = torch.zeros(kv.total_bytes, dtype=torch.uint8)
+    layer_views = kv.layer_views(memory)
+    assert layer_views[0].dtype == getattr(torch, dtype)
+    pool = pool_pages(layer_views)
+    assert pool.dtype == torch.uint8  # SGLang's fp8 bytes go in as bytes, not as values
+    dst = torch.tensor([4 - p for p in range(pages)])
+    copy_pages(pool, dst, view, torch.arange(pages))
+    for p in range(pages):
+        for layer, lv in enumerate(layer_views):
+            assert torch.equal(lv[4 - p].view(torch.uint8), view[p, layer])
+    back = host_pages(torch.zeros_like(buffer), layout, ps, latent=True)
+    copy_pages(back, torch.arange(pages), pool, dst)
+    assert torch.equal(back, view)  # NaN and inf bit patterns included
+
+
+def host_pool(**fields: object) -> SimpleNamespace:
+    """The attributes attach.expected_layout reads of an SGLang host pool (an MLA one
+    unless head_num is given), SGLang 0.5.23's names."""
+    mla = {"kv_lora_rank": 32, "qk_rope_head_dim": 16, "kv_cache_dim": 48}
+    base = {"layout": "layer_first", "layer_num": 2, "page_size": 16, "dtype": torch.bfloat16}
+    if "head_num" not in fields:
+        base |= {**mla, "dsa_kv_cache_store_fp8": False}
+    return SimpleNamespace(**{**base, **fields})
+
+
+@pytest.mark.parametrize(
+    ("host", "kv_cache_dtype", "layout"),
+    [
+        (host_pool(), "auto", ("bfloat16", "latent", 1, 48)),
+        (host_pool(dtype=torch.uint8), "fp8_e4m3", ("float8_e4m3fn", "latent", 1, 48)),
+        (
+            host_pool(layout="page_first_direct", dtype=torch.uint8),
+            "fp8_e5m2",
+            ("float8_e5m2", "latent", 1, 48),
+        ),
+        (
+            host_pool(head_num=2, head_dim=8, dtype=torch.uint8),
+            "fp8_e4m3",
+            ("float8_e4m3fn", "kv", 2, 8),
+        ),
+        (host_pool(head_num=2, head_dim=8), "bf16", ("bfloat16", "kv", 2, 8)),
+    ],
+)
+def test_mla_and_fp8_host_pools_are_kvcore_layouts(
+    host: SimpleNamespace, kv_cache_dtype: str, layout: tuple[str, str, int, int]
+) -> None:
+    kv, name = expected_layout(host, kv_cache_dtype)
+    assert (kv.dtype, kv.kind, kv.num_kv_heads, kv.head_dim) == layout
+    assert (kv.num_layers, kv.page_size, name) == (2, 16, host.layout)
+
+
+@pytest.mark.parametrize(
+    ("host", "kv_cache_dtype", "why"),
+    [
+        (host_pool(layout="page_unified"), "auto", "MLA .*--hicache-mem-layout.*'page_unified'"),
+        (host_pool(layout="page_first_kv_split"), "auto", "--hicache-mem-layout.*kv_split"),
+        (host_pool(layout="page_head"), "auto", "MLA host pools.*'page_head'"),
+        (host_pool(head_num=1, head_dim=8, layout="page_unified"), "auto", "MHA .*page_unified"),
+        (
+            host_pool(dtype=torch.uint8, kv_cache_dim=656, dsa_kv_cache_store_fp8=True),
+            "fp8_e4m3",
+            "packed_fp8",
+        ),
+        (host_pool(dtype=torch.uint8), "auto", "--kv-cache-dtype auto"),  # FP8 checkpoint
+        (host_pool(head_num=2, head_dim=8, dtype=torch.uint8), "mxfp8", "--kv-cache-dtype mxfp8"),
+        (host_pool(dtype=torch.uint8), "", "--kv-cache-dtype [(]unknown"),  # nothing published
+        (host_pool(head_num=2, head_dim=8, v_head_dim=4), "auto", "equal K and V"),
+    ],
+)
+def test_what_sglang_stores_otherwise_is_refused_naming_the_setting(
+    host: SimpleNamespace, kv_cache_dtype: str, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        expected_layout(host, kv_cache_dtype)
+
+
 def test_an_unknown_layout_or_a_partial_page_is_refused() -> None:
     with pytest.raises(ValueError, match="page_unified"):
         host_pages(torch.zeros(2, 1, 8, 1, 1), "page_unified", 8)
     with pytest.raises(ValueError, match="whole pages"):
         host_pages(torch.zeros(2, 1, 12, 1, 1), "layer_first", 8)
-
-
-def test_an_fp8_kv_cache_is_refused_naming_the_setting() -> None:
-    """SGLang keeps an fp8 KV cache (--kv-cache-dtype fp8_e4m3) in uint8 buffers: refused
-    by name, not taken for a pool of bytes."""
-    from types import SimpleNamespace
-
-    from kvcore.integrations.sglang.attach import expected_layout
-
-    host = SimpleNamespace(
-        layout="layer_first", head_num=2, head_dim=8, layer_num=2, page_size=16, dtype=torch.uint8
-    )
-    with pytest.raises(ValueError, match="--kv-cache-dtype"):
-        expected_layout(host)
-    layout, name = expected_layout(SimpleNamespace(**{**vars(host), "dtype": torch.bfloat16}))
-    assert (layout.dtype, layout.kind, name) == ("bfloat16", "kv", "layer_first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +344,29 @@ def test_weights_nothing_names_are_this_process_alone_and_say_so(
     assert rank_identity(Rank(), dummy, "m").source.weights == process_nonce()  # never shared
 
 
+def test_mla_ranks_share_rank_zeros_pages_and_fp8_scales_enter(tmp_path: Path) -> None:
+    """SGLang stores an MLA model's (replicated) latent cache from TP rank 0 alone and
+    every rank prefetches it: every rank's key space is rank 0's, the TP size still
+    enters. An fp8 cache's scales file (--quantization-param-path) enters by content."""
+    mla = [space(Rank(is_mla_model=True, tp_rank=r)) for r in range(2)]
+    assert mla[0] == mla[1] == space(Rank(tp_rank=0))  # MLA or not: the layouts differ
+    assert space(Rank(is_mla_model=True, tp_size=4)) != mla[0]
+    fp8 = dataclasses.replace(SERVER, kv_cache_dtype="fp8_e4m3")
+    assert rank_identity(Rank(), fp8).kv_scales == "checkpoint"
+    assert rank_identity(Rank(), dataclasses.replace(SERVER, kv_cache_dtype="bf16")).kv_scales == ""
+    assert space(Rank(), dataclasses.replace(SERVER, kv_cache_dtype="bf16")) == space()
+    scales = tmp_path / "scales.json"
+    scales.write_text('{"k": 1}')
+    with_file = dataclasses.replace(fp8, kv_scales_path=str(scales))
+    first = space(Rank(), with_file)
+    assert first != space(Rank(), fp8)
+    scales.write_text('{"k": 2}')
+    assert space(Rank(), with_file) != first
+
+
 @pytest.mark.parametrize(
     ("rank", "why"),
     [
-        (Rank(is_mla_model=True), "MLA.*is_mla_model.*--hicache-storage-backend"),
         (Rank(should_split_heads=True), "split heads"),
         (Rank(attn_cp_size=2), "split heads or contexts"),
     ],

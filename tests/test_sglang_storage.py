@@ -1,8 +1,9 @@
 """kvcore as SGLang's HiCache storage, driven by SGLang 0.5.23's own code: its dynamic
 factory loads ``kvcore.integrations.sglang.KVCoreStorage`` by name, its cache
 controller's backup and prefetch threads call it (tests/sglang_harness.py, in SGLang's
-venv), and separate processes share pages through one real daemon, byte for byte.
-Skips without the SGLang venv (tests/install.sh builds it)."""
+venv), and separate processes share pages through one real daemon, byte for byte: MHA
+models in kv pools, MLA models (SGLang's own MLA pools) in latent pools, fp8 caches in
+fp8 pools. Skips without the SGLang venv (tests/install.sh builds it)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ POOL = (
 WRITTEN = list(range(1000, 1000 + 4 * PAGE + 5))  # 4 whole pages; the tree cuts the tail
 SHARED_HEAD = WRITTEN[: 2 * PAGE] + list(range(7000, 7000 + 2 * PAGE))  # 2 pages in common
 NEVER = list(range(9000, 9000 + 3 * PAGE))
+MLA = {"kv_lora_rank": 32, "qk_rope_head_dim": 16}  # one latent vector of 48 a token
+LATENT = "num_layers=2,num_kv_heads=1,head_dim=48,page_size=16,kind=latent,num_pages=32"
+OTHER_POOLS = (
+    f"name=mla,{LATENT},dtype=bfloat16",
+    f"name=mla8,{LATENT},dtype=float8_e4m3fn",
+    POOL.replace("name=default", "name=fp8").replace("bfloat16", "float8_e5m2"),
+)
 
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     sglang_venv()  # skip before starting anything
-    with DaemonProcess.private("--pool", POOL) as d:
+    pools = [arg for pool in (POOL, *OTHER_POOLS) for arg in ("--pool", pool)]
+    with DaemonProcess.private(*pools) as d:
         yield d
 
 
@@ -85,9 +94,9 @@ def spec(
     }
 
 
-def stats(daemon: DaemonProcess) -> tuple[int, int]:
-    """(held pages, cached pages) of the daemon's pool."""
-    with Client.connect(daemon.endpoint, map_memory=False) as client:
+def stats(daemon: DaemonProcess, pool: str = "default") -> tuple[int, int]:
+    """(held pages, cached pages) of the daemon's ``pool``."""
+    with Client.connect(daemon.endpoint, pool, map_memory=False) as client:
         s = client.stats()
         return s.held_pages, s.cached_pages
 
@@ -171,6 +180,52 @@ def test_other_models_shards_and_namespaces_never_share(
         "prompts"
     ]
     assert got["hit_tokens"] == got["fetched_tokens"] == hit
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("pool", "dtype", "kv_cache_dtype", "wrote_in", "read_in", "v1"),
+    [
+        ("mla", "bfloat16", "auto", "layer_first", "page_first", 1),
+        ("mla8", "float8_e4m3fn", "fp8_e4m3", "page_first_direct", "layer_first", 0),
+        ("fp8", "float8_e5m2", "fp8_e5m2", "page_head", "page_first", 1),  # MHA, fp8
+    ],
+)
+def test_mla_and_fp8_caches_share_pages_byte_for_byte(
+    daemon: DaemonProcess,
+    models: dict[str, str],
+    pool: str,
+    dtype: str,
+    kv_cache_dtype: str,
+    wrote_in: str,
+    read_in: str,
+    v1: int,
+) -> None:
+    """TP rank 0 of 2 backs a prompt up, rank 1 (another host layout) prefetches it: an
+    MLA model's ranks share the one latent cache SGLang writes from rank 0 (its
+    is_mla_model); fp8 pages are SGLang's uint8 bytes, any bit pattern, in an fp8 pool."""
+    extra = {"interface_v1": v1, "pool": pool}
+    args = {"model_path": models["base"], "kv_cache_dtype": kv_cache_dtype, "tp_size": 2}
+    mla = {"mla": MLA} if pool.startswith("mla") else {}
+
+    def run(op: str, host_layout: str, tp_rank: int) -> dict[str, Any]:
+        s = spec(op, daemon.endpoint, host_layout, [WRITTEN], extra, tp_rank=tp_rank, **args)
+        s["layout"] |= {"dtype": dtype, **mla}
+        return run_harness(s)
+
+    w = run("write", wrote_in, 0)
+    assert w["storage_config"]["is_mla_model"] == bool(mla)
+    (wrote,) = w["prompts"]
+    assert wrote["completed_tokens"] == 4 * PAGE
+    (got,) = run("fetch", read_in, 1)["prompts"]
+    assert got["hit_tokens"] == got["fetched_tokens"] == (4 * PAGE if mla else 0)
+    if mla:
+        assert got["sha256"] == wrote["sha256"] == got["expected_sha256"]
+    else:  # an MHA rank reads its own heads: rank 0 reads back what it wrote
+        (own,) = run("fetch", read_in, 0)["prompts"]
+        assert own["hit_tokens"] == own["fetched_tokens"] == 4 * PAGE
+        assert own["sha256"] == wrote["sha256"] == own["expected_sha256"]
+    assert stats(daemon, pool) == (0, 4)  # nothing held; what rank 0 wrote
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,10 @@
 """What SGLang's storage config and host pool say the backend attaches with.
 
 kvcore's keys of ``--hicache-storage-backend-extra-config`` (:class:`StorageConfig`),
-the kvcore layout one rank's MHA host pool has (:func:`expected_layout`), and the
-first attach (:func:`connect`), whose errors say what to start or change. Coming
-back after the daemon is gone is :mod:`kvcore.integrations.reconnect`'s.
+the kvcore layout one rank's host pool has (:func:`expected_layout`: MHA or MLA,
+float or fp8), and the first attach (:func:`connect`), whose errors say what to
+start or change. Coming back after the daemon is gone is
+:mod:`kvcore.integrations.reconnect`'s.
 """
 
 from __future__ import annotations
@@ -40,35 +41,71 @@ class StorageConfig:
     model_id: str = ""
 
 
-def expected_layout(host: Any) -> tuple[KVLayout, str]:
-    """The kvcore layout an SGLang MHA host pool's pages have (its ``layer_num``,
-    ``head_num``, ``head_dim``, ``page_size``, ``dtype``), and its layout name.
-    ValueError for a host pool kvcore cannot store (MLA, split K/V widths, an
-    unknown layout, SGLang's uint8 bytes of an fp8 KV cache)."""
-    layout = getattr(host, "layout", None)
-    if layout not in LAYOUTS or not hasattr(host, "head_num"):
+FP8_KV_CACHE_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""SGLang's ``--kv-cache-dtype`` values whose uint8 host pages are a kvcore fp8 dtype."""
+MLA_LAYOUTS = LAYOUTS[:3]  # SGLang's MLA host pool has no page_head
+
+
+def expected_layout(host: Any, kv_cache_dtype: str = "") -> tuple[KVLayout, str]:
+    """The kvcore layout one rank's SGLang host pool has, and its layout name: an MHA
+    pool (``layer_num``, ``head_num``, ``head_dim``, ``page_size``, ``dtype``) is a
+    ``kv`` layout, an MLA pool (``kv_lora_rank``, ``qk_rope_head_dim``,
+    ``kv_cache_dim``) a ``latent`` one of one head ``kv_cache_dim`` wide. SGLang's
+    uint8 pages of an fp8 cache are the fp8 dtype ``kv_cache_dtype`` (the server's
+    ``--kv-cache-dtype``) names. ValueError naming the setting for a host pool kvcore
+    cannot store: another layout, split K/V widths, packed fp8 MLA rows (DeepSeek
+    sparse attention), or bytes of no kvcore dtype."""
+    layout: str = getattr(host, "layout", "")
+    mla = hasattr(host, "kv_lora_rank")
+    layouts = MLA_LAYOUTS if mla else LAYOUTS
+    if layout not in layouts or not (mla or hasattr(host, "head_num")):
         raise ValueError(
-            f"kvcore's SGLang storage holds MHA host pools in {', '.join(LAYOUTS)}; "
-            f"got {type(host).__name__} ({layout!r})"
+            f"kvcore's SGLang storage holds {'MLA' if mla else 'MHA'} host pools in "
+            f"--hicache-mem-layout {', '.join(layouts)}; got {type(host).__name__} "
+            f"({layout!r})"
         )
-    if getattr(host, "v_head_dim", host.head_dim) != host.head_dim:
-        raise ValueError("kvcore's SGLang storage needs equal K and V head dims")
+    if mla:
+        heads, dim = 1, host.kv_cache_dim
+        if host.dsa_kv_cache_store_fp8 or dim != host.kv_lora_rank + host.qk_rope_head_dim:
+            raise ValueError(
+                "kvcore's SGLang storage does not hold packed fp8 MLA rows (DeepSeek "
+                f"sparse attention's packed_fp8, {dim} bytes a token) yet; serve with "
+                "--kv-cache-dtype auto or without --hicache-storage-backend on kvcore"
+            )
+    else:
+        heads, dim = host.head_num, host.head_dim
+        if getattr(host, "v_head_dim", dim) != dim:
+            raise ValueError("kvcore's SGLang storage needs equal K and V head dims")
     dtype = str(host.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_SIZES:  # SGLang keeps an fp8 KV cache as uint8 bytes
-        raise ValueError(
-            f"kvcore's SGLang storage does not hold {dtype} host pools (an fp8 KV cache, "
-            "--kv-cache-dtype fp8_e4m3 or fp8_e5m2, is one) yet; serve with "
-            "--kv-cache-dtype auto or without --hicache-storage-backend on kvcore"
-        )
+    if dtype == "uint8":  # SGLang keeps an fp8 KV cache as uint8 bytes
+        dtype = FP8_KV_CACHE_DTYPES.get(kv_cache_dtype, "")
+        if not dtype or _rocm():
+            raise ValueError(
+                "kvcore's SGLang storage holds an fp8 KV cache of --kv-cache-dtype "
+                f"{' or '.join(FP8_KV_CACHE_DTYPES)} on CUDA or CPU, not SGLang's uint8 "
+                f"pages of --kv-cache-dtype {kv_cache_dtype or '(unknown)'}"
+                f"{' on ROCm (float8_e4m3fnuz)' if _rocm() else ''}; serve with one of "
+                "those or without --hicache-storage-backend on kvcore"
+            )
+    elif dtype not in DTYPE_SIZES:
+        raise ValueError(f"kvcore's SGLang storage does not hold {dtype} host pools")
     kv = KVLayout(
         num_layers=host.layer_num,
-        num_kv_heads=host.head_num,
-        head_dim=host.head_dim,
+        num_kv_heads=heads,
+        head_dim=dim,
         page_size=host.page_size,
         dtype=dtype,
         num_pages=1,  # the daemon's choice
+        kind="latent" if mla else "kv",
     )
     return kv, layout
+
+
+def _rocm() -> bool:
+    """Whether torch is a ROCm build: SGLang's fp8 there is float8_e4m3fnuz."""
+    import torch
+
+    return bool(torch.version.hip)
 
 
 def connect(config: StorageConfig, layout: KVLayout) -> Client:

@@ -14,8 +14,13 @@ is a one-page chain in kvcore, in a key space of its own::
 :class:`~kvcore.integrations.identity.ModelIdentity` (:func:`rank_identity`): the
 source of the model the server loaded (SGLang's ``model_path``, as vLLM's:
 :func:`~kvcore.integrations.identity.source_of`), its dtype, KV dtype and
-quantization, and the tensor/pipeline shard the rank holds, its rank included:
-each SGLang rank is a client of its own on an unsharded pool. Equal identities
+quantization (an fp8 cache's scales: :func:`kv_scales`), and the tensor/pipeline
+shard the rank holds, its rank included: each SGLang rank is a client of its own
+on an unsharded pool. An MLA model's ranks (SGLang's ``is_mla_model``) are one:
+MLA has no KV heads to split, every TP rank holds the same latent cache, and
+SGLang stores it from TP rank 0 alone (its ``is_storage_writer``) while every rank
+prefetches (the hits are the minimum over ranks), so each reads rank 0's pages
+(``tp_rank`` 0; ``tp_size`` still enters). Equal identities
 share pages; any difference misses, never collides. A page therefore needs at
 least 8 tokens (:data:`MIN_PAGE_SIZE`); smaller pages are refused.
 
@@ -45,6 +50,7 @@ from kvcore.integrations.identity import (
     ModelIdentity,
     declared,
     kv_dtype_of,
+    kv_scales_of,
     process_nonce,
     source_of,
     space_model,
@@ -81,6 +87,7 @@ class ServerModel:
     quantization: str = ""
     load_format: str = ""
     hf_config: Any = None  # the HF config SGLang built (override args applied)
+    kv_scales_path: str = ""  # --quantization-param-path: an fp8 cache's scales file
 
 
 def server_model() -> ServerModel:
@@ -103,6 +110,7 @@ def server_model() -> ServerModel:
         quantization=str(bag.quantization or ""),
         load_format=str(bag.load_format or ""),
         hf_config=built.hf_config,
+        kv_scales_path=str(getattr(bag, "quantization_param_path", None) or ""),
     )
 
 
@@ -115,12 +123,7 @@ def sglang_model(config: StorageRank, model_id: str = "") -> str:
 
 def rank_identity(config: StorageRank, server: ServerModel, model_id: str = "") -> ModelIdentity:
     """The model identity of an SGLang rank (module docstring). ValueError for what
-    kvcore does not store yet (MLA, split heads, context parallelism), or no model."""
-    if config.is_mla_model:
-        raise ValueError(
-            "kvcore's SGLang storage does not hold MLA caches yet (the model's attention is "
-            "MLA: SGLang's is_mla_model); serve it without --hicache-storage-backend on kvcore"
-        )
+    kvcore does not store yet (split heads, context parallelism), or no model."""
     if config.should_split_heads or getattr(config, "dcp_size", 1) > 1 or config.attn_cp_size > 1:
         raise ValueError(
             "kvcore's SGLang storage does not split heads or contexts across ranks yet"
@@ -151,13 +154,34 @@ def rank_identity(config: StorageRank, server: ServerModel, model_id: str = "") 
     return ModelIdentity(
         source=source,
         dtype=server.dtype,
-        kv_dtype=kv_dtype_of(server.kv_cache_dtype, server.dtype),
+        kv_dtype=kv_dtype_of(_cache_dtype(server), server.dtype),
+        kv_scales=kv_scales(server),
         quantization=server.quantization,
         tp_size=config.tp_size,
         pp_size=config.pp_size,
-        tp_rank=config.tp_rank,
+        tp_rank=0 if config.is_mla_model else config.tp_rank,  # MLA: rank 0's pages
         pp_rank=config.pp_rank,
     )
+
+
+def kv_scales(server: ServerModel) -> str:
+    """The identity's ``kv_scales`` of the server's cache: "" for a float cache; an fp8
+    cache's come from the checkpoint (or SGLang's default 1.0) unless
+    ``--quantization-param-path`` names a file of them: then that file's SHA-256
+    (a process nonce if it cannot be read: SGLang fails to load it then)."""
+    scales = kv_scales_of(_cache_dtype(server))
+    if not scales or not server.kv_scales_path:
+        return scales
+    try:
+        with open(server.kv_scales_path, "rb") as f:
+            return "file:" + hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return process_nonce()
+
+
+def _cache_dtype(server: ServerModel) -> str:
+    """The server's ``--kv-cache-dtype``, its two spellings of bfloat16 as one."""
+    return "bfloat16" if server.kv_cache_dtype == "bf16" else server.kv_cache_dtype
 
 
 def page_tokens(key: str, page_size: int) -> list[int]:

@@ -1,18 +1,29 @@
 """Pages between SGLang's host KV pool and a kvcore pool, as strided views.
 
-Both sides are seen as ``[pages, layers, 2, page_size, heads, head_dim]`` (K then
-V), without a copy: kvcore's pool is ``[layers, pages, 2, page_size, heads,
-head_dim]`` (kvcore.layout), SGLang's MHA host pool one ``kv_buffer`` in one of
-four layouts (its ``memory_pool_host``), with ``size`` = pages x page_size tokens:
+Both sides are seen as ``[pages, layers, parts, page_size, heads, head_dim]``
+without a copy: kvcore's pool is ``[layers, pages, parts, page_size, heads,
+head_dim]`` (kvcore.layout; parts: K then V of a ``kv`` page, the one latent
+vector of a ``latent`` page), SGLang's host pool one ``kv_buffer`` in one of four
+layouts (its ``pool_host/mha.py`` and ``pool_host/mla.py``), with ``size`` =
+pages x page_size tokens:
 
 ==================  ============================================  =================
-layout              kv_buffer                                     one page (flat)
+layout              MHA kv_buffer                                 one page (flat)
 ==================  ============================================  =================
 layer_first         [2, layers, size, heads, head_dim]            [2, layers, ps, h, d]
 page_first          [2, size, layers, heads, head_dim]            [2, ps, layers, h, d]
 page_first_direct   [2, pages, layers, ps, heads, head_dim]       [2, layers, ps, h, d]
 page_head           [2, pages, heads, ps, layers, head_dim]       [2, h, ps, layers, d]
 ==================  ============================================  =================
+
+An MLA host pool's ``kv_buffer`` is the MHA one of its layout without the leading
+parts dim, one head wide and ``kv_cache_dim`` (kv_lora_rank + qk_rope_head_dim)
+deep: ``[layers, size, 1, D]``, ``[size, layers, 1, D]``, ``[pages, layers, ps, 1,
+D]``, its flat pages likewise (SGLang has no MLA ``page_head``). So it is that
+buffer with a parts dim of 1 put in front (``latent=True``), and every layout,
+flat order and copy below serves both. An fp8 cache is uint8 bytes on SGLang's side
+(its ``store_dtype``) and float8 in kvcore's pool: the pool is seen through its
+uint8 view, so copies move bytes.
 
 A copy of n pages is n strided page copies, whatever the layouts (no staging).
 """
@@ -21,15 +32,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvcore.tiers.transfer import raw
+
 if TYPE_CHECKING:
     import torch
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 
 
-def host_pages(kv_buffer: torch.Tensor, layout: str, page_size: int) -> torch.Tensor:
-    """``kv_buffer`` of an SGLang MHA host pool as ``[pages, layers, 2, ps, heads, d]``.
-    ValueError for a layout not in :data:`LAYOUTS` or a shape that does not fit it."""
+def host_pages(
+    kv_buffer: torch.Tensor, layout: str, page_size: int, *, latent: bool = False
+) -> torch.Tensor:
+    """``kv_buffer`` of an SGLang host pool as ``[pages, layers, parts, ps, heads, d]``
+    (an MHA pool's: parts 2; an MLA pool's, ``latent``: parts 1, heads 1). ValueError
+    for a layout not in :data:`LAYOUTS` or a shape that does not fit it."""
+    if latent:  # MLA's kv_buffer is MHA's of one part (module docstring)
+        kv_buffer = kv_buffer.unsqueeze(0)
     if layout in ("layer_first", "page_first"):
         _check_dims(kv_buffer, 5, layout)
         size = kv_buffer.shape[2 if layout == "layer_first" else 1]  # tokens
@@ -39,11 +57,11 @@ def host_pages(kv_buffer: torch.Tensor, layout: str, page_size: int) -> torch.Te
             )
         num_pages = size // page_size
         if layout == "layer_first":  # [2, L, P*ps, H, D]
-            _, layers, _, heads, dim = kv_buffer.shape
-            view = kv_buffer.view(2, layers, num_pages, page_size, heads, dim)
+            parts, layers, _, heads, dim = kv_buffer.shape
+            view = kv_buffer.view(parts, layers, num_pages, page_size, heads, dim)
             return view.permute(2, 1, 0, 3, 4, 5)
-        _, _, layers, heads, dim = kv_buffer.shape  # page_first: [2, P*ps, L, H, D]
-        view = kv_buffer.view(2, num_pages, page_size, layers, heads, dim)
+        parts, _, layers, heads, dim = kv_buffer.shape  # page_first: [2, P*ps, L, H, D]
+        view = kv_buffer.view(parts, num_pages, page_size, layers, heads, dim)
         return view.permute(1, 3, 0, 2, 4, 5)
     if layout == "page_first_direct":  # [2, P, L, ps, H, D]
         _check_dims(kv_buffer, 6, layout)
@@ -55,7 +73,7 @@ def host_pages(kv_buffer: torch.Tensor, layout: str, page_size: int) -> torch.Te
 
 
 def flat_page(page: torch.Tensor, layout: str) -> torch.Tensor:
-    """One page ``[layers, 2, ps, heads, d]`` in the order of ``layout``'s flat page
+    """One page ``[layers, parts, ps, heads, d]`` in the order of ``layout``'s flat page
     (SGLang's ``get_data_page(flat=True)``), as a contiguous 1-D tensor."""
     order = _FLAT_ORDER[layout]
     return page.permute(*order).contiguous().view(-1)
@@ -63,7 +81,7 @@ def flat_page(page: torch.Tensor, layout: str) -> torch.Tensor:
 
 def unflat_page(data: torch.Tensor, layout: str, shape: torch.Size) -> torch.Tensor:
     """The inverse of :func:`flat_page`: ``data`` (``layout``'s flat page order) as a
-    ``[layers, 2, ps, heads, d]`` view, for a page of ``shape`` (that shape)."""
+    ``[layers, parts, ps, heads, d]`` view, for a page of ``shape`` (that shape)."""
     order = _FLAT_ORDER[layout]
     permuted = [shape[i] for i in order]
     inverse = sorted(range(len(order)), key=order.__getitem__)
@@ -71,13 +89,14 @@ def unflat_page(data: torch.Tensor, layout: str, shape: torch.Size) -> torch.Ten
 
 
 def pool_pages(layer_views: list[torch.Tensor]) -> torch.Tensor:
-    """kvcore's per-layer views (``Client.kv_caches``: ``[pages, 2, ps, heads, d]``
-    each, one region, layer after layer) as ``[pages, layers, 2, ps, heads, d]``."""
+    """kvcore's per-layer views (``Client.kv_caches``: ``[pages, parts, ps, heads, d]``
+    each, one region, layer after layer) as ``[pages, layers, parts, ps, heads, d]``;
+    a float8 pool as its uint8 bytes (SGLang's host pool holds fp8 as uint8)."""
     import torch
 
-    first = layer_views[0]
+    first = raw(layer_views[0])
     if len(layer_views) > 1:
-        step = layer_views[1].storage_offset() - first.storage_offset()
+        step = raw(layer_views[1]).storage_offset() - first.storage_offset()
         if step != first.numel():
             raise ValueError("kvcore's layer views are not one region, layer after layer")
     shape = (len(layer_views), *first.shape)
@@ -96,7 +115,7 @@ def copy_pages(
         dst[d].copy_(src[s])
 
 
-# [layers, 2, ps, heads, d] -> the flat page order of each layout
+# [layers, parts, ps, heads, d] -> the flat page order of each layout
 _FLAT_ORDER: dict[str, tuple[int, ...]] = {
     "layer_first": (1, 0, 2, 3, 4),  # [2, L, ps, H, D]
     "page_first": (1, 2, 0, 3, 4),  # [2, ps, L, H, D]

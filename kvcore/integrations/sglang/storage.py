@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvcore.client import Batch, Client
 from kvcore.errors import BatchFailed, KVCoreError
 from kvcore.integrations.extra_config import parse_extra
+from kvcore.integrations.identity import space_model
 from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
 from kvcore.integrations.sglang.attach import (
     SGLANG_KEYS,
@@ -44,7 +45,7 @@ from kvcore.integrations.sglang.attach import (
     connect,
     expected_layout,
 )
-from kvcore.integrations.sglang.keys import page_tokens, sglang_model
+from kvcore.integrations.sglang.keys import page_tokens, rank_identity, server_model
 from kvcore.integrations.sglang.pages import (
     copy_pages,
     flat_page,
@@ -72,11 +73,12 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
             what="hicache-storage-backend-extra-config",
             ignore=SGLANG_KEYS,
         )
-        # the rank's model identity (keys.py)
-        self.space = KeySpace(model=sglang_model(storage_config, self.config.model_id))
+        self.server = server_model()  # what SGLang publishes of the model (keys.py)
+        identity = rank_identity(storage_config, self.server, self.config.model_id)
+        self.space = KeySpace(model=space_model(identity))
         self.client: Client | None = None
         self.page_size = 0
-        self._host: torch.Tensor | None = None  # [pages, layers, 2, ps, heads, d] views
+        self._host: torch.Tensor | None = None  # [pages, layers, parts, ps, heads, d] views
         self._pool: torch.Tensor | None = None  # the mapped pool, as of _mapped
         self._mapped: Attachment | None = None  # the attachment _pool was taken from
         self._reconnect: Reconnector | None = None
@@ -92,14 +94,19 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Take SGLang's host pool: its geometry is the layout kvcore's pool must have
-        (one TP rank's heads); attach to the daemon with it. ValueError for a host pool
-        kvcore cannot store (MLA, split K/V widths, an unknown layout, pages under 8
-        tokens); kvcore's LayoutMismatch if the daemon's pool differs."""
+        (one TP rank's heads; an MLA model's latent cache); attach to the daemon with it.
+        ValueError for a host pool kvcore cannot store (attach.expected_layout); BadRequest
+        for pages under 8 tokens; kvcore's LayoutMismatch if the daemon's pool differs."""
         super().register_mem_pool_host(mem_pool_host)
-        self._layout, self._host_layout = expected_layout(mem_pool_host)
+        self._layout, self._host_layout = expected_layout(mem_pool_host, self.server.kv_cache_dtype)
         self.page_size = self._layout.page_size
         page_tokens("", self.page_size)  # BadRequest for pages too small to key
-        self._host = host_pages(mem_pool_host.kv_buffer, self._host_layout, self.page_size)
+        self._host = host_pages(
+            mem_pool_host.kv_buffer,
+            self._host_layout,
+            self.page_size,
+            latent=self._layout.kind == "latent",
+        )
         self._attach()
 
     def _attach(self) -> None:
