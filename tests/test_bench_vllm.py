@@ -1,5 +1,6 @@
-"""``kvcore bench vllm --quick``: every workload in both configurations (vLLM's prefix
-cache on and off), on real vLLM engines and a real daemon. Asserted: every key of the
+"""``kvcore bench vllm --quick``: every workload in every configuration (vLLM's prefix
+cache on and off; the fp8 and hybrid model shapes), on real vLLM engines and a real
+daemon. Asserted: every key of the
 record, figures positive, and the connector's outputs equal plain vLLM's token for
 token but for greedy ties, with log-probabilities within 1e-3 nats (the rule:
 tests/test_bench_ties.py), so the command exits 0. No timing is asserted: the figures
@@ -38,10 +39,17 @@ def _positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-@pytest.mark.parametrize("config", ["on", "off"])
-def test_every_figure_of_both_configurations(record: dict[str, Any], config: str) -> None:
-    figures = record if config == "on" else record[vllm.OFF]
-    assert figures["vllm_prefix_cache"] is (config == "on")
+CONFIGS = ["on", vllm.OFF, *vllm.SHAPES]
+
+
+def figures_of(record: dict[str, Any], config: str) -> dict[str, Any]:
+    return record if config == "on" else record[config]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_figure_of_every_configuration(record: dict[str, Any], config: str) -> None:
+    figures = figures_of(record, config)
+    assert figures["vllm_prefix_cache"] is (config != vllm.OFF)
     for key in vllm.TARGETS:
         assert _positive(figures[key]), key
         assert len(figures["per_repeat"][key]) == 1, key
@@ -56,9 +64,9 @@ def test_every_figure_of_both_configurations(record: dict[str, Any], config: str
         assert raw["prompt_tokens"] > 0, workload
 
 
-@pytest.mark.parametrize("config", ["on", "off"])
+@pytest.mark.parametrize("config", CONFIGS)
 def test_outputs_equal_plain_vllm_in_every_workload(record: dict[str, Any], config: str) -> None:
-    figures = record if config == "on" else record[vllm.OFF]
+    figures = figures_of(record, config)
     for workload in WORKLOADS:
         compared = figures["workloads"][workload.name]
         assert compared["tokens_match"] is True, (workload.name, compared["mismatches"])
@@ -70,26 +78,29 @@ def test_outputs_equal_plain_vllm_in_every_workload(record: dict[str, Any], conf
     for key in COUNTS:
         per_workload = [figures["workloads"][w.name][key] for w in WORKLOADS]
         assert all(isinstance(n, int) and n >= 0 for n in per_workload), key
-        if config == "off":  # the top level's are over both configurations
+        if config != "on":  # the top level's are over every configuration
             assert figures[key] == sum(per_workload), key
     assert figures["ties"] <= figures["ties_allowed"]
 
 
-def test_the_run_meets_every_check_over_both_configurations(record: dict[str, Any]) -> None:
+def test_the_run_meets_every_check_over_every_configuration(record: dict[str, Any]) -> None:
     """What makes ``kvcore bench vllm`` exit 0: nothing required is missed, and the
     headline shows each check as met."""
     assert unmet(record, vllm.HEADLINE) == []
-    off = record[vllm.OFF]
+    others = [record[config] for config in CONFIGS[1:]]
     for key in COUNTS:
         on = sum(record["workloads"][w.name][key] for w in WORKLOADS)
-        assert record[key] == on + off[key], key
-    assert off["max_logprob_diff"] <= record["max_logprob_diff"] <= LOGPROB_NATS
+        assert record[key] == on + sum(other[key] for other in others), key
+    for other in others:
+        assert other["max_logprob_diff"] <= record["max_logprob_diff"] <= LOGPROB_NATS
     met = {row[0]: row[4] for row in rows(record, vllm.HEADLINE)}
     assert all(met[key] == "met" for key in vllm.CHECKS), met
 
 
-def test_the_record_names_its_sizes(record: dict[str, Any]) -> None:
+def test_the_record_names_its_sizes_and_shapes(record: dict[str, Any]) -> None:
     assert record["tokens_match"] is True
+    assert record["fp8"]["shape"]["pool_dtype"] == "float8_e4m3fn"
+    assert record["hybrid"]["shape"]["model"] == "TinyGemma3"
     assert record["workload"]["repeats"] == 1 and record["workload"]["docs"] == 2
     assert record["cpu_count"] >= 1 and record["seconds"] > 0
 

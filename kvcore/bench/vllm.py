@@ -32,7 +32,12 @@ configuration and, at the top level, over both. These are :data:`CHECKS`: target
 run must meet (``kvcore bench`` exits 1 otherwise, after the report, whose
 ``first_mismatch`` says where); the speed :data:`TARGETS` are reported, met or not.
 The configuration with vLLM's prefix cache off has the same keys under
-``prefix_cache_off``. Without vLLM the record is ``{"skipped": reason}``.
+``prefix_cache_off``; so do the model shapes of ``--shapes`` (:data:`SHAPES`, each with
+vLLM's prefix cache on): ``fp8`` (the same model with ``kv_cache_dtype="fp8"`` on a
+``float8_e4m3fn`` pool) and ``hybrid`` (a Gemma-3-style model of the same geometry,
+sliding-window and full-attention layers, vLLM's hybrid allocator on). The top-level
+comparison keys are over every configuration. Without vLLM the record is
+``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -53,7 +58,6 @@ from kvcore.bench.vllm_engine import (
     PAGE_SIZE,
     Engine,
     block_bytes,
-    pool_flag,
     vllm_available,
     write_model,
 )
@@ -67,7 +71,7 @@ from kvcore.bench.vllm_workloads import (
     ties_allowed,
     warm_up,
 )
-from kvcore.demo_model import TinyLlama
+from kvcore.demo_model import TinyGemma3, TinyLlama
 from kvcore.layout import cdiv
 
 #: The model the bench serves: the connector tests' model (kvcore/bench/vllm_engine.py)
@@ -84,6 +88,24 @@ BENCH_MODEL = TinyLlama(
     intermediate_size=1024,
     vocab_size=512,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A model configuration the bench serves besides the default: the model, vLLM's
+    ``kv_cache_dtype`` and the pool dtype that holds its bytes."""
+
+    model: TinyLlama
+    kv_cache_dtype: str = "auto"
+    pool_dtype: str = "float32"
+
+
+SHAPES = {
+    "fp8": Shape(BENCH_MODEL, "fp8", "float8_e4m3fn"),
+    # a window of 4 pages: most of every prompt lies outside it
+    "hybrid": Shape(TinyGemma3(**dataclasses.asdict(BENCH_MODEL), window=4 * PAGE_SIZE)),
+}
+DEFAULT = Shape(BENCH_MODEL)
 
 TARGETS = {  # speed: reported, met or not (a round moves with the machine's load)
     "ttft_hit_ratio": Target("<=", 0.5),
@@ -112,7 +134,8 @@ OFF = "prefix_cache_off"
 HEADLINE = (
     *(Figure(k, LABELS[k], target) for k, target in TARGETS.items()),
     *(
-        Figure(f"{OFF}.{k}", f"{LABELS[k]} (vLLM prefix cache off)", target)
+        Figure(f"{config}.{k}", f"{LABELS[k]} ({label})", target)
+        for config, label in ((OFF, "vLLM prefix cache off"), *((s, s) for s in SHAPES))
         for k, target in TARGETS.items()
     ),
     *(Figure(k, LABELS[k], target) for k, target in CHECKS.items()),
@@ -166,6 +189,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="the smallest sizes (the test's run), one repeat"
     )
+    parser.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=list(SHAPES),
+        help=f"model shapes to run besides the default, comma-separated from "
+        f"{', '.join(SHAPES)} ('' for none; default all)",
+    )
+
+
+def _shapes(text: str) -> list[str]:
+    """An argparse type: names of :data:`SHAPES`, comma-separated (a usage error else)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape(s) {unknown}; known: {list(SHAPES)}")
+    return names
 
 
 def _at_least(least: int) -> Callable[[str], int]:
@@ -191,13 +230,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes, repeats = sizes_of(args), 1 if args.quick else args.repeats
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcore-bench-vllm-") as tmp:
-        model = write_model(Path(tmp), BENCH_MODEL)
-        on = _configuration(model, sizes, repeats, prefix_caching=True)
-        off = _configuration(model, sizes, repeats, prefix_caching=False)
+        on = _configuration(Path(tmp), DEFAULT, sizes, repeats, prefix_caching=True)
+        others = {OFF: _configuration(Path(tmp), DEFAULT, sizes, repeats, prefix_caching=False)}
+        for name in args.shapes:
+            others[name] = _configuration(Path(tmp), SHAPES[name], sizes, repeats)
     return {
         **on,
-        OFF: off,
-        **_both(on, off),
+        **others,
+        **_all(on, others),
         "workload": {**dataclasses.asdict(sizes), "repeats": repeats, "page_size": PAGE_SIZE},
         "model": dataclasses.asdict(BENCH_MODEL),
         "cpu_count": os.cpu_count(),
@@ -206,15 +246,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _configuration(
-    model: Path, sizes: Sizes, repeats: int, *, prefix_caching: bool
+    tmp: Path, shape: Shape, sizes: Sizes, repeats: int, *, prefix_caching: bool = True
 ) -> dict[str, Any]:
-    """One daemon and four engines with vLLM's prefix cache on or off; every workload
-    ``repeats`` times (round-major, so drift in the machine's load spreads over all)."""
+    """One daemon and four engines of ``shape`` with vLLM's prefix cache on or off; every
+    workload ``repeats`` times (round-major, so drift in the machine's load spreads over
+    all)."""
     from kvcore.daemon_process import DaemonProcess
 
+    model = write_model(tmp / type(shape.model).__name__, shape.model)
     blocks = _blocks_per_round(sizes)
     sizing = {
-        "kv_bytes": blocks * block_bytes(BENCH_MODEL),
+        "kv_bytes": blocks * block_bytes(shape.model),
+        "llm_options": {"kv_cache_dtype": shape.kv_cache_dtype},
         "max_num_seqs": max(sizes.requests, sizes.docs, sizes.conversations, 4),
         "max_model_len": sizes.longest_prompt()
         + max(sizes.new_tokens, sizes.answer_tokens)
@@ -224,7 +267,12 @@ def _configuration(
     outcomes: dict[str, list[Outcome]] = {w.name: [] for w in WORKLOADS}
     with ExitStack() as stack:
         daemon = stack.enter_context(
-            DaemonProcess.private("--pool", pool_flag(num_pages=2 * blocks, model=BENCH_MODEL))
+            DaemonProcess.private(
+                "--pool",
+                shape.model.pool_flag(
+                    dtype=shape.pool_dtype, page_size=PAGE_SIZE, num_pages=2 * blocks
+                ),
+            )
         )
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
         engines = _start(stack, model, conn, sizing, daemon.endpoint)
@@ -236,6 +284,11 @@ def _configuration(
     record = _record(outcomes)
     record["pages"] = {"loaded_b": b_stats["loaded_pages"], "saved_b": b_stats["saved_pages"]}
     record["vllm_prefix_cache"] = prefix_caching
+    record["shape"] = {
+        "model": type(shape.model).__name__,
+        "kv_cache_dtype": shape.kv_cache_dtype,
+        "pool_dtype": shape.pool_dtype,
+    }
     record["targets"] = {
         f"{key} {target.op} {target.bound}": target.met(record[key], record)
         for key, target in {**TARGETS, **CHECKS}.items()
@@ -348,12 +401,19 @@ def _sum(parts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _both(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
-    """The top level's comparison keys, over both configurations (each mismatch says
-    which: ``prefix_cache``)."""
-    first_off = off["first_mismatch"] and f"{OFF}: {off['first_mismatch']}"
-    both = _sum([on, {**off, "first_mismatch": first_off}])
+def _all(on: dict[str, Any], others: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The top level's comparison keys, over every configuration (each mismatch says
+    which: ``configuration``, "" for the default)."""
+    configs = {"": on, **others}
+    marked = [
+        {
+            **c,
+            "first_mismatch": c["first_mismatch"] and f"{name or 'default'}: {c['first_mismatch']}",
+        }
+        for name, c in configs.items()
+    ]
+    both = _sum(marked)
     both["mismatches"] = [
-        {"prefix_cache": c["vllm_prefix_cache"], **m} for c in (on, off) for m in c["mismatches"]
+        {"configuration": name, **m} for name, c in configs.items() for m in c["mismatches"]
     ][:LISTED]
     return both
