@@ -39,33 +39,46 @@ class TinyLlama:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def config_fields(self) -> dict[str, Any]:
+        """The transformers config fields of this geometry that every architecture here
+        shares (sizes, token ids, the init spread)."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_positions,
+            "initializer_range": self.init_std,
+            "bos_token_id": 1,
+            "eos_token_id": None,
+            "pad_token_id": 0,
+            "tie_word_embeddings": False,
+        }
+
     def build(self, dtype: str = "float32", attn_implementation: str = "sdpa") -> LlamaForCausalLM:
         """The model in eval mode on CPU, in ``dtype`` ("float32", "bfloat16", "float16")."""
-        import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         config = LlamaConfig(  # type: ignore[call-arg]
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            max_position_embeddings=self.max_positions,
-            initializer_range=self.init_std,
-            bos_token_id=1,
-            eos_token_id=None,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-            attn_implementation=attn_implementation,
+            **self.config_fields(), attn_implementation=attn_implementation
         )
-        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG as it was
+        built: LlamaForCausalLM = self._seeded(LlamaForCausalLM, config, dtype)
+        return built
+
+    def _seeded(self, cls: Any, config: Any, dtype: str) -> Any:
+        """``cls(config)`` drawn from this spec's seed (the caller's RNG left as it was),
+        in eval mode, in ``dtype``, generating without an end token."""
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            model = LlamaForCausalLM(config)
+            model = cls(config)
         model.generation_config.pad_token_id = 0
         model.generation_config.eos_token_id = None
-        built: LlamaForCausalLM = model.to(getattr(torch, dtype)).eval()
-        return built
+        return model.to(getattr(torch, dtype)).eval()
 
     def pool_flag(
         self,
@@ -106,27 +119,15 @@ class TinyGemma3(TinyLlama):
 
     def build(self, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
         """The model (transformers' ``Gemma3ForCausalLM``) in eval mode on CPU."""
-        import torch
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config = Gemma3TextConfig(  # type: ignore[call-arg]
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
+            **self.config_fields(),
             sliding_window=self.window,
             layer_types=self.layer_types,
-            max_position_embeddings=self.max_positions,
-            initializer_range=self.init_std,
             attn_implementation=attn_implementation,
         )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            model = Gemma3ForCausalLM(config)
-        return model.to(getattr(torch, dtype)).eval()
+        return self._seeded(Gemma3ForCausalLM, config, dtype)
 
 
 def timed_greedy(
