@@ -3,6 +3,15 @@
 All operations work on one layer's cache tensor::
 
     kv_cache  [num_pages, 2, page_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+    kv_cache  [num_pages, 1, page_size, 1, head_dim]              (latent: MLA's one vector)
+
+in float16/bfloat16/float32, or in float8_e4m3fn/float8_e5m2 holding ``x / scale``
+(runs take the per-layer ``k_scale``/``v_scale``; a query and an output are in a
+float dtype). What attention computes beyond full causal softmax is a plan option,
+:class:`Attention` (a sliding window, a logit soft cap, per-head sinks, MLA's
+``v_head_dim``). A backend declares the features it computes in
+``Capabilities.features`` (:data:`FEATURES`); a plan needing another raises
+:class:`~kvcore.errors.Unsupported` naming it. kvcore_torch defines the numerics.
 
 Kernels take strides: nothing beyond a contiguous last dim is assumed.
 Page tables are int32 (``block_table [B, max_pages]``); slots are int64,
@@ -36,7 +45,11 @@ Empty inputs (B = 0, total_q = 0, T = 0, N = 0) return without calling a kernel.
 
 A backend subclasses :class:`Backend` and implements the protected hooks
 (``_decode``, ``_prefill``, ``_write_kv``, ``_copy_pages``, and optionally the
-``_prepare_*`` precomputations); only this base class calls them.
+``_prepare_*`` precomputations); only this base class calls them. A hook receives
+only the keywords its call needs, so a backend that declares no feature keeps the
+plain signatures: ``k_scale=``/``v_scale=`` (floats) on fp8 caches (backends with
+"fp8") and ``sinks=`` ([Hq] float32) when ``plan.attention.sinks`` (backends with
+"sinks"); latent writes go to ``_write_latent`` (backends with "mla").
 
 Backends are found through the entry-point group ``kvcore.backends``
 (``name = "module:Class"``); :func:`get` instantiates one by name.
@@ -51,7 +64,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvcore.backend_checks import (
     ValueChecks,
@@ -63,6 +76,7 @@ from kvcore.backend_checks import (
     check_index,
     check_last_dim,
     check_scale,
+    check_sinks,
     check_slots,
     check_table,
 )
@@ -73,35 +87,100 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "kvcore.backends"
 MAX_HEAD_DIM = 256  # elements; the bound of Capabilities.head_dims = None
+MAX_LATENT_DIM = 1024  # elements; the same bound for a latent cache (DeepSeek's is 576)
 MAX_PAGE_SIZE = 128  # tokens; the bound of Capabilities.page_sizes = None
+FEATURES = frozenset({"fp8", "window", "soft_cap", "sinks", "mla"})
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}  # largest finite values
 _INF = float("inf")
+_NONE: dict[str, Any] = {}  # the hook keywords of a plain run (unpacked, never written)
+_ROW_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32"})  # of fp8 caches
+
+
+@dataclass(frozen=True, slots=True)
+class Attention:
+    """What a step's attention computes beyond full causal softmax (a plan option).
+
+    A query at absolute position p (decode: seq_len - 1; prefill query i of
+    sequence b: seq_len[b] - q_len[b] + i) attends keys j with
+    ``max(0, p - window_left) <= j <= p``; ``window_left`` -1 means no window
+    (tokens). Logits are ``scale * q.k``, then, when ``logits_soft_cap`` > 0,
+    ``cap * tanh(logits / cap)``, then masked. With ``sinks`` a run takes one
+    logit per query head that joins the softmax denominator only (no value row)::
+
+        out = sum_j exp(l_j - m) v_j / (exp(s_h - m) + sum_j exp(l_j - m)),
+        m = max(max_j l_j, s_h)
+
+    ``v_head_dim`` (latent caches only, and required there): K is the whole latent
+    vector [D], V its first ``v_head_dim`` elements; the query is MLA's absorbed
+    query [rows, Hq, D], the output [rows, Hq, v_head_dim].
+    """
+
+    window_left: int = -1
+    logits_soft_cap: float = 0.0
+    sinks: bool = False
+    v_head_dim: int | None = None
+
+    def features(self) -> frozenset[str]:
+        """The :data:`FEATURES` these options need (a latent cache adds "mla")."""
+        need = set()
+        if self.window_left >= 0:
+            need.add("window")
+        if self.logits_soft_cap > 0:
+            need.add("soft_cap")
+        if self.sinks:
+            need.add("sinks")
+        return frozenset(need)
+
+    def check(self, head_dim: int, latent: bool) -> None:
+        """BadRequest unless these options are valid for a cache of ``head_dim`` elements
+        (``latent``: a latent cache, which requires ``v_head_dim`` in (0, head_dim])."""
+        w, cap, vd = self.window_left, self.logits_soft_cap, self.v_head_dim
+        if type(w) is not int or w < -1:
+            raise BadRequest(f"window_left must be an int >= -1 (tokens; -1: none), got {w!r}")
+        if isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 <= cap < _INF:
+            raise BadRequest(f"logits_soft_cap must be a finite float >= 0, got {cap!r}")
+        if type(self.sinks) is not bool:
+            raise BadRequest(f"sinks must be a bool, got {self.sinks!r}")
+        if not latent and vd is not None:
+            raise BadRequest(f"v_head_dim={vd!r} is for latent (MLA) caches only")
+        if latent and (type(vd) is not int or not 0 < vd <= head_dim):
+            raise BadRequest(
+                f"a latent cache needs v_head_dim, an int in (0, head_dim = {head_dim}], got {vd!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """What a backend computes correctly; anything else raises Unsupported.
 
-    ``head_dims`` / ``page_sizes`` of None mean "any" within 1..MAX_HEAD_DIM and
-    1..MAX_PAGE_SIZE (elements and tokens). Frozen: a backend declares it once.
+    ``head_dims`` / ``page_sizes`` of None mean "any" within 1..MAX_HEAD_DIM (a
+    latent cache: 1..MAX_LATENT_DIM) and 1..MAX_PAGE_SIZE (elements and tokens).
+    ``features`` (a subset of :data:`FEATURES`) are the :class:`Attention` options
+    and caches computed beyond full causal attention over a float kv cache: "fp8"
+    (float8 caches; their dtypes go in ``dtypes`` too), "window", "soft_cap",
+    "sinks", "mla" (latent caches). Frozen: a backend declares it once.
     """
 
     devices: frozenset[str]  # device types: "cpu", "cuda"
-    dtypes: frozenset[str]  # "float16", "bfloat16", "float32"
+    dtypes: frozenset[str]  # "float16", "bfloat16", "float32", "float8_e4m3fn", ...
     head_dims: frozenset[int] | None = None
     page_sizes: frozenset[int] | None = None
+    features: frozenset[str] = frozenset()
 
-    def supports(self, device: str, dtype: str, head_dim: int, page_size: int) -> bool:
+    def supports(
+        self, device: str, dtype: str, head_dim: int, page_size: int, latent: bool = False
+    ) -> bool:
         return (
             device in self.devices
             and dtype in self.dtypes
-            and self.supports_head_dim(head_dim)
+            and self.supports_head_dim(head_dim, latent)
             and self.supports_page_size(page_size)
         )
 
-    def supports_head_dim(self, head_dim: int) -> bool:
-        """Whether ``head_dim`` (elements) is declared."""
+    def supports_head_dim(self, head_dim: int, latent: bool = False) -> bool:
+        """Whether ``head_dim`` (elements) is declared (for a latent cache: ``latent``)."""
         if self.head_dims is None:
-            return 1 <= head_dim <= MAX_HEAD_DIM
+            return 1 <= head_dim <= (MAX_LATENT_DIM if latent else MAX_HEAD_DIM)
         return head_dim in self.head_dims
 
     def supports_page_size(self, page_size: int) -> bool:
@@ -117,6 +196,7 @@ class CacheSpec:
 
     Every layer of a pool has it, so one plan serves every layer. Strides are not
     part of it: a run accepts any view of this shape with a contiguous last dim.
+    ``parts`` is 2 (K, V) or 1 (a latent cache: one head, one vector per token).
     """
 
     num_pages: int
@@ -125,20 +205,34 @@ class CacheSpec:
     head_dim: int  # elements
     dtype: torch.dtype
     device: torch.device
+    parts: int = 2
     # (shape, dtype, device) of a cache of this geometry: a run compares one tuple
     key: tuple[tuple[int, ...], torch.dtype, torch.device] = field(init=False, compare=False)
+    fp8: bool = field(init=False, compare=False)  # a float8 cache: rows are another float
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", (self.shape, self.dtype, self.device))
+        object.__setattr__(self, "fp8", str(self.dtype).removeprefix("torch.") in FP8_MAX)
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> CacheSpec:
-        num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(num_pages, page_size, num_kv_heads, head_dim, kv_cache.dtype, kv_cache.device)
+        num_pages, parts, page_size, num_kv_heads, head_dim = kv_cache.shape
+        return cls(
+            num_pages, page_size, num_kv_heads, head_dim, kv_cache.dtype, kv_cache.device, parts
+        )
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+        return (self.num_pages, self.parts, self.page_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def latent(self) -> bool:
+        return self.parts == 1
+
+    @property
+    def dtype_name(self) -> str:
+        """ "float16", "float8_e4m3fn", ...: the dtype as Capabilities names it."""
+        return str(self.dtype).removeprefix("torch.")
 
     def check(self, kv_cache: object) -> torch.Tensor:
         """BadRequest unless ``kv_cache`` has this geometry (reads no data)."""
@@ -166,11 +260,15 @@ class CacheSpec:
 
     def check_rows(self, t: object, name: str, rows: int | None, heads: int | None) -> torch.Tensor:
         """A query ([rows, Hq, D], Hq a positive multiple of Hkv: ``heads`` None) or a key/
-        value ([rows, heads, D]) in this cache's dtype and device, last dim contiguous;
-        ``rows`` None: any. Reads no data; the common (valid) case is one test."""
+        value ([rows, heads, D]) in this cache's dtype (of an fp8 cache: float16,
+        bfloat16 or float32) and device, last dim contiguous; ``rows`` None: any.
+        Reads no data; the common (valid) case is one test."""
         import torch
 
-        if isinstance(t, torch.Tensor) and (t.dtype, t.device) == self.key[1:]:
+        if isinstance(t, torch.Tensor) and (
+            (t.dtype, t.device) == self.key[1:]
+            or (self.fp8 and str(t.dtype) in _ROW_DTYPES and t.device == self.device)
+        ):
             shape = t.shape
             if (
                 len(shape) == 3
@@ -181,7 +279,8 @@ class CacheSpec:
                 and (self.head_dim == 1 or t.stride(2) == 1)
             ):
                 return t
-        t = check_float(t, name, self.device, self.dtype, (rows, heads, self.head_dim))
+        pattern = (rows, heads, self.head_dim)
+        t = check_float(t, name, self.device, None if self.fp8 else self.dtype, pattern)
         check_heads(t.shape[1], self.num_kv_heads)  # a query's heads (key/value passed above)
         raise AssertionError(f"{name}: the fast check refused what the full checks accept")
 
@@ -219,10 +318,13 @@ class AttentionPlan:
 
     Sequence b attends its ``seq_lens[b]`` tokens (>= 1), held in pages
     ``block_table[b, :ceil(seq_lens[b] / page_size)]``, each in [0, num_pages);
-    the rest of the row is padding and is never read. ``write`` / ``copy`` are the
-    step's own write and copy plans (validated in the same transfer), or None.
-    Frozen: a plan is made by :class:`Backend` only, and any number of runs (every
-    layer, any thread) read it.
+    the rest of the row is padding and is never read. With a window
+    (``attention.window_left >= 0``) the pages before
+    :meth:`first_page` are not read either (a hybrid engine may have released
+    them: they may hold -1 or anything). ``write`` / ``copy`` are the step's own
+    write and copy plans (validated in the same transfer), or None. Frozen: a plan
+    is made by :class:`Backend` only, and any number of runs (every layer, any
+    thread) read it.
     """
 
     backend: str  # name of the backend that made it; only that backend runs it
@@ -233,10 +335,24 @@ class AttentionPlan:
     write: WritePlan | None = field(default=None, kw_only=True)
     copy: CopyPlan | None = field(default=None, kw_only=True)
     prepared: object = field(default=None, kw_only=True)  # the backend's own
+    attention: Attention = field(default=Attention(), kw_only=True)  # validated options
 
     @property
     def batch(self) -> int:
         return len(self.host_seq_lens)
+
+    def first_page(self, b: int) -> int:
+        """The first block-table column sequence ``b`` reads: 0 without a window, else
+        floor(max(0, first query position - window_left) / page_size) (host values)."""
+        w = self.attention.window_left
+        if w < 0:
+            return 0
+        first_query = self.host_seq_lens[b] - self.q_len(b)  # its position, in tokens
+        return max(0, first_query - w) // self.cache.page_size
+
+    def q_len(self, b: int) -> int:
+        """Queries of sequence ``b``: 1 for decode (overridden by prefill)."""
+        return 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +382,9 @@ class PrefillPlan(AttentionPlan):
         """Query rows: cu_seqlens_q[-1]."""
         return self.host_cu_seqlens_q[-1]
 
+    def q_len(self, b: int) -> int:
+        return self.host_cu_seqlens_q[b + 1] - self.host_cu_seqlens_q[b]
+
 
 Plan = DecodePlan | PrefillPlan | WritePlan | CopyPlan
 P = TypeVar("P", DecodePlan, PrefillPlan, WritePlan, CopyPlan)
@@ -287,24 +406,33 @@ class Backend(abc.ABC):
         *,
         slots: torch.Tensor | None = None,
         copies: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention: Attention | None = None,
     ) -> DecodePlan:
         """Validate a decode step: ``block_table`` [B, max_pages] int32, ``seq_lens``
-        [B] int32 (tokens, >= 1, <= max_pages * page_size), only the first
-        ceil(seq_lens[b] / page_size) entries of row b read and in [0, num_pages).
+        [B] int32 (tokens, >= 1, <= max_pages * page_size), the entries of row b a
+        sequence reads (columns :meth:`AttentionPlan.first_page` to
+        ceil(seq_lens[b] / page_size) - 1) in [0, num_pages).
 
         ``kv_cache`` is any layer's cache (its geometry, dtype and device are read,
         not its values). ``slots`` / ``copies`` add the step's write and copy-on-write
         plans (see :meth:`plan_write`, :meth:`plan_copy`) to the same transfer.
-        Synchronises with the device once.
+        ``attention``: the options (:class:`Attention`; BadRequest if invalid,
+        Unsupported if they need an undeclared feature). Synchronises with the
+        device once.
         """
         spec = self._spec(kv_cache)
+        options = self._options(spec, attention)
         checks = ValueChecks()
-        table, lens = check_table(checks, block_table, seq_lens, kv_cache, None)
+        table, lens = check_table(
+            checks, block_table, seq_lens, kv_cache, None, options.window_left
+        )
         at = checks.fetch(lens)
         side = _Side(checks, kv_cache, slots, copies)
         host = checks.run()
         write, copy = self._write_plan(side, spec, kv_cache, host), side.copy_plan(self, spec)
-        plan = DecodePlan(self.name, spec, table, lens, tuple(host[at]), write=write, copy=copy)
+        plan = DecodePlan(
+            self.name, spec, table, lens, tuple(host[at]), write=write, copy=copy, attention=options
+        )
         prepared = self._prepare_decode(plan, kv_cache)
         return plan if prepared is None else replace(plan, prepared=prepared)
 
@@ -317,20 +445,24 @@ class Backend(abc.ABC):
         *,
         slots: torch.Tensor | None = None,
         copies: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention: Attention | None = None,
     ) -> PrefillPlan:
         """Validate a prefill step: ``cu_seqlens_q`` [B+1] int32 starts at 0, never
         decreases; q_len[b] = cu_seqlens_q[b+1] - cu_seqlens_q[b] <= seq_lens[b]; the
-        query of the run has cu_seqlens_q[-1] rows. Tables, ``slots`` and ``copies``
-        as in :meth:`plan_decode`. Synchronises with the device once.
+        query of the run has cu_seqlens_q[-1] rows. Tables, ``slots``, ``copies`` and
+        ``attention`` as in :meth:`plan_decode`. Synchronises with the device once.
         """
         import torch
 
         spec = self._spec(kv_cache)
+        options = self._options(spec, attention)
         checks = ValueChecks()
         cu = check_index(cu_seqlens_q, "cu_seqlens_q", spec.device, torch.int32, (None,))
         if cu.shape[0] < 1:
             raise BadRequest("cu_seqlens_q must hold B + 1 >= 1 entries")
-        table, lens = check_table(checks, block_table, seq_lens, kv_cache, cu.shape[0] - 1)
+        table, lens = check_table(
+            checks, block_table, seq_lens, kv_cache, cu.shape[0] - 1, options.window_left, cu
+        )
         check_cu_seqlens(checks, cu, lens)
         at_lens, at_cu = checks.fetch(lens), checks.fetch(cu)
         side = _Side(checks, kv_cache, slots, copies)
@@ -338,7 +470,16 @@ class Backend(abc.ABC):
         write, copy = self._write_plan(side, spec, kv_cache, host), side.copy_plan(self, spec)
         host_lens, host_cu = tuple(host[at_lens]), tuple(host[at_cu])
         plan = PrefillPlan(
-            self.name, spec, table, lens, host_lens, cu, host_cu, write=write, copy=copy
+            self.name,
+            spec,
+            table,
+            lens,
+            host_lens,
+            cu,
+            host_cu,
+            write=write,
+            copy=copy,
+            attention=options,
         )
         prepared = self._prepare_prefill(plan, kv_cache)
         return plan if prepared is None else replace(plan, prepared=prepared)
@@ -369,10 +510,23 @@ class Backend(abc.ABC):
     # -- run: per layer, shape/dtype/device checks only, never a sync -----------------
 
     def decode(
-        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: DecodePlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [B, Hq, D] (cache dtype, Hq a multiple of Hkv) -> out [B, Hq, D] (query
-        dtype): softmax(scale * q.k) v over each sequence's tokens of ``kv_cache``."""
+        """query [B, Hq, D] (cache dtype; of an fp8 cache any float dtype; Hq a multiple
+        of Hkv) -> out [B, Hq, Dv] (query dtype; Dv = D, or ``v_head_dim`` on a latent
+        cache): softmax(scale * q.k) v over each sequence's tokens of ``kv_cache``, with
+        the plan's :class:`Attention` options. ``k_scale``/``v_scale``: what an fp8
+        cache's K/V are multiplied by on load (ignored on other caches; a latent cache
+        uses ``k_scale`` for its one vector). ``sinks`` [Hq] float32 when the plan's
+        ``attention.sinks``, else None."""
         if type(plan) is not DecodePlan or plan.backend != self.name:
             plan = self._own(plan, DecodePlan)
         spec = plan.cache
@@ -380,16 +534,27 @@ class Backend(abc.ABC):
         query = spec.check_rows(query, "query", len(plan.host_seq_lens), None)
         if type(scale) is not float or not -_INF < scale < _INF:
             scale = check_scale(scale)
+        extra = _NONE
+        if spec.fp8 or plan.attention.sinks or sinks is not None:  # else the plain run
+            extra = self._run_extra(plan, query, k_scale, v_scale, sinks)
         if not plan.host_seq_lens:
-            return query.new_empty(query.shape)
-        return self._decode(plan, query, kv_cache, scale)
+            return query.new_empty(_out_shape(plan, query))
+        return self._decode(plan, query, kv_cache, scale, **extra)
 
     def prefill(
-        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: PrefillPlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [total_q, Hq, D] -> out [total_q, Hq, D]: bottom-right aligned causal
+        """query [total_q, Hq, D] -> out [total_q, Hq, Dv]: bottom-right aligned causal
         attention of each sequence's queries (see :class:`PrefillPlan`); K/V of the
-        queried tokens must already be written."""
+        queried tokens must already be written. Keywords as in :meth:`decode`."""
         spec = self._own(plan, PrefillPlan).cache
         kv_cache = spec.check(kv_cache)
         query = spec.check_rows(query, "query", None, None)
@@ -399,22 +564,44 @@ class Backend(abc.ABC):
                 f"total_q = cu_seqlens_q[-1] = {plan.total_q}"
             )
         scale = check_scale(scale)
+        extra = self._run_extra(plan, query, k_scale, v_scale, sinks)
         if plan.total_q == 0:
-            return query.new_empty(query.shape)
-        return self._prefill(plan, query, kv_cache, scale)
+            return query.new_empty(_out_shape(plan, query))
+        return self._prefill(plan, query, kv_cache, scale, **extra)
 
     def write_kv(
-        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        plan: WritePlan,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        """Scatter ``key``/``value`` [T, Hkv, D] (cache dtype) into the plan's slots."""
+        """Scatter ``key``/``value`` [T, Hkv, D] (cache dtype; of an fp8 cache any float
+        dtype, stored as ``x / scale`` saturated to the format's largest finite value)
+        into the plan's slots. A latent cache takes ``write_kv(plan, kv_cache, latent,
+        None)``: ``latent`` [T, 1, D] goes to part 0 (quantized with ``k_scale``)."""
         if type(plan) is not WritePlan or plan.backend != self.name:
             plan = self._own(plan, WritePlan)
         spec = plan.cache
         kv_cache = spec.check(kv_cache)
         key = spec.check_rows(key, "key", plan.num_tokens, spec.num_kv_heads)
+        scales: dict[str, float] = {}
+        if spec.fp8:
+            scales = {"k_scale": check_scale(k_scale, "k_scale", positive=True)}
+            if not spec.latent:
+                scales["v_scale"] = check_scale(v_scale, "v_scale", positive=True)
+        if spec.latent:
+            if value is not None:
+                raise BadRequest("a latent cache holds one vector per token: pass value=None")
+            if plan.num_tokens > 0:
+                self._write_latent(plan, kv_cache, key, **scales)
+            return
         value = spec.check_rows(value, "value", plan.num_tokens, spec.num_kv_heads)
         if plan.num_tokens > 0:
-            self._write_kv(plan, kv_cache, key, value)
+            self._write_kv(plan, kv_cache, key, value, **scales)
 
     def copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
         """Copy page ``src[i]`` to page ``dst[i]`` (K and V) of ``kv_cache``."""
@@ -423,11 +610,27 @@ class Backend(abc.ABC):
         if plan.src.shape[0] > 0:
             self._copy_pages(plan, kv_cache)
 
-    def check_supported(self, kv_cache: torch.Tensor) -> None:
-        """Unsupported unless the capabilities cover this cache's device, dtype and shape."""
+    def check_supported(self, kv_cache: torch.Tensor, attention: Attention | None = None) -> None:
+        """Unsupported unless the capabilities cover this cache's device, dtype and shape
+        and the features it and ``attention`` need; BadRequest for invalid options."""
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        page_size, head_dim = kv_cache.shape[2], kv_cache.shape[4]
-        if not self.capabilities.supports(kv_cache.device.type, dtype, head_dim, page_size):
+        page_size, head_dim, latent = kv_cache.shape[2], kv_cache.shape[4], kv_cache.shape[1] == 1
+        need: set[str] = set()
+        if attention is not None:
+            attention.check(head_dim, latent)
+            need |= attention.features()
+        if dtype in FP8_MAX:
+            need.add("fp8")
+        if latent:
+            need.add("mla")
+        missing = sorted(need - self.capabilities.features)
+        if missing:
+            raise Unsupported(
+                f"backend {self.name!r} does not declare feature {', '.join(missing)} "
+                f"(kv_cache dtype={dtype} kind={'latent' if latent else 'kv'}; it declares "
+                f"{sorted(self.capabilities.features)})"
+            )
+        if not self.capabilities.supports(kv_cache.device.type, dtype, head_dim, page_size, latent):
             raise Unsupported(
                 f"backend {self.name!r} does not support device={kv_cache.device.type} "
                 f"dtype={dtype} head_dim={head_dim} page_size={page_size}"
@@ -436,6 +639,10 @@ class Backend(abc.ABC):
     # -- what a backend implements; called only by the methods above -----------------
     # Inputs arrive checked: the plan's tables are valid, kv_cache has its geometry,
     # query/key/value have the shapes, dtype and device stated above; none is empty.
+    # Keywords only where the call needs them (see the module docstring): a backend
+    # declaring "fp8" adds ``*, k_scale: float, v_scale: float`` to _decode, _prefill
+    # and _write_kv; one declaring "sinks" adds ``sinks: torch.Tensor`` to _decode and
+    # _prefill; one declaring "mla" overrides _write_latent.
 
     @abc.abstractmethod
     def _decode(
@@ -454,6 +661,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None: ...
+
+    def _write_latent(
+        self, plan: WritePlan, kv_cache: torch.Tensor, latent: torch.Tensor, **scales: float
+    ) -> None:
+        """Store ``latent`` [T, 1, D] rows in part 0 at the plan's slots (``k_scale=`` on
+        fp8 caches). Called only for backends that declare "mla"."""
+        raise AssertionError(f"backend {self.name!r} declares 'mla' without _write_latent")
 
     def _prepare_decode(self, plan: DecodePlan, kv_cache: torch.Tensor) -> object:
         """Precomputation stored as ``plan.prepared`` (host work; no sync). None: none."""
@@ -474,6 +688,43 @@ class Backend(abc.ABC):
         self.check_supported(cache)
         return CacheSpec.of(cache)
 
+    def _options(self, spec: CacheSpec, attention: object) -> Attention:
+        """The attention options of a plan: BadRequest if invalid for ``spec``,
+        Unsupported if they need a feature the backend does not declare."""
+        if attention is None:
+            attention = Attention()
+        if not isinstance(attention, Attention):
+            raise BadRequest(f"attention must be an Attention, got {type(attention).__name__}")
+        attention.check(spec.head_dim, spec.latent)
+        missing = sorted(attention.features() - self.capabilities.features)
+        if missing:
+            raise Unsupported(
+                f"backend {self.name!r} does not declare feature {', '.join(missing)} "
+                f"(asked by {attention}; it declares {sorted(self.capabilities.features)})"
+            )
+        return attention
+
+    def _run_extra(
+        self,
+        plan: AttentionPlan,
+        query: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        sinks: torch.Tensor | None,
+    ) -> dict[str, Any]:
+        """The hook keywords of a decode or prefill run (shape checks only): the scales
+        on an fp8 cache, the sinks when the plan asks for them."""
+        spec = plan.cache
+        extra: dict[str, Any] = {}
+        if spec.fp8:
+            extra["k_scale"] = check_scale(k_scale, "k_scale", positive=True)
+            extra["v_scale"] = check_scale(v_scale, "v_scale", positive=True)
+        if plan.attention.sinks:
+            extra["sinks"] = check_sinks(sinks, query.shape[1], spec.device)
+        elif sinks is not None:
+            raise BadRequest("sinks given to a plan made without Attention(sinks=True)")
+        return extra
+
     def _write_plan(
         self, side: _Side, spec: CacheSpec, kv_cache: torch.Tensor, host: list[list[int]]
     ) -> WritePlan | None:
@@ -489,6 +740,12 @@ class Backend(abc.ABC):
         if plan.backend != self.name:
             raise BadRequest(f"a plan of backend {plan.backend!r} given to {self.name!r}")
         return plan
+
+
+def _out_shape(plan: AttentionPlan, query: torch.Tensor) -> tuple[int, int, int]:
+    """[rows, Hq, Dv]: Dv is the plan's v_head_dim on a latent cache, else D."""
+    rows, heads, head_dim = query.shape
+    return (rows, heads, plan.attention.v_head_dim or head_dim)
 
 
 class _Side:

@@ -1,5 +1,6 @@
-"""Boundary checks of the kernel API (kvcore.backend): BadRequest for bad input,
-Unsupported for a cache no kernel computes on yet (a latent pool's).
+"""Boundary checks of the kernel API (kvcore.backend): BadRequest for bad input.
+(Unsupported, for what a backend does not declare, is kvcore.backend's: it reads
+the capabilities.)
 
 Two kinds. Shape, dtype and device checks read no tensor data; the run methods
 (``decode``/``prefill``/``write_kv``/``copy_pages`` of a plan) use only these.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvcore.errors import BadRequest, Unsupported
+from kvcore.errors import BadRequest
 from kvcore.layout import cdiv
 
 if TYPE_CHECKING:
@@ -47,25 +48,20 @@ def check_tensor(
 
 
 def check_cache(kv_cache: object) -> torch.Tensor:
-    """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1], last dim contiguous.
-
-    A latent (MLA) pool's layer view ``[num_pages, 1, page_size, 1, head_dim]`` is
-    :class:`~kvcore.errors.Unsupported`: no kernel computes on latent pages yet."""
+    """kv_cache [num_pages >= 1, 2, page_size >= 1, Hkv >= 1, D >= 1] or a latent (MLA)
+    pool's layer [num_pages >= 1, 1, page_size >= 1, 1, D >= 1], last dim contiguous.
+    (Whether the backend computes on a latent or fp8 cache is its capabilities'.)"""
     import torch
 
     if not isinstance(kv_cache, torch.Tensor):
         raise BadRequest(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     shape = tuple(kv_cache.shape)
-    if len(shape) == 5 and shape[1] == 1 and shape[3] == 1 and min(shape) >= 1:
-        raise Unsupported(
-            f"kv_cache {list(shape)} is a latent (MLA) pool's layer (kind=latent, dtype="
-            f"{str(kv_cache.dtype).removeprefix('torch.')}): no kernel computes on latent "
-            "pages yet"
-        )
-    if len(shape) != 5 or shape[1] != 2 or min(shape) < 1:
+    latent = len(shape) == 5 and shape[1] == 1 and shape[3] == 1
+    if len(shape) != 5 or (shape[1] != 2 and not latent) or min(shape) < 1:
         raise BadRequest(
             f"kv_cache must have shape [num_pages, 2, page_size, num_kv_heads, head_dim] "
-            f"with every dim >= 1, got {list(shape)}"
+            f"(latent: [num_pages, 1, page_size, 1, head_dim]) with every dim >= 1, "
+            f"got {list(shape)}"
         )
     check_last_dim(kv_cache, "kv_cache")
     return kv_cache
@@ -80,12 +76,21 @@ def check_float(
     t: object,
     name: str,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     pattern: tuple[int | None, ...],
 ) -> torch.Tensor:
-    """A query/key/value tensor: shape, the cache's dtype and device, last dim contiguous."""
+    """A query/key/value tensor: shape, the cache's dtype (None, for an fp8 cache: float16,
+    bfloat16 or float32) and device, last dim contiguous."""
+    import torch
+
     t = check_tensor(t, name, device, pattern)
-    if t.dtype != dtype:
+    if dtype is None:
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise BadRequest(
+                f"{name} has dtype {t.dtype}; on an fp8 cache it must be float16, bfloat16 "
+                "or float32"
+            )
+    elif t.dtype != dtype:
         raise BadRequest(f"{name} has dtype {t.dtype}, kv_cache {dtype}: they must match")
     check_last_dim(t, name)
     return t
@@ -112,10 +117,29 @@ def check_index(
     return t.contiguous()
 
 
-def check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise BadRequest(f"scale must be a finite float, got {scale!r}")
+def check_scale(scale: object, name: str = "scale", *, positive: bool = False) -> float:
+    """A finite host float (``positive``: also > 0, as fp8 scales must be)."""
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, int | float)
+        or not math.isfinite(scale)
+        or (positive and scale <= 0)
+    ):
+        what = "a finite float > 0" if positive else "a finite float"
+        raise BadRequest(f"{name} must be {what}, got {scale!r}")
     return float(scale)
+
+
+def check_sinks(sinks: object, num_q_heads: int, device: torch.device) -> torch.Tensor:
+    """sinks [Hq] float32 on the cache's device, one logit per query head (no data read)."""
+    import torch
+
+    if sinks is None:
+        raise BadRequest("the plan has Attention(sinks=True): the run needs sinks [Hq] float32")
+    sinks = check_tensor(sinks, "sinks", device, (num_q_heads,))
+    if sinks.dtype != torch.float32:
+        raise BadRequest(f"sinks must be torch.float32, got {sinks.dtype}")
+    return sinks
 
 
 @dataclass(slots=True)
@@ -166,12 +190,17 @@ def check_table(
     seq_lens: object,
     kv_cache: torch.Tensor,
     batch: int | None,
+    window_left: int = -1,
+    cu_seqlens_q: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """block_table [B, max_pages] int32 and seq_lens [B] int32; queues their value checks.
 
-    Only the pages a sequence uses (the first ceil(seq_len / page_size) entries of
-    its row) must be in [0, num_pages); the padding after them is never read.
-    ``batch`` None takes B from the table.
+    Only the pages a sequence reads (the first ceil(seq_len / page_size) entries of
+    its row; with ``window_left`` >= 0 not those before its first query's window,
+    floor(max(0, first query position - window_left) / page_size)) must be in
+    [0, num_pages); the others are never read. The first query sits at
+    seq_len - q_len (prefill: q_len from ``cu_seqlens_q``, shape-checked) or at
+    seq_len - 1 (decode: ``cu_seqlens_q`` None). ``batch`` None takes B from the table.
     """
     import torch
 
@@ -183,6 +212,10 @@ def check_table(
     # column j of row b is read iff its first token j * page_size < seq_lens[b]
     first_token = torch.arange(0, max_pages * page_size, page_size, device=dev)
     read = first_token < lens[:, None]
+    if window_left >= 0:  # ... and its last token (j + 1) * page_size - 1 >= window start
+        q_lens = 1 if cu_seqlens_q is None else cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+        start = (lens.long() - q_lens - window_left).clamp(min=0)
+        read &= first_token + page_size > start[:, None]
     bad_page = read & ((table < 0) | (table >= num_pages))
 
     def page_message() -> str:

@@ -4,21 +4,25 @@ ways a third party runs the suite (``kvcore conformance`` and the pytest plugin)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from kvcore_torch import TorchBackend
 
 from kvcore import backend as registry
+from kvcore.backend import FEATURES, Attention
 from kvcore.cli import main as kvcore_main
 from kvcore.errors import Unsupported
-from kvcore.testing.kernels import PROPERTIES, dense_attention
+from kvcore.testing.kernel_features import FEATURE_PROPERTIES
+from kvcore.testing.kernels import PROPERTIES, Suite, dense_attention
 from kvcore.testing.pytest_plugin import KernelConformance
 
 I32, I64 = torch.int32, torch.int64
@@ -146,6 +150,144 @@ def test_write_kv_skips_negative_slots_and_copy_pages_copies() -> None:
     assert torch.equal(cache[1], cache[0])
 
 
+# -- features by hand: each against its formula, written out here -----------------------
+
+
+def _features_decode(
+    cache: torch.Tensor,
+    q: torch.Tensor,
+    n: int,
+    attention: Attention,
+    **run: Any,
+) -> torch.Tensor:
+    """Decode one sequence of ``n`` tokens held in page 1 of ``cache`` (page 0 is NaN)."""
+    backend = TorchBackend()
+    table, lens = torch.tensor([[1]], dtype=I32), torch.tensor([n], dtype=I32)
+    plan = backend.plan_decode(cache, table, lens, attention=attention)
+    return backend.decode(plan, q, cache, 0.5, **run)
+
+
+def test_window_soft_cap_and_sinks_follow_their_formulas() -> None:
+    n, w, cap = 7, 2, 1.5
+    k, v = torch.randn(n, 1, 4), torch.randn(n, 1, 4)
+    q = torch.randn(1, 2, 4)
+    sinks = torch.tensor([0.3, -1.0])
+    out = _features_decode(
+        _one_page_cache(k, v, page_size=8),
+        q,
+        n,
+        Attention(window_left=w, logits_soft_cap=cap, sinks=True),
+        sinks=sinks,
+    )
+    for h in range(2):  # the query at position n - 1 reads keys n - 1 - w .. n - 1
+        logits = cap * torch.tanh((k[n - 1 - w :, 0] @ q[0, h]) * 0.5 / cap)
+        weights = torch.exp(logits)
+        expected = weights @ v[n - 1 - w :, 0] / (weights.sum() + torch.exp(sinks[h]))
+        torch.testing.assert_close(out[0, h], expected)
+
+
+def test_a_dominant_sink_silences_the_head_and_a_tiny_one_changes_nothing() -> None:
+    k, v = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
+    cache, q = _one_page_cache(k, v, page_size=8), torch.randn(1, 2, 4)
+    out = _features_decode(cache, q, 5, Attention(sinks=True), sinks=torch.tensor([80.0, -80.0]))
+    plain = _decode(q, cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0.5)
+    torch.testing.assert_close(out[0, 0], torch.zeros(4))
+    torch.testing.assert_close(out[0, 1], plain[0, 1])
+
+
+def test_window_pages_before_it_are_neither_read_nor_validated() -> None:
+    """A hybrid engine released the first pages: their entries hold -1 and garbage."""
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(4, 2, 2, 1, 4, generator=gen)
+    cache[0] = float("nan")  # what a released page may hold
+    table = torch.tensor([[-1, 2**31 - 1, 1, 3]], dtype=I32)  # tokens 4..7 on pages 1, 3
+    lens = torch.tensor([8], dtype=I32)
+    q = torch.randn(1, 2, 4, generator=gen)
+    backend = TorchBackend()
+    plan = backend.plan_decode(cache, table, lens, attention=Attention(window_left=3))
+    out = backend.decode(plan, q, cache, 0.5)
+    k = torch.cat([cache[1, 0], cache[3, 0]])[:, 0]  # tokens 4..7
+    v = torch.cat([cache[1, 1], cache[3, 1]])[:, 0]
+    for h in range(2):
+        torch.testing.assert_close(out[0, h], torch.softmax(k @ q[0, h] * 0.5, 0) @ v)
+
+
+def test_mla_attends_the_latent_and_reads_its_first_v_head_dim_elements() -> None:
+    n, d, dv = 5, 20, 12  # D = kv_lora_rank + rope dims, not powers of two
+    latent = torch.randn(n, 1, d)
+    cache = torch.full((2, 1, 8, 1, d), float("nan"))
+    backend = TorchBackend()
+    attention = Attention(v_head_dim=dv)
+    slots = torch.arange(8, 8 + n, dtype=I64)  # page 1
+    backend.write_kv(backend.plan_write(cache, slots), cache, latent, None)
+    q = torch.randn(1, 3, d)  # three query heads over the one latent head
+    out = _features_decode(cache, q, n, attention)
+    assert out.shape == (1, 3, dv)
+    for h in range(3):
+        weights = torch.softmax(latent[:, 0] @ q[0, h] * 0.5, dim=0)
+        torch.testing.assert_close(out[0, h], weights @ latent[:, 0, :dv])
+
+
+@pytest.mark.parametrize(("dtype", "limit"), [("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)])
+def test_fp8_writes_saturate_and_attention_dequantizes(dtype: str, limit: float) -> None:
+    fp8 = getattr(torch, dtype)
+    cache = torch.zeros(2, 2, 4, 1, 2, dtype=fp8)
+    key = torch.tensor([[[1e9, -1e9]], [[0.5, 3.0]]])
+    value = torch.tensor([[[2.0, -2.0]], [[1.0, 0.25]]])
+    backend = TorchBackend()
+    plan = backend.plan_write(cache, torch.tensor([4, 5], dtype=I64))
+    backend.write_kv(plan, cache, key, value, k_scale=0.5, v_scale=2.0)
+    stored_k = cache[1, 0, :2, 0].float()
+    assert stored_k[0].tolist() == [limit, -limit]  # saturated, not inf
+    assert stored_k[1].tolist() == [1.0, 6.0]  # x / k_scale
+    assert cache[1, 1, :2, 0].float().tolist() == [[1.0, -1.0], [0.5, 0.125]]  # x / v_scale
+    q = torch.tensor([[[0.0, 0.0]]], dtype=torch.bfloat16)  # equal weights: the mean of V
+    out = _features_decode(cache, q, 2, Attention(), k_scale=0.5, v_scale=2.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out[0, 0].float(), value.mean(0)[0])
+
+
+class Ignores(TorchBackend):
+    """The reference with one attention option dropped from its plans: a backend
+    that declares a feature it does not compute."""
+
+    name = "ignores"
+
+    def __init__(self, option: str, off: object) -> None:
+        self.option, self.off = option, off
+
+    def _without(self, plan: Any) -> Any:
+        return dataclasses.replace(
+            plan, attention=dataclasses.replace(plan.attention, **{self.option: self.off})
+        )
+
+    def _decode(self, plan: Any, query: Any, kv_cache: Any, scale: float, **kw: Any) -> Any:
+        return super()._decode(self._without(plan), query, kv_cache, scale, **kw)
+
+    def _prefill(self, plan: Any, query: Any, kv_cache: Any, scale: float, **kw: Any) -> Any:
+        return super()._prefill(self._without(plan), query, kv_cache, scale, **kw)
+
+
+@pytest.mark.parametrize(
+    ("option", "off", "prop"),
+    [("window_left", -1, "feature_window"), ("logits_soft_cap", 0.0, "feature_soft_cap")],
+)
+def test_the_suite_catches_a_feature_declared_but_ignored(
+    monkeypatch: pytest.MonkeyPatch, option: str, off: object, prop: str
+) -> None:
+    """Ignoring the window reads the released pages (an error or NaN); ignoring the cap
+    changes the numbers: either way the feature's property fails."""
+    monkeypatch.setenv("KVCORE_CONFORMANCE_EXAMPLES", "10")
+    with pytest.raises(Exception):  # noqa: B017 - an AssertionError or an IndexError
+        Suite(Ignores(option, off), "cpu", "quick").run(prop)
+
+
+def test_torch_backend_declares_every_feature_and_fp8() -> None:
+    caps = TorchBackend.capabilities
+    assert caps.features == FEATURES
+    assert {"float8_e4m3fn", "float8_e5m2"} <= caps.dtypes
+
+
 def test_torch_backend_declares_no_float64() -> None:
     cache = torch.zeros(1, 2, 1, 1, 4, dtype=torch.float64)
     with pytest.raises(Unsupported, match="dtype=float64"):
@@ -176,6 +318,20 @@ def test_cli_conformance_passes_on_torch(
     argv += ["--property", "decode_matches_oracle", "--property", "copy_pages_is_exact"]
     assert kvcore_main(argv) == 0
     assert "2 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_cli_conformance_reports_each_feature(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVCORE_CONFORMANCE_EXAMPLES", "2")  # the CLI sets it; restored after
+    argv = ["conformance", "--backend", "torch", "--examples", "2"]
+    for name in FEATURE_PROPERTIES:
+        argv += ["--property", name]
+    assert kvcore_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "features=fp8,mla,sinks,soft_cap,window" in out
+    for name in FEATURE_PROPERTIES:
+        assert f"pass  {name}  [declared: " in out
 
 
 def test_cli_conformance_unknown_backend_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

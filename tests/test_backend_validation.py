@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_torch import TorchBackend
 
-from kvcore.backend import AttentionPlan, Backend, available, get
+from kvcore.backend import Attention, AttentionPlan, Backend, available, get
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 from kvcore.layout import KVLayout, cdiv
 
@@ -534,22 +534,25 @@ def test_runs_never_synchronise_on_cuda(name: str) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize(
-    ("layout", "message"),
-    [
-        (KVLayout(1, HKV, D, PAGE, "float8_e4m3fn", NUM_PAGES), "dtype=float8_e4m3fn"),
-        (KVLayout(1, HKV, D, PAGE, "float8_e5m2", NUM_PAGES), "dtype=float8_e5m2"),
-        (KVLayout(1, 1, 24, PAGE, "bfloat16", NUM_PAGES, kind="latent"), "kind=latent"),
-    ],
-    ids=["e4m3fn", "e5m2", "latent"],
-)
-def test_fp8_and_latent_pools_are_unsupported_by_every_plan(layout: KVLayout, message: str) -> None:
-    """No kernel computes on them yet: each installed backend's plans refuse a pool's layer
-    view by its dtype or kind, before any value is read."""
+POOLS = [
+    (KVLayout(1, HKV, D, PAGE, "float8_e4m3fn", NUM_PAGES), "fp8"),
+    (KVLayout(1, HKV, D, PAGE, "float8_e5m2", NUM_PAGES), "fp8"),
+    (KVLayout(1, 1, 24, PAGE, "bfloat16", NUM_PAGES, kind="latent"), "mla"),
+]
+
+
+@pytest.mark.parametrize(("layout", "feature"), POOLS, ids=["e4m3fn", "e5m2", "latent"])
+def test_fp8_and_latent_pools_need_their_feature(layout: KVLayout, feature: str) -> None:
+    """Each installed backend plans a pool's layer view of an fp8 or latent pool when it
+    declares the feature, and otherwise refuses it in every plan, naming the feature,
+    before any value is read."""
     (view,) = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+    attention = Attention(v_head_dim=16) if layout.kind == "latent" else None
     plans: list[Callable[[Backend], object]] = [
-        lambda b: b.plan_decode(view, t32(0, 1).reshape(1, 2), t32(5)),
-        lambda b: b.plan_prefill(view, t32(0, 1).reshape(1, 2), t32(0, 5), t32(5)),
+        lambda b: b.plan_decode(view, t32(0, 1).reshape(1, 2), t32(5), attention=attention),
+        lambda b: b.plan_prefill(
+            view, t32(0, 1).reshape(1, 2), t32(0, 5), t32(5), attention=attention
+        ),
         lambda b: b.plan_write(view, t64(0)),
         lambda b: b.plan_copy(view, t64(0), t64(1)),
     ]
@@ -558,6 +561,152 @@ def test_fp8_and_latent_pools_are_unsupported_by_every_plan(layout: KVLayout, me
             backend = get(name)
         except Unsupported:  # cannot load here (cupy without a GPU)
             continue
+        if "cpu" not in backend.capabilities.devices:
+            continue
         for plan in plans:
-            with pytest.raises(Unsupported, match=message):
+            if feature in backend.capabilities.features:
                 plan(backend)
+                continue
+            with pytest.raises(Unsupported, match=f"does not declare feature {feature}"):
+                plan(backend)
+
+
+class Plain(TorchBackend):
+    """The reference's kernels, declaring no feature: what today's other backends are."""
+
+    name = "plain"
+    capabilities = dataclasses.replace(
+        TorchBackend.capabilities,
+        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        features=frozenset(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("attention", "feature"),
+    [
+        (Attention(window_left=0), "window"),
+        (Attention(logits_soft_cap=30.0), "soft_cap"),
+        (Attention(sinks=True), "sinks"),
+    ],
+    ids=["window", "soft_cap", "sinks"],
+)
+def test_undeclared_features_are_unsupported_in_the_plan(
+    attention: Attention, feature: str
+) -> None:
+    backend, kv, table, lens = Plain(), cache(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    with pytest.raises(Unsupported, match=f"'plain' does not declare feature {feature}"):
+        backend.plan_decode(kv, table, lens, attention=attention)
+    with pytest.raises(Unsupported, match=f"does not declare feature {feature}"):
+        backend.plan_prefill(kv, table, t32(0, 2, 5), lens, attention=attention)
+    with pytest.raises(Unsupported, match=f"does not declare feature {feature}"):
+        backend.check_supported(kv, attention)
+    fp8 = cache().to(torch.float8_e4m3fn)
+    with pytest.raises(Unsupported, match="does not declare feature fp8"):
+        backend.plan_write(fp8, t64(0))
+    backend.plan_decode(kv, table, lens, attention=Attention())  # the default needs none
+
+
+LATENT = torch.zeros(NUM_PAGES, 1, PAGE, 1, 20)
+BAD_OPTIONS: list[tuple[str, Any, torch.Tensor, str]] = [
+    ("window -2", Attention(window_left=-2), cache(), "window_left must be an int >= -1"),
+    ("window float", Attention(window_left=1.5), cache(), "window_left must be an int"),  # type: ignore[arg-type]
+    ("window bool", Attention(window_left=True), cache(), "window_left must be an int"),
+    ("cap negative", Attention(logits_soft_cap=-1.0), cache(), "logits_soft_cap must be"),
+    ("cap nan", Attention(logits_soft_cap=float("nan")), cache(), "logits_soft_cap must be"),
+    ("cap inf", Attention(logits_soft_cap=float("inf")), cache(), "logits_soft_cap must be"),
+    ("sinks str", Attention(sinks="yes"), cache(), "sinks must be a bool"),  # type: ignore[arg-type]
+    ("v_head_dim on kv", Attention(v_head_dim=4), cache(), "for latent .MLA. caches only"),
+    ("latent without", Attention(), LATENT, "a latent cache needs v_head_dim"),
+    ("v_head_dim 0", Attention(v_head_dim=0), LATENT, r"in \(0, head_dim = 20\]"),
+    ("v_head_dim > D", Attention(v_head_dim=21), LATENT, "a latent cache needs v_head_dim"),
+    ("not an Attention", {"window_left": 3}, cache(), "attention must be an Attention"),
+]
+
+
+@pytest.mark.parametrize(
+    ("what", "attention", "kv", "message"), BAD_OPTIONS, ids=[c[0] for c in BAD_OPTIONS]
+)
+def test_bad_attention_options_are_bad_requests_in_the_plan(
+    what: str, attention: Any, kv: torch.Tensor, message: str
+) -> None:
+    backend, table, lens = TorchBackend(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    with pytest.raises(BadRequest, match=message):
+        backend.plan_decode(kv, table, lens, attention=attention)
+    with pytest.raises(BadRequest, match=message):
+        backend.plan_prefill(kv, table, t32(0, 2, 5), lens, attention=attention)
+
+
+def test_bad_run_arguments_of_features_are_bad_requests() -> None:
+    backend, table, lens = TorchBackend(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    fp8 = cache().to(torch.float8_e5m2)
+    plan = backend.plan_decode(fp8, table, lens, attention=Attention(sinks=True))
+    q, sinks = torch.zeros(2, 4, D, dtype=torch.bfloat16), torch.zeros(4)
+    assert backend.decode(plan, q, fp8, 0.5, sinks=sinks).dtype == torch.bfloat16
+    for kwargs, message in [
+        ({"k_scale": 0.0}, "k_scale must be a finite float > 0"),
+        ({"v_scale": float("nan")}, "v_scale must be a finite float > 0"),
+        ({"sinks": None}, r"needs sinks \[Hq\] float32"),
+        ({"sinks": torch.zeros(3)}, r"sinks must have shape \[4\]"),
+        ({"sinks": torch.zeros(4, dtype=torch.float16)}, "sinks must be torch.float32"),
+    ]:
+        with pytest.raises(BadRequest, match=message):
+            backend.decode(plan, q, fp8, 0.5, **{"sinks": sinks, **kwargs})
+    with pytest.raises(BadRequest, match="on an fp8 cache it must be float16, bfloat16"):
+        backend.decode(plan, q.double(), fp8, 0.5, sinks=sinks)
+    plain = backend.plan_decode(cache(), table, lens)
+    with pytest.raises(BadRequest, match="sinks given to a plan made without"):
+        backend.decode(plain, torch.zeros(2, 4, D), cache(), 0.5, sinks=sinks)
+    latent = LATENT.clone()
+    write = backend.plan_write(latent, t64(0, 1))
+    with pytest.raises(BadRequest, match="pass value=None"):
+        backend.write_kv(write, latent, torch.zeros(2, 1, 20), torch.zeros(2, 1, 20))
+    with pytest.raises(BadRequest, match=r"key must have shape \[2, 1, 20\]"):
+        backend.write_kv(write, latent, torch.zeros(2, 2, 20), None)
+
+
+def test_a_window_validates_only_the_pages_it_reads() -> None:
+    """Pages before every query's window may hold anything; the pages read are checked."""
+    backend, kv = TorchBackend(), cache()
+    lens = t32(8, 8)  # 2 pages each; the windows of 3 tokens start at token 4: page 1
+    released = t32(-1, 1, 2**31 - 1, 3).reshape(2, 2)
+    window = Attention(window_left=3)
+    backend.plan_decode(kv, released, lens, attention=window)
+    with pytest.raises(BadRequest, match=r"block_table\[0, 0\] = -1"):
+        backend.plan_decode(kv, released, lens)  # without a window every page is read
+    # prefill: the first query of each sequence (q_len 2: position 6) starts its window
+    # at token 3, on page 0, which must then be valid
+    with pytest.raises(BadRequest, match=r"block_table\[0, 0\] = -1"):
+        backend.plan_prefill(kv, released, t32(0, 2, 4), lens, attention=window)
+    backend.plan_prefill(kv, released, t32(0, 1, 2), lens, attention=window)
+    with pytest.raises(BadRequest, match=r"block_table\[1, 1\] = 9"):
+        backend.plan_decode(kv, t32(-1, 1, -1, 9).reshape(2, 2), lens, attention=window)
+
+
+def test_feature_runs_read_no_tensor_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain check below, on an fp8 cache with a window, soft cap and sinks, and on a
+    latent one: a run still brings no value to the host."""
+    backend = TorchBackend()
+    fp8 = torch.randn(NUM_PAGES, 2, PAGE, HKV, D).to(torch.float8_e4m3fn)
+    latent = torch.randn(NUM_PAGES, 1, PAGE, 1, 20)
+    table, lens, slots = t32(-1, 1, 2, 3).reshape(2, 2), t32(8, 8), t64(5, 8)
+    options = Attention(window_left=2, logits_soft_cap=5.0, sinks=True)
+    plan = backend.plan_decode(fp8, table, lens, slots=slots, attention=options)
+    prefill = backend.plan_prefill(fp8, table, t32(0, 2, 4), lens, attention=options)
+    mla = backend.plan_decode(
+        latent, table, lens, slots=slots, attention=Attention(window_left=2, v_head_dim=16)
+    )
+    assert plan.write is not None and mla.write is not None
+    sinks, q = torch.zeros(4), torch.zeros(4, 4, D, dtype=torch.float16)
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a run read a tensor value on the host")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    k = torch.ones(2, HKV, D)
+    backend.write_kv(plan.write, fp8, k, k, k_scale=0.5, v_scale=2.0)
+    backend.decode(plan, q[:2], fp8, 0.5, k_scale=0.5, v_scale=2.0, sinks=sinks)
+    backend.prefill(prefill, q, fp8, 0.5, k_scale=0.5, v_scale=2.0, sinks=sinks)
+    backend.write_kv(mla.write, latent, torch.ones(2, 1, 20), None)
+    assert backend.decode(mla, torch.zeros(2, 3, 20), latent, 0.5).shape == (2, 3, 16)

@@ -3,7 +3,9 @@
     kvcore conformance --backend NAME [--device cpu|cuda] [--profile quick|full]
 
 Runs every property of :mod:`kvcore.testing.kernels` (or those named with
-``--property``), prints one line per property and a summary, and exits 0 when
+``--property``), prints one line per property (a feature's line says whether the
+backend declares it, so was checked, or does not, so must refuse it) and a
+summary, and exits 0 when
 all pass, 1 when any fails, 2 when the backend cannot run here (not installed,
 libraries missing, device not declared or absent). A failure prints the
 falsifying case hypothesis found, ready to paste into a test.
@@ -69,15 +71,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"conformance: unknown properties {unknown}; known: {list(PROPERTIES)}")
         return 2
 
+    features = sorted(suite.backend.capabilities.features)
     print(
         f"kvcore conformance: backend={suite.backend.name} device={suite.device} "
-        f"profile={suite.profile.name} examples={suite.profile.examples}/property"
+        f"profile={suite.profile.name} examples={suite.profile.examples}/property "
+        f"features={','.join(features) or 'none'}"
     )
     failed: list[str] = []
     for name in names:
         start = time.perf_counter()
         try:
-            suite.run(name)
+            note = suite.run(name)
         except Exception as exc:
             failed.append(name)
             print(f"FAIL  {name}  ({time.perf_counter() - start:.1f} s)")
@@ -88,7 +92,8 @@ def main(args: argparse.Namespace) -> int:
             )
             print("      " + "".join(lines).rstrip().replace("\n", "\n      "))
         else:
-            print(f"pass  {name}  ({time.perf_counter() - start:.1f} s)")
+            what = f"  [{note}]" if note else ""
+            print(f"pass  {name}{what}  ({time.perf_counter() - start:.1f} s)")
     passed = len(names) - len(failed)
     print(f"{passed} passed, {len(failed)} failed" + (f": {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -24,7 +24,12 @@ Properties (all compare with the tolerance of ``kernel_cases.tolerance``):
 * one plan serves every layer: a plan made with one cache runs on another cache
   of the same geometry (other strides, other values) as that cache's own plan;
 * out-of-range pages and slots raise BadRequest when planned; undeclared dtype /
-  head dim / page size raise Unsupported when planned.
+  head dim / page size raise Unsupported when planned;
+* one property per feature of the contract (``feature_fp8``, ``feature_window``,
+  ``feature_soft_cap``, ``feature_sinks``, ``feature_mla``; the family lives in
+  :mod:`kvcore.testing.kernel_features`): a declared feature equals the oracle,
+  and the oracle equals dense attention over the dequantized cache; an
+  undeclared one raises Unsupported in every plan that needs it.
 
 Every call goes through the public plan/run API (``plan_decode`` then
 ``decode(plan, ...)``, etc.), as an engine makes it.
@@ -49,6 +54,7 @@ from kvcore.backend import Backend
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 from kvcore.testing import kernel_cases as kc
 from kvcore.testing.kernel_cases import Built, Case
+from kvcore.testing.kernel_features import FEATURE_PROPERTIES, run_feature
 
 PROPERTIES: tuple[str, ...] = (
     "decode_matches_oracle",
@@ -61,6 +67,7 @@ PROPERTIES: tuple[str, ...] = (
     "one_plan_serves_every_layer",
     "out_of_range_pages_rejected",
     "unsupported_raises",
+    *FEATURE_PROPERTIES,
 )
 
 
@@ -116,12 +123,17 @@ class Suite:
 
     # -- running ------------------------------------------------------------------
 
-    def run(self, name: str) -> None:
-        """Run one property; raises (AssertionError with the falsifying case) on failure."""
+    def run(self, name: str) -> str | None:
+        """Run one property; raises (AssertionError with the falsifying case) on failure.
+        A feature property returns whether it checked the feature ("declared: ...") or
+        its refusal ("not declared: ..."); the others return None."""
         if name not in PROPERTIES:
             raise ValueError(f"unknown property {name!r}; one of {PROPERTIES}")
+        if name in FEATURE_PROPERTIES:
+            return run_feature(self, FEATURE_PROPERTIES[name])
         method: Callable[[], None] = getattr(self, name)
         method()
+        return None
 
     def run_all(self) -> dict[str, BaseException | None]:
         """Every property; the error of each that failed, None for each that passed."""
@@ -134,7 +146,7 @@ class Suite:
                 results[name] = exc
         return results
 
-    def _given(self, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> None:
+    def given(self, strategy: st.SearchStrategy[Any], check: Callable[[Any], None]) -> None:
         """Run ``check`` on ``profile.examples`` draws of ``strategy`` (deadline off)."""
         wrapped = settings(
             max_examples=self.profile.examples,
@@ -169,14 +181,14 @@ class Suite:
             t = kc.build(case, self.device)
             self._close(decode_of(self.backend, t), decode_of(self.oracle, t), case, "decode")
 
-        self._given(self._cases(), check)
+        self.given(self._cases(), check)
 
     def prefill_matches_oracle(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
             self._close(prefill_of(self.backend, t), prefill_of(self.oracle, t), case, "prefill")
 
-        self._given(self._cases(), check)
+        self.given(self._cases(), check)
 
     def prefill_last_token_is_decode(self) -> None:
         def check(case: Case) -> None:
@@ -186,7 +198,7 @@ class Suite:
             decode = decode_of(self.backend, t, t.prefill_query[last])
             self._close(prefill[last], decode, case, "prefill's last token vs decode")
 
-        self._given(self._cases(), check)
+        self.given(self._cases(), check)
 
     # -- invariances ----------------------------------------------------------------
 
@@ -209,7 +221,7 @@ class Suite:
             after = decode_of(self.backend, moved_t)
             self._close(after, before, case, "decode after a page permutation")
 
-        self._given(self._cases(), check)
+        self.given(self._cases(), check)
 
     def decode_invariant_under_page_size(self) -> None:
         sizes = kc.page_sizes(self.profile, self.backend.capabilities)
@@ -239,7 +251,7 @@ class Suite:
                 outs.append(self.backend.decode(plan, query.to(self.device), cache, case.scale))
             self._close(outs[1], outs[0], case, f"decode at page size {other}")
 
-        self._given(pair(), check)
+        self.given(pair(), check)
 
     # -- write, then attend ---------------------------------------------------------
 
@@ -263,7 +275,7 @@ class Suite:
             self._close(dec.cpu(), expected[last.cpu()], case, "decode vs dense SDPA")
 
         # distinct pages: shared pages would make two sequences write one slot
-        self._given(self._cases(table_modes=("distinct",)), check)
+        self.given(self._cases(table_modes=("distinct",)), check)
 
     def _write_scattered(
         self, case: Case, gen: torch.Generator, cache: torch.Tensor, slots: torch.Tensor
@@ -318,7 +330,7 @@ class Suite:
             self.backend.copy_pages(plan, cache)
             assert torch.equal(cache, expected), f"copy_pages differs for {case} {src=} {dst=}"
 
-        self._given(copies(), check)
+        self.given(copies(), check)
 
     # -- one plan, many layers --------------------------------------------------------
 
@@ -343,7 +355,7 @@ class Suite:
             got = self.backend.prefill(pplan, t.prefill_query, other, t.scale)
             self._close(got, prefill_of(self.backend, layer), case, f"prefill on a {layout} layer")
 
-        self._given(pair(), check)
+        self.given(pair(), check)
 
     # -- errors ---------------------------------------------------------------------
 
@@ -385,7 +397,7 @@ class Suite:
                 copies=(pages, zero),
             )
 
-        self._given(bad(), check)
+        self.given(bad(), check)
 
     def unsupported_raises(self) -> None:
         caps = self.backend.capabilities

@@ -42,6 +42,12 @@ the subject is built, or hand :func:`make_state_machine` a function that builds 
 
     TestManager = ManagerMachine.TestCase
     TestManager = make_state_machine(lambda layout: Manager(layout)).TestCase  # the same
+
+The file runs past ~400 lines on purpose: it is one state machine, one rule per
+Manager operation (valid and invalid calls) and one invariant per check above,
+each read as its statement next to the model's answer; splitting it would split
+the machine's rules from its invariants. The reference it compares with lives in
+kvcore/testing/manager_model.py.
 """
 
 from __future__ import annotations

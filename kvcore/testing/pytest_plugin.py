@@ -127,5 +127,22 @@ class KernelConformance:
     def test_unsupported_raises(self, kvcore_suite: Suite) -> None:
         self._run(kvcore_suite, "unsupported_raises")
 
+    # one per feature: checked where declared, refused (Unsupported) where not
+
+    def test_feature_fp8(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "feature_fp8")
+
+    def test_feature_window(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "feature_window")
+
+    def test_feature_soft_cap(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "feature_soft_cap")
+
+    def test_feature_sinks(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "feature_sinks")
+
+    def test_feature_mla(self, kvcore_suite: Suite) -> None:
+        self._run(kvcore_suite, "feature_mla")
+
 
 __all__ = ["KernelConformance", "kvcore_suite", "pytest_addoption"]

@@ -12,9 +12,21 @@ Syncs: a run never synchronises. Planning a write whose slots skip (< 0) finds
 the kept rows with ``nonzero``, a second device sync on CUDA; decode steps write
 every row and never skip.
 
-Numerics: scores, softmax and the weighted sum are computed in fp32 from the
-stored values (fp16/bf16 are upcast after the gather); the output is rounded
-once, to the query's dtype, at the end.
+Numerics (the contract's definition; kvcore.backend.Attention states the
+formulas): scores, softmax and the weighted sum are computed in fp32 from the
+stored values (fp16/bf16 are upcast after the gather; fp8 values are dequantized,
+``fp8 -> fp32 * scale``); the soft cap applies to the scaled logits before the
+mask; a sink joins the softmax denominator as one more logit with no value; the
+output is rounded once, to the query's dtype, at the end. A write to an fp8 cache
+stores ``(x / scale)`` clamped to the format's largest finite value, then rounded
+to nearest even by ``.to(float8)``.
+
+Two paths. The plain one (a float kv cache, default ``Attention()``) decodes
+with one gather and SDPA per layer. Every feature (fp8, window, soft cap, sinks,
+MLA) takes the general one: per sequence, gather the pages it reads (from
+``plan.first_page(b)``: pages released before a window are never touched),
+dequantize, and run :func:`~kvcore_torch.reference.attend`; decode is prefill with
+one query per sequence.
 
 The unused slots of a sequence's last page (which may hold anything, NaN
 included) never enter the arithmetic: prefill gathers only tokens
@@ -30,55 +42,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
+from kvcore.backend import (
+    FEATURES,
+    AttentionPlan,
+    Backend,
+    Capabilities,
+    CopyPlan,
+    DecodePlan,
+    PrefillPlan,
+    WritePlan,
+)
 from kvcore.layout import cdiv
+from kvcore_torch.reference import PLAIN, attend, gather_kv, quantize
 from kvcore_torch.rows import Rows, page_offsets, row_layout, token_rows
 
-__all__ = ["DecodeGather", "TorchBackend", "attend", "gather_kv"]
-
-
-def gather_kv(
-    kv_cache: torch.Tensor, pages: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence, contiguous: each [seq_len, Hkv, D] in the cache dtype.
-
-    ``pages`` [>= ceil(seq_len / page_size)] holds the sequence's page indices in
-    token order; entries past the pages it uses are ignored.
-    """
-    page_size = kv_cache.shape[2]
-    n_pages = cdiv(seq_len, page_size)
-    idx = pages[:n_pages].long()
-    k = kv_cache[idx, 0].reshape(n_pages * page_size, *kv_cache.shape[3:])[:seq_len]
-    v = kv_cache[idx, 1].reshape(n_pages * page_size, *kv_cache.shape[3:])[:seq_len]
-    return k, v
-
-
-def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Bottom-right aligned causal attention of one sequence, in fp32.
-
-    query [Lq, Hq, D], key/value [Lk, Hkv, D] with Lq <= Lk and Hq a multiple of
-    Hkv: query row i sits at token position ``Lk - Lq + i`` and attends keys
-    ``0 .. Lk - Lq + i``. Returns [Lq, Hq, D] fp32.
-
-        keys      0 1 2 3 4 5        (Lk = 6, Lq = 2)
-        query 0   x x x x x .        position 4
-        query 1   x x x x x x        position 5
-    """
-    lq, hq, _ = query.shape
-    lk, hkv, _ = key.shape
-    group = hq // hkv  # query heads per kv head; query head h reads kv head h // group
-    q = query.float()
-    k = key.float().repeat_interleave(group, dim=1)
-    v = value.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    q_pos = torch.arange(lk - lq, lk, device=query.device)
-    k_pos = torch.arange(lk, device=query.device)
-    future = k_pos[None, :] > q_pos[:, None]  # [Lq, Lk]
-    scores = scores.masked_fill(future[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+__all__ = ["DecodeGather", "TorchBackend"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,18 +106,20 @@ class WriteIndex:
 
 
 class TorchBackend(Backend):
-    """Plain PyTorch paged attention: any device, fp32/fp16/bf16, any head dim and page size."""
+    """Plain PyTorch paged attention: any device, fp32/fp16/bf16 and fp8 caches, any head
+    dim and page size, every feature of the contract."""
 
     name = "torch"
     capabilities = Capabilities(
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        dtypes=frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}),
+        features=FEATURES,
     )
 
     # -- plans ------------------------------------------------------------------------
 
     def _prepare_decode(self, plan: DecodePlan, kv_cache: torch.Tensor) -> DecodeGather | None:
-        if plan.batch == 0:
+        if plan.batch == 0 or _general(plan):
             return None
         page_size = plan.cache.page_size
         max_len = plan.max_seq_len
@@ -176,17 +156,29 @@ class TorchBackend(Backend):
             slots = slots.index_select(0, keep)
         page_size = plan.cache.page_size
         page, offset = slots // page_size, slots % page_size
-        return WriteIndex(keep, page, offset, token_rows(kv_cache, page, offset))
+        rows = None if plan.cache.latent else token_rows(kv_cache, page, offset)
+        return WriteIndex(keep, page, offset, rows)
 
     # -- kernels ----------------------------------------------------------------------
 
     def _write_kv(
-        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        plan: WritePlan,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         index = plan.prepared
         assert isinstance(index, WriteIndex), "a torch write plan carries its WriteIndex"
         if index.keep is not None:
             key, value = key.index_select(0, index.keep), value.index_select(0, index.keep)
+        if plan.cache.fp8:  # quantized, then moved as bytes
+            key = quantize(key, kv_cache.dtype, k_scale).view(torch.uint8)
+            value = quantize(value, kv_cache.dtype, v_scale).view(torch.uint8)
+            kv_cache = kv_cache.view(torch.uint8)
         view = None if index.rows is None else index.rows.view(kv_cache)
         if view is not None and index.rows is not None:
             view.index_copy_(0, index.rows.index[0], key)
@@ -195,10 +187,32 @@ class TorchBackend(Backend):
         kv_cache[index.page, 0, index.offset] = key
         kv_cache[index.page, 1, index.offset] = value
 
+    def _write_latent(
+        self, plan: WritePlan, kv_cache: torch.Tensor, latent: torch.Tensor, **scales: float
+    ) -> None:
+        index = plan.prepared
+        assert isinstance(index, WriteIndex), "a torch write plan carries its WriteIndex"
+        if index.keep is not None:
+            latent = latent.index_select(0, index.keep)
+        if plan.cache.fp8:
+            latent = quantize(latent, kv_cache.dtype, scales["k_scale"]).view(torch.uint8)
+            kv_cache = kv_cache.view(torch.uint8)
+        kv_cache[index.page, 0, index.offset] = latent
+
     def _decode(
-        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: DecodePlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         g = plan.prepared
+        if g is None:  # a feature: the general path (decode = one query per sequence)
+            return _attend_paged(plan, query, kv_cache, scale, k_scale, v_scale, sinks)
         assert isinstance(g, DecodeGather), "a torch decode plan carries its DecodeGather"
         batch, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
@@ -227,20 +241,64 @@ class TorchBackend(Backend):
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def _prefill(
-        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: PrefillPlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
-        starts = plan.host_cu_seqlens_q
-        for b, seq_len in enumerate(plan.host_seq_lens):
-            lo, hi = starts[b], starts[b + 1]
-            if hi == lo:
-                continue
-            k, v = gather_kv(kv_cache, plan.block_table[b], seq_len)
-            out[lo:hi] = attend(query[lo:hi], k, v, scale).to(query.dtype)
-        return out
+        return _attend_paged(plan, query, kv_cache, scale, k_scale, v_scale, sinks)
 
     def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
+        if plan.cache.fp8:
+            kv_cache = kv_cache.view(torch.uint8)  # fp8 moves as bytes
         kv_cache[plan.dst] = kv_cache[plan.src]  # the gather copies src out before the scatter
+
+
+def _general(plan: AttentionPlan) -> bool:
+    """Whether a plan needs the general path: any feature beyond plain attention."""
+    return plan.cache.fp8 or plan.cache.latent or plan.attention != PLAIN
+
+
+def _attend_paged(
+    plan: DecodePlan | PrefillPlan,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    scale: float,
+    k_scale: float,
+    v_scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each sequence's queries (decode: row b; prefill: its cu_seqlens_q rows) over the
+    pages it reads, by :func:`attend`; [rows, Hq, Dv] in the query dtype."""
+    opts = plan.attention
+    rows, heads, head_dim = query.shape
+    out = query.new_empty(rows, heads, opts.v_head_dim or head_dim)
+    page_size = plan.cache.page_size
+    for b, seq_len in enumerate(plan.host_seq_lens):
+        hi = b + 1 if isinstance(plan, DecodePlan) else plan.host_cu_seqlens_q[b + 1]
+        lo = hi - plan.q_len(b)
+        if hi == lo:
+            continue
+        first = plan.first_page(b)
+        k, v = gather_kv(
+            kv_cache,
+            plan.block_table[b],
+            seq_len,
+            first_page=first,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            v_head_dim=opts.v_head_dim,
+        )
+        got = attend(
+            query[lo:hi], k, v, scale, attention=opts, sinks=sinks, key_start=first * page_size
+        )
+        out[lo:hi] = got.to(query.dtype)
+    return out
 
 
 def _token_pages(plan: DecodePlan, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
