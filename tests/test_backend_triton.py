@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcore_triton import TritonBackend
+from kvcore_triton import TritonBackend, decode_plan
 from kvcore_triton import decode as triton_decode
 
 from kvcore import backend as registry
+from kvcore.backend import FEATURES, FP8_MAX
 from kvcore.layout import cdiv
 from kvcore.testing.pytest_plugin import KernelConformance
 
@@ -148,14 +150,14 @@ def test_decode_matches_reference_for_any_split_count(
 def test_decode_plan_fills_the_gpu_and_splits_page_aligned() -> None:
     """The benchmark shape on 132 SMs: 2 splits, 32-token blocks over 16-token pages;
     a lone sequence spreads over the most splits."""
-    common = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, sm_count=132)
-    wide = triton_decode.plan_decode(batch=64, max_tokens=4096, interpreted=False, **common)
+    common: dict[str, Any] = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, sm_count=132)
+    wide = decode_plan.plan_decode(batch=64, max_tokens=4096, interpreted=False, **common)
     assert (wide.num_splits, wide.tokens_per_split, wide.block_n) == (2, 2048, 32)
     assert wide.block_n % 16 == 0 and wide.block_h == 16 and wide.block_d == 128
-    lone = triton_decode.plan_decode(batch=1, max_tokens=4096, interpreted=False, **common)
-    assert lone.num_splits == triton_decode.MAX_SPLITS
+    lone = decode_plan.plan_decode(batch=1, max_tokens=4096, interpreted=False, **common)
+    assert lone.num_splits == decode_plan.MAX_SPLITS
     assert lone.num_splits * lone.tokens_per_split >= 4096
-    short = triton_decode.plan_decode(batch=1, max_tokens=10, interpreted=False, **common)
+    short = decode_plan.plan_decode(batch=1, max_tokens=10, interpreted=False, **common)
     assert short.num_splits == 1  # never more splits than token blocks
     assert wide.num_stages == 3  # page ids one block ahead: two K/V buffers (compile test)
 
@@ -281,8 +283,10 @@ def test_registry_gives_the_triton_backend_with_honest_devices() -> None:
     backend = registry.get("triton")
     assert isinstance(backend, TritonBackend)
     assert backend.capabilities.devices == ({"cpu"} if backend.interpreted else {"cuda"})
-    assert backend.capabilities.dtypes == set(DTYPES)
+    assert backend.capabilities.dtypes == set(DTYPES) | set(FP8_MAX)
+    assert backend.capabilities.features == FEATURES
     assert backend.capabilities.supports(DEVICE, "bfloat16", 80, 7)
+    assert backend.capabilities.supports(DEVICE, "float8_e4m3fn", 576, 64, latent=True)
 
 
 # -- the shared conformance suite --------------------------------------------------------

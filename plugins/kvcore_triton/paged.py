@@ -1,7 +1,7 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 # (Triton device functions: @triton.jit is untyped, and their arguments take no annotations.)
-"""The paged-row walk that decode.py and prefill.py share (``@triton.jit`` device
-functions, inlined into each kernel by Triton).
+"""What decode.py and prefill.py share (``@triton.jit`` device functions, inlined into
+each kernel by Triton): the paged-row walk, and the logit soft-cap.
 
 Token t of sequence b lives in page ``block_table[b, t // PAGE_SIZE]`` at offset
 ``t % PAGE_SIZE``; each token's page is looked up on its own, so page sizes need
@@ -12,8 +12,8 @@ walk a range of tokens in blocks of ``BLOCK_N``::
     for t0 in range(first, end, BLOCK_N):
         tok = t0 + offs_n
         mask_n = tok < end
-        kv_offs, page = paged.block_rows(bt_row, page, tok, end, offs_d, ...)
-        k = tl.load(k_base + kv_offs, mask=mask_n[:, None] & mask_d[None, :], ...)
+        row, page = paged.block_rows(bt_row, page, tok, end, ...)
+        k = tl.load(k_base + row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :])
 
 Page ids run one block ahead: block i's K/V addresses come from ids loaded in
 iteration i - 1, so the K/V loads of block i + 1 depend only on values of
@@ -23,7 +23,9 @@ With the id load in the same iteration as its K/V loads it keeps one buffer at
 any num_stages; tests/test_triton_compile.py asserts the buffers of both kernels.
 
 Offsets are int64 elements from the kv head's base (``kv_ptr + kv_head *
-stride_kv_head``); the D dim is contiguous. Tokens >= ``end`` are masked out:
+stride_kv_head``); the D dim is contiguous. A walk may start anywhere (a sliding
+window starts at ``max(0, p - window_left)``): pages before its first token are
+never looked up, so their block-table entries may hold anything (-1 included). Tokens >= ``end`` are masked out:
 their page ids read as 0 and their K/V are never loaded, so unused block-table
 entries and unused slots of a page (possibly NaN) never matter.
 """
@@ -47,16 +49,25 @@ def block_rows(
     page,  # [BLOCK_N] int32: the page ids of ``tok``, loaded one iteration earlier
     tok,  # [BLOCK_N] token indices of this block
     end,  # tokens: the walk stops before it
-    offs_d,  # [BLOCK_D] arange over the head dim
     stride_kv_page,
     stride_kv_tok,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """The block's K/V element offsets ``kv_offs`` [BLOCK_N, BLOCK_D] (int64, from the
-    kv head's base; V adds ``stride_kv_kv``) and the next block's page ids, issued
-    here, before the caller's K/V loads of this block, so that those of the next block
-    wait on nothing of their own iteration."""
+    """The block's row offsets ``row`` [BLOCK_N] (int64 elements from the kv head's base
+    to element 0 of each token's K; V adds ``stride_kv_kv``; the caller adds its D
+    offsets) and the next block's page ids, issued here, before the caller's K/V loads
+    of this block, so that those of the next block wait on nothing of their own
+    iteration."""
     row = page.to(tl.int64) * stride_kv_page + (tok % PAGE_SIZE).to(tl.int64) * stride_kv_tok
     next_page = page_ids(bt_row, tok + BLOCK_N, end, PAGE_SIZE)
-    return row[:, None] + offs_d[None, :], next_page
+    return row, next_page
+
+
+@triton.jit
+def soft_cap(s, cap_log2):
+    """``cap * tanh(x)`` in log2 units (``cap_log2 = cap * log2(e)``) of ``s = x``, the
+    scaled logits already divided by the cap. tanh through exp2, exactly +-1 for large
+    |x| (exp(2x) clamped at 2^126 rather than overflowing, or underflowing to 0)."""
+    e = tl.exp2(tl.minimum(s * 2.8853900817779268, 126.0))  # exp(2x); 2 * log2(e)
+    return cap_log2 * (1.0 - 2.0 / (e + 1.0))
