@@ -49,3 +49,21 @@ def test_layer_decode_times_plans_once_and_times_every_round() -> None:
     times = kernels.layer_decode_times(Counting(), SHAPE, [12, 40, 25], calls=3, rounds=2)
     assert calls == {"plan": 1, "decode": 1 + 3 * 2}  # one warm-up call, then the rounds
     assert times.decode_us > 0 and times.sdpa_us > 0 and times.decode_over_sdpa > 0
+
+
+def test_every_feature_is_timed_against_the_reference_and_dense_tensors() -> None:
+    """The per-feature figures (kvcore/bench/kernel_features.py) on a small shape: each
+    feature's dense twin computes what the reference computes, and the torch backend
+    gets every figure (over_reference is 1 for the reference itself)."""
+    from kvcore.bench import kernel_features
+
+    dims = {"batch": 2, "context": 40, "hq": 4, "hkv": 2, "dim": 16, "page": 8, "prefill_q": 5}
+    record = kernel_features.measure(["torch", "triton"], dims, CPU, lambda fn: (fn(), 1e-3)[1])
+    assert set(record) == set(kernel_features.FEATURES)
+    for feature, entry in record.items():
+        for op in ("decode", "prefill"):
+            figures = entry["torch"][op]
+            assert figures["over_reference"] == 1.0, feature
+            assert figures["max_abs_err"] < 1e-4, (feature, op, figures)
+            assert entry["dense_ms"][op] > 0
+        assert "triton" in entry  # figures, or why not

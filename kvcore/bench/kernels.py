@@ -13,7 +13,10 @@ All figures of one run are measured in that run, on one device:
   ``bw_fraction = GBps / copy_GBps``, and ``paged_over_dense`` = time / time of
   torch SDPA on the same K/V laid out contiguously ([B, Hkv, ctx, D], GQA native);
 * ``max_abs_err``: the paged output against that dense output, so a fast
-  wrong kernel shows.
+  wrong kernel shows;
+* ``features``: each attention variant (window, soft-cap, sinks, fp8 pages, MLA)
+  per backend against the torch reference and dense tensors
+  (kvcore/bench/kernel_features.py).
 
 Decode: one query per sequence over ``--context`` tokens. Prefill: the last
 ``--prefill-q`` tokens of each sequence over the rest as a cached prefix
@@ -89,6 +92,19 @@ def headline(record: dict[str, Any]) -> list[Figure]:
                     Target("<=", GPU_PAGED_OVER_DENSE) if held else None,
                 ),
             ]
+    for feature, entry in record.get("features", {}).items():
+        for name, ops in entry.items():
+            if name == "dense_ms" or "error" in ops:
+                continue
+            note = " (interpreted: not a speed figure)" if ops.get("interpreted") else ""
+            for op in ("decode", "prefill"):
+                key = f"features.{feature}.{name}.{op}"
+                figures += [
+                    Figure(f"{key}.over_reference", f"{feature} {name} {op}: / reference{note}"),
+                    Figure(
+                        f"{key}.paged_over_dense", f"{feature} {name} {op}: paged / dense{note}"
+                    ),
+                ]
     return figures
 
 
@@ -192,6 +208,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for op, (seconds, err, plan_s) in _time_backend(backend, data, timer).items()
         }
+    from kvcore.bench import kernel_features
+
+    dims = {
+        "batch": shape.batch,
+        "context": shape.context,
+        "hq": shape.num_q_heads,
+        "hkv": shape.num_kv_heads,
+        "dim": shape.head_dim,
+        "page": shape.page_size,
+        "prefill_q": shape.prefill_q,
+    }
+    result["features"] = kernel_features.measure(names, dims, device, timer)
     return result
 
 
