@@ -130,6 +130,107 @@ class TinyGemma3(TinyLlama):
         return self._seeded(Gemma3ForCausalLM, config, dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class TinyGemma2(TinyGemma3):
+    """A Gemma-2-style model: Gemma 3's alternating windows, and attention logits
+    soft-capped at ``soft_cap`` (small, so that it changes the scores of a random model)."""
+
+    soft_cap: float = 2.0
+
+    def build(self, dtype: str = "float32", attn_implementation: str = "eager") -> Any:
+        """The model (transformers' ``Gemma2ForCausalLM``) in eval mode on CPU."""
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config = Gemma2Config(  # type: ignore[call-arg]
+            **self.config_fields(),
+            sliding_window=self.window,
+            layer_types=self.layer_types,
+            attn_logit_softcapping=self.soft_cap,
+            final_logit_softcapping=None,
+            attn_implementation=attn_implementation,
+        )
+        return self._seeded(Gemma2ForCausalLM, config, dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyGptOss(TinyGemma3):
+    """A gpt-oss-style model: alternating windows, a learned attention sink per query
+    head, and a mixture of ``experts`` MLPs. The sinks are drawn from the seed with a
+    spread of ``sink_std`` (transformers' init leaves them near 0, where a random
+    model's tokens hardly depend on them)."""
+
+    experts: int = 4
+    sink_std: float = 3.0
+
+    def build(self, dtype: str = "float32", attn_implementation: str = "eager") -> Any:
+        """The model (transformers' ``GptOssForCausalLM``) in eval mode on CPU."""
+        import torch
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        config = GptOssConfig(  # type: ignore[call-arg]
+            **self.config_fields(),
+            sliding_window=self.window,
+            layer_types=self.layer_types,
+            num_local_experts=self.experts,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            attn_implementation=attn_implementation,
+        )
+        model = self._seeded(GptOssForCausalLM, config, dtype)
+        draw = torch.Generator().manual_seed(self.seed)
+        for layer in model.model.layers:
+            sinks = torch.randn(self.num_heads, generator=draw) * self.sink_std
+            layer.self_attn.sinks.data.copy_(sinks)
+        return model
+
+
+@dataclass(frozen=True, slots=True)
+class TinyDeepseekV2(TinyLlama):
+    """A DeepSeek-V2-style model: multi-head latent attention (MLA; no query LoRA) and
+    dense MLPs. Each layer caches one latent vector per token, ``kv_lora_rank`` +
+    ``qk_rope_head_dim`` elements (``latent_dim``): :meth:`pool_flag` is a latent pool."""
+
+    kv_lora_rank: int = 64
+    qk_rope_head_dim: int = 32
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def build(self, dtype: str = "float32", attn_implementation: str = "sdpa") -> Any:
+        """The model (transformers' ``DeepseekV2ForCausalLM``) in eval mode on CPU."""
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        fields = {**self.config_fields(), "num_key_value_heads": self.num_heads}  # expanded
+        config = DeepseekV2Config(  # type: ignore[call-arg]
+            **fields,
+            kv_lora_rank=self.kv_lora_rank,
+            q_lora_rank=None,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            v_head_dim=self.v_head_dim,
+            first_k_dense_replace=self.num_layers,  # every MLP dense
+            attn_implementation=attn_implementation,
+        )
+        return self._seeded(DeepseekV2ForCausalLM, config, dtype)
+
+    def pool_flag(
+        self,
+        *,
+        dtype: str = "float32",
+        page_size: int = 16,
+        num_pages: int = 1024,
+        name: str = "default",
+    ) -> str:
+        """``kvcore serve --pool`` value for a latent host pool that fits this model."""
+        return (
+            f"name={name},device=cpu,kind=latent,num_layers={self.num_layers},num_kv_heads=1,"
+            f"head_dim={self.latent_dim},page_size={page_size},dtype={dtype},num_pages={num_pages}"
+        )
+
+
 def timed_greedy(
     model: LlamaForCausalLM, rows: list[list[int]], new_tokens: int, cache: object
 ) -> tuple[torch.Tensor, list[float]]:

@@ -197,24 +197,14 @@ def test_a_pool_that_does_not_fit_the_model_is_refused(
     assert model.config._attn_implementation == "sdpa"  # a refused cache never bound
 
 
-@pytest.mark.parametrize(
-    ("dtype", "kind", "message"),
-    [
-        ("float8_e4m3fn", "kv", "dtype=float8_e4m3fn"),
-        ("float8_e5m2", "kv", "dtype=float8_e5m2"),
-        ("float32", "latent", "kind=latent"),
-    ],
-)
-def test_fp8_and_latent_pools_are_unsupported(
-    endpoint: str, model: torch.nn.Module, dtype: str, kind: str, message: str
+def test_a_latent_pool_for_a_model_without_mla_is_a_layout_mismatch(
+    endpoint: str, model: torch.nn.Module
 ) -> None:
-    latent = kind == "latent"  # one head, K's and V's width: the same bytes as a pool of one
-    heads, width = (1, 2 * SMALL.head_dim) if latent else (SMALL.num_kv_heads, SMALL.head_dim)
-    layout = KVLayout(SMALL.num_layers, heads, width, 16, dtype, 64, kind=kind)
+    layout = KVLayout(SMALL.num_layers, 1, 2 * SMALL.head_dim, 16, "float32", 64, kind="latent")
     pool = f"t-{secrets.token_hex(4)}"
     with (
         Client.connect(endpoint, pool=pool, layout=layout, ephemeral=True) as client,
-        pytest.raises(Unsupported, match=message),
+        pytest.raises(LayoutMismatch, match="kind=kv"),
     ):
         KVCoreCache(client, model)
     assert model.config._attn_implementation == "sdpa"  # a refused cache never bound

@@ -17,9 +17,13 @@ Once per model (reference-counted over the caches bound to it):
   ``cache.end(failed)``: ``failed`` is True when begin or the forward raised
   anything, a KeyboardInterrupt included (torch's always-called forward hooks
   run only on ``Exception``, which would leave a step half-alive).
+* MLA modules (DeepseekV2Attention) get an instance ``forward`` that, during such
+  a forward, computes in absorbed form over the latent pages
+  (:mod:`kvcore.integrations.hf_mla`), and is the module's own otherwise.
 
 The last :func:`detach` restores the previous ``forward`` (unless something wrapped
-it again since; the wrapper then passes through) and the original implementation.
+it again since; the wrapper then passes through), the original implementation and
+the MLA modules' forwards.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
+from kvcore.backend import Attention
 from kvcore.errors import Unsupported
+from kvcore.integrations import hf_mla
 
 _ACTIVE = threading.local()  # .cache: the paged cache of the forward running in this thread
 
@@ -48,7 +54,14 @@ class Forward(Protocol):
 
     def end(self, failed: bool) -> None: ...
 
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor: ...
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        scale: float,
+        attention: Attention,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor: ...
 
 
 def attach(model: torch.nn.Module, cache_type: type) -> None:
@@ -75,6 +88,7 @@ class _Binding:
         self.bound = True  # False once detached: a wrapper left in place passes through
         self.saved_forward: Any = None  # the instance attribute ``forward`` we covered, if any
         self.wrapper: Any = None
+        self.unbind_mla: Callable[[], None] = lambda: None  # undoes hf_mla.bind
 
     @classmethod
     def attach(cls, model: torch.nn.Module, cache_type: type) -> None:
@@ -86,6 +100,7 @@ class _Binding:
             binding.saved_forward = model.__dict__.get("forward")
             binding.wrapper = binding.wrap(model.forward)
             model.forward = binding.wrapper
+            binding.unbind_mla = hf_mla.bind(model, _active)
             cls._by_model[model] = binding
         elif binding.cache_type is not cache_type:
             raise Unsupported(f"the model is bound to {binding.cache_type.__name__} caches")
@@ -105,6 +120,7 @@ class _Binding:
                 else:
                     model.forward = binding.saved_forward
             binding.wrapper = binding.saved_forward = None
+            binding.unbind_mla()
             model.set_attn_implementation(binding.original)  # type: ignore[operator]
             del cls._by_model[model]
 
@@ -137,6 +153,23 @@ class _Binding:
         return step
 
 
+def _active() -> Any:
+    """The paged cache of the forward running in this thread, or None."""
+    return getattr(_ACTIVE, "cache", None)
+
+
+def options(sliding_window: int | None, softcap: float | None, sinks: bool) -> Attention:
+    """The kernels' :class:`~kvcore.backend.Attention` of what transformers passes an
+    attention function: ``sliding_window`` W (a query attends its last W tokens, itself
+    included: ``window_left`` W - 1), ``softcap`` (Gemma 2's logit soft-capping) and
+    whether it passes ``s_aux`` (gpt-oss's attention sinks, one logit per head)."""
+    return Attention(
+        window_left=sliding_window - 1 if sliding_window else -1,
+        logits_soft_cap=float(softcap) if softcap else 0.0,
+        sinks=sinks,
+    )
+
+
 def _register(original: str) -> str:
     """Register ``kvcore+<original>`` (attention and mask) once; return its name."""
     if original.startswith("kvcore+"):
@@ -163,13 +196,13 @@ def _register(original: str) -> str:
                 module, query, key, value, attention_mask, scaling=scaling, **kwargs
             )
             return result
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-            raise Unsupported(
-                "kvcore paged caches do not support sliding-window or soft-capped attention"
-            )
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         layer_idx: int = module.layer_idx  # type: ignore[assignment]
-        return cache.attend(layer_idx, query, scale), None
+        sinks = kwargs.get("s_aux")
+        attention = options(kwargs.get("sliding_window"), kwargs.get("softcap"), sinks is not None)
+        if sinks is not None:
+            sinks = sinks.float()
+        return cache.attend(layer_idx, query, scale, attention, sinks), None
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         if getattr(_ACTIVE, "cache", None) is not None:

@@ -45,8 +45,25 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   and attention mask width (the columns seen so far plus the fed ones) are
   checked, and a second generate call (which restarts them) is a BadRequest
   before anything is written. Beam search, cache reordering, cropping,
-  assisted decoding and sliding-window attention raise Unsupported, and so does
-  a pool of fp8 dtype or latent (MLA) kind (no kernel computes on them yet).
+  assisted decoding raise Unsupported.
+* fp8 pools (``float8_e4m3fn``, ``float8_e5m2``) for a model of any float dtype:
+  ``write_kv`` stores its K/V quantized (saturating, scales 1.0: transformers
+  models carry no KV scales) and the kernels dequantize on load; everything else
+  stays in the model's dtype. Lossy, as any fp8 cache: outputs equal transformers
+  running with K/V quantized the same way (tests/test_hf_fp8.py), not its float run.
+* MLA (DeepSeek-V2-style models). Their pool is of latent kind (one vector of
+  kv_lora_rank + qk_rope_head_dim elements per token and layer); their attention
+  modules compute in absorbed form over it (:mod:`kvcore.integrations.hf_mla`),
+  every plan with ``Attention(v_head_dim=kv_lora_rank)``. A latent pool for
+  another model, or a kv pool for an MLA model, is a LayoutMismatch.
+* Attention variants. What the model's attention passes its attention function
+  becomes the kernels' plan options (:func:`kvcore.integrations.hf_binding.options`):
+  sliding windows (Gemma 2/3, gpt-oss, Mistral), logit soft-capping (Gemma 2) and
+  attention sinks (gpt-oss). The forward's plan serves the layers of plain causal
+  attention; each other set of options gets its own plan of the same tables, made at
+  its first layer (one more device sync per forward for a hybrid model). Every
+  layer keeps every page of its sequences: a window restricts what is read, not
+  what is held.
 * Life cycle. :meth:`close` (or leaving ``with``) commits the written full
   pages and frees every sequence. A forward that raises frees them at once
   (the cache is then spent), so a failed generate leaves nothing held; so does
@@ -64,8 +81,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcore import backend as backends
+from kvcore.backend import Attention
 from kvcore.errors import BadRequest, LayoutMismatch, Unsupported
-from kvcore.integrations import hf_binding
+from kvcore.integrations import hf_binding, hf_mla
 from kvcore.integrations.identity import transformers_model
 from kvcore.integrations.paged_rows import PagedRows, StepPlan
 from kvcore.layout import FP8_DTYPES
@@ -145,18 +163,14 @@ class KVCoreCache(Cache):
     ) -> None:
         if not client.kv_caches:
             raise BadRequest("the client has not mapped the pool (Client.connect(map_memory=True))")
-        layout = client.layout
-        if layout.kind != "kv" or layout.dtype in FP8_DTYPES:
-            raise Unsupported(
-                f"pool {client.pool!r} has dtype={layout.dtype} kind={layout.kind}: the "
-                "transformers cache computes on kind=kv pools of float16, bfloat16 or float32 "
-                "(no kernel computes on fp8 or latent pages yet)"
-            )
         self.client = client
         self.backend = backends.get(backend) if isinstance(backend, str) else backend
         self._kv = client.kv_caches
-        _check_layout(client, model)
-        self.backend.check_supported(self._kv[0])
+        self._latent = hf_mla.latent_dims(model)  # (kv_lora_rank, rope dim) of an MLA model
+        _check_layout(client, model, self._latent)
+        # every layer's plan options: MLA's (its V is the latent's first kv_lora_rank elements)
+        self._attention = Attention(v_head_dim=self._latent[0]) if self._latent else Attention()
+        self.backend.check_supported(self._kv[0], self._attention)
         self.space = KeySpace(model=transformers_model(model, model_id))  # before binding
         super().__init__(layers=[_PagedLayer(self) for _ in range(len(self._kv))])
         self.seen_columns = 0  # columns of the padded batch processed (or skipped) so far
@@ -165,6 +179,7 @@ class KVCoreCache(Cache):
         self.rows = PagedRows(client, self._kv[0].device, self.space)
         self._plan: StepPlan | None = None
         self._kernels: DecodePlan | PrefillPlan | None = None  # the backend's plan of _plan
+        self._variants: dict[Attention, DecodePlan | PrefillPlan] = {}  # other options' plans
         self._spent = False  # a forward failed or close ran: no more forwards
         self._model: torch.nn.Module | None = model
         hf_binding.attach(model, KVCoreCache)
@@ -179,19 +194,19 @@ class KVCoreCache(Cache):
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's K/V ([B, Hkv, q, D]) of layer ``layer_idx`` into the pages."""
+        """Write this forward's K/V ([B, Hkv, q, D]) of layer ``layer_idx`` into the pages.
+        On a latent pool (MLA) they are the latent's two parts, as DeepseekV2Attention
+        passes them: c_kv [B, 1, q, kv_lora_rank] and k_pe [B, 1, q, rope dim]."""
         plan, kernels = self._plan, self._kernels
         if plan is None or kernels is None:
             raise BadRequest("KVCoreCache.update outside a forward of the model it is bound to")
         kv = self._kv[layer_idx]
-        batch, hkv, q, dim = key_states.shape
         if kernels.copy is not None:
             self.backend.copy_pages(kernels.copy, kv)
-        if q == 1:
-            key, value = key_states[:, :, 0], value_states[:, :, 0]
+        if self._latent is None:
+            key, value = _token_rows(key_states), _token_rows(value_states)
         else:
-            key = key_states.transpose(1, 2).reshape(batch * q, hkv, dim)
-            value = value_states.transpose(1, 2).reshape(batch * q, hkv, dim)
+            key, value = _token_rows(torch.cat((key_states, value_states), dim=-1)), None
         assert kernels.write is not None, "every step plans its writes"
         self.backend.write_kv(kernels.write, kv, key, value)
         plan.layers_written += 1
@@ -247,25 +262,37 @@ class KVCoreCache(Cache):
         self._kernels = self._plan_kernels(self._plan)
         return args, kwargs
 
-    def _plan_kernels(self, plan: StepPlan) -> DecodePlan | PrefillPlan:
+    def _plan_kernels(
+        self, plan: StepPlan, attention: Attention | None = None
+    ) -> DecodePlan | PrefillPlan:
         """The backend's plan of this forward (its one device sync): tables, lengths,
-        slots and copy-on-write pairs, valid for every layer's cache."""
+        slots and copy-on-write pairs, valid for every layer's cache. With
+        ``attention`` (a layer's other options): the same tables, no writes."""
         kv = self._kv[0]
+        io: dict[str, Any] = {}
+        if attention is None:
+            io = {"slots": plan.slots, "copies": plan.copies}
+            attention = self._attention
         if plan.cu_seqlens_q is None:
             return self.backend.plan_decode(
-                kv, plan.block_table, plan.seq_lens, slots=plan.slots, copies=plan.copies
+                kv, plan.block_table, plan.seq_lens, attention=attention, **io
             )
         return self.backend.plan_prefill(
-            kv,
-            plan.block_table,
-            plan.cu_seqlens_q,
-            plan.seq_lens,
-            slots=plan.slots,
-            copies=plan.copies,
+            kv, plan.block_table, plan.cu_seqlens_q, plan.seq_lens, attention=attention, **io
         )
+
+    def _kernels_for(self, plan: StepPlan, attention: Attention) -> DecodePlan | PrefillPlan:
+        """This forward's plan for a layer of ``attention``'s options."""
+        assert self._kernels is not None
+        if attention == self._attention:
+            return self._kernels
+        if attention not in self._variants:
+            self._variants[attention] = self._plan_kernels(plan, attention)
+        return self._variants[attention]
 
     def end(self, failed: bool) -> None:
         plan, self._plan, self._kernels = self._plan, None, None
+        self._variants = {}
         if failed:
             self._spent = True
             self.rows.close()
@@ -283,24 +310,42 @@ class KVCoreCache(Cache):
 
     # -- attention --------------------------------------------------------------------
 
-    def attend(self, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of query [B, Hq, q, D] over the pages: out [B, q, Hq, D]."""
-        plan, kernels = self._plan, self._kernels
-        assert plan is not None and kernels is not None, "attend outside a planned forward"
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        scale: float,
+        attention: Attention | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of query [B, Hq, q, D] over the pages: out [B, q, Hq, Dv] (Dv = D;
+        on a latent pool: kv_lora_rank); ``attention``: the layer's options (None: the
+        cache's own), ``sinks`` its [Hq] float32 sink logits."""
+        plan = self._plan
+        assert plan is not None and self._kernels is not None, "attend outside a planned forward"
+        kernels = self._kernels_for(plan, attention or self._attention)
         kv = self._kv[layer_idx]
         batch, hq, q, dim = query.shape
         if plan.decode:
             assert isinstance(kernels, backends.DecodePlan)
-            out: torch.Tensor = self.backend.decode(kernels, query[:, :, 0], kv, scale)
+            out: torch.Tensor = self.backend.decode(kernels, query[:, :, 0], kv, scale, sinks=sinks)
             return out.unsqueeze(1)
         assert isinstance(kernels, backends.PrefillPlan)
         flat = query.transpose(1, 2).reshape(batch * q, hq, dim)
         packed = flat if plan.q_index is None else flat.index_select(0, plan.q_index)
-        out = self.backend.prefill(kernels, packed, kv, scale)
+        out = self.backend.prefill(kernels, packed, kv, scale, sinks=sinks)
         if plan.q_index is not None:
-            out = flat.new_zeros(flat.shape).index_copy_(0, plan.q_index, out)
-        result: torch.Tensor = out.view(batch, q, hq, dim)
+            out = out.new_zeros((batch * q, *out.shape[1:])).index_copy_(0, plan.q_index, out)
+        result: torch.Tensor = out.view(batch, q, hq, -1)
         return result
+
+
+def _token_rows(states: torch.Tensor) -> torch.Tensor:
+    """[B, H, q, D] per-head states as the kernels' token rows [B * q, H, D]."""
+    batch, heads, q, dim = states.shape
+    if q == 1:
+        return states[:, :, 0]
+    return states.transpose(1, 2).reshape(batch * q, heads, dim)
 
 
 def _drop_columns(
@@ -348,22 +393,32 @@ def _check_continues(
             raise BadRequest(f"{again}starts at positions {firsts}, the rows hold {want} tokens")
 
 
-def _check_layout(client: Client, model: torch.nn.Module) -> None:
-    """LayoutMismatch unless the pool has the model's layers, KV heads, head dim and dtype."""
+def _check_layout(client: Client, model: torch.nn.Module, latent: tuple[int, int] | None) -> None:
+    """LayoutMismatch unless the pool has the model's kind, layers, KV heads, head dim and
+    dtype, or an fp8 dtype (``latent``: an MLA model's (kv_lora_rank, rope dim): one
+    latent head)."""
     config: Any = model.config
     text = config.get_text_config(decoder=True)
     heads = text.num_attention_heads
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     want = {
+        "kind": "kv" if latent is None else "latent",
         "num_layers": text.num_hidden_layers,
         "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": client.layout.dtype if client.layout.dtype in FP8_DTYPES else model_dtype,
     }
+    if latent is not None:
+        want |= {"num_kv_heads": 1, "head_dim": sum(latent)}
     layout = client.layout.to_dict()
     wrong = {k: (v, layout[k]) for k, v in want.items() if layout[k] != v}
     if wrong:
         detail = ", ".join(f"{k}: model {m}, pool {p}" for k, (m, p) in wrong.items())
-        raise LayoutMismatch(f"pool {client.pool!r} does not fit the model ({detail})")
+        flag = ",".join(f"{k}={v}" for k, v in want.items())
+        raise LayoutMismatch(
+            f"pool {client.pool!r} does not fit the model ({detail}); serve a pool with "
+            f"--pool ...,{flag}"
+        )
     device = next(model.parameters()).device
     if device != client.kv_caches[0].device:
         raise LayoutMismatch(f"the model is on {device}, the pool on {client.kv_caches[0].device}")

@@ -1,0 +1,113 @@
+"""The transformers Cache on a DeepSeek-V2-style model (multi-head latent attention) over
+a latent pool: the attention modules compute in absorbed form over one latent vector per
+token (kvcore/integrations/hf_mla.py), with the kernels' ``Attention(v_head_dim=...)``.
+
+Two engine processes on one daemon: engine A (a child process) generates from a system
+prompt plus its question; engine B (this process) asks another question after the same
+system prompt, is served the system prompt's pages from the pool, and generates token
+for token what transformers' own cache (DynamicCache, the model's own attention with
+the latent expanded per head) generates.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hf_helpers import SMALL, reference
+
+from kvcore import Client, KVLayout
+from kvcore.daemon_process import DaemonProcess
+from kvcore.demo_model import TinyDeepseekV2
+from kvcore.errors import LayoutMismatch
+from kvcore.integrations.transformers import KVCoreCache
+
+PAGE = 16
+SPEC = TinyDeepseekV2(num_layers=2)  # latent of 64 + 32 = 96 elements per token and layer
+SYSTEM = SPEC.prompt(3 * PAGE, seed=11)  # 3 full pages
+NEW = 8
+
+ENGINE = r"""
+import json, sys, torch
+from kvcore import Client
+from kvcore.demo_model import TinyDeepseekV2
+from kvcore.integrations.transformers import KVCoreCache
+spec, endpoint, prompt, new = eval(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+model = spec.build()
+ids = torch.tensor([prompt])
+with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache, torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    print(json.dumps({"cached": cache.num_cached_tokens, "tokens": out[0, len(prompt):].tolist()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("hf-mla")
+    pool = SPEC.pool_flag(page_size=PAGE, num_pages=256)
+    args = ("--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral", "--pool", pool)
+    with DaemonProcess(*args) as d:
+        yield d.endpoint
+
+
+def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(endpoint: str) -> None:
+    first = SYSTEM + SPEC.prompt(7, seed=1)
+    argv = [sys.executable, "-c", ENGINE, repr(SPEC), endpoint, json.dumps(first), str(NEW)]
+    a = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    model = SPEC.build()
+    assert a["cached"] == 0
+    assert a["tokens"] == reference(model, [first], NEW)[0].tolist()
+    second = SYSTEM + SPEC.prompt(9, seed=2)
+    ids = torch.tensor([second])
+    with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache:
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                cache=cache,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+            )
+        # while bound, a DynamicCache run is transformers' own (expanded K/V, no pages)
+        want = reference(model, [second], NEW)[0].tolist()
+    assert cache.num_cached_tokens == len(SYSTEM)  # A's latent pages, every layer
+    assert out[0, len(second) :].tolist() == want
+    assert reference(model, [second], NEW)[0].tolist() == want  # unbound: the same
+
+
+def test_absorbed_logits_match_the_expanded_ones(endpoint: str) -> None:
+    """A prompt's logits over the latent pages equal transformers' (fp32 rounding)."""
+    model = SPEC.build()
+    ids = torch.tensor([SPEC.prompt(2 * PAGE + 5, seed=3)])
+    with torch.no_grad():
+        want = model(ids).logits
+        with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache:
+            got = model(ids, cache=cache).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _ephemeral(endpoint: str, layout: KVLayout) -> Client:
+    return Client.connect(endpoint, pool=f"t-{secrets.token_hex(4)}", layout=layout, ephemeral=True)
+
+
+def test_a_pool_of_the_other_kind_is_a_layout_mismatch_naming_the_pool_flag(
+    endpoint: str,
+) -> None:
+    kv = KVLayout(SPEC.num_layers, 2, SPEC.head_dim, PAGE, "float32", 8)
+    with _ephemeral(endpoint, kv) as client:
+        flag = "kind=latent,num_layers=2,num_kv_heads=1,head_dim=96,dtype=float32"
+        with pytest.raises(LayoutMismatch, match=flag):
+            KVCoreCache(client, SPEC.build())
+    latent = KVLayout(SMALL.num_layers, 1, 96, PAGE, "float32", 8, "latent")
+    with _ephemeral(endpoint, latent) as client:
+        flag = "kind=kv,num_layers=2,num_kv_heads=2,head_dim=32,dtype=float32"
+        with pytest.raises(LayoutMismatch, match=flag):
+            KVCoreCache(client, SMALL.build())
