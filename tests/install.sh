@@ -10,6 +10,17 @@ pip() { python3 -m pip install -q --disable-pip-version-check "$@"; }
 # keeps pip from pulling a multi-GB CUDA build (users of the library are not pinned).
 pip torch==2.13.0 -e ".[test]"
 
+# nvcc, for tests/test_cuda_compile.py (every kvcore_cupy .cu compiles for sm_90; in CI it
+# fails without nvcc). A machine without one on PATH gets NVIDIA's compiler wheel from PyPI
+# (nvcc, ptxas, cicc and the CUDA headers: ~120 MB download, ~320 MB installed), into a
+# directory of its own rather than site-packages, so that its CUDA runtime library stays
+# out of the environment torch and vLLM load. The test's find_nvcc looks there (same path
+# and KVCORE_NVCC_DIR). Skipped when nvcc is on PATH or already installed there.
+nvcc_dir="${KVCORE_NVCC_DIR:-$HOME/.cache/kvcore/nvcc-13.5.37}"
+if ! command -v nvcc >/dev/null && ! "$nvcc_dir/nvidia/cu13/bin/nvcc" --version >/dev/null 2>&1; then
+    pip --upgrade --target "$nvcc_dir" nvidia-cuda-nvcc==13.5.37
+fi
+
 # Mooncake Store (the shared tier) needs libibverbs even for TCP.
 if ! ldconfig -p | grep -q libibverbs.so.1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

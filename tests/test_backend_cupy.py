@@ -55,7 +55,9 @@ def test_registered_and_declares_cuda_only() -> None:
     assert "cupy" in registry.available()
     caps = CupyBackend.capabilities
     assert caps.devices == frozenset({"cuda"})
-    assert caps.dtypes == frozenset({"float32", "float16", "bfloat16"})
+    assert caps.dtypes == frozenset(
+        {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+    )
     assert caps.head_dims == frozenset({64, 80, 96, 128, 256})
     assert caps.page_sizes is None  # every page size 1..128
 

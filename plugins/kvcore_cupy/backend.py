@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvcore.backend import Backend, Capabilities, CopyPlan, DecodePlan, PrefillPlan, WritePlan
+from kvcore.backend import (
+    Attention,
+    AttentionPlan,
+    Backend,
+    Capabilities,
+    CopyPlan,
+    DecodePlan,
+    PrefillPlan,
+    WritePlan,
+)
 from kvcore.errors import Unsupported
 from kvcore.layout import cdiv
 from kvcore_cupy import kernels
@@ -43,8 +52,11 @@ class KernelSource(Protocol):
 
 
 class CupyBackend(Backend):
-    """Paged attention in CUDA C++ via CuPy; cuda only, fp32/fp16/bf16, head dims
-    64/80/96/128/256, any page size 1..128, GQA/MQA (any Hq multiple of Hkv).
+    """Paged attention in CUDA C++ via CuPy; cuda only, fp32/fp16/bf16 and fp8
+    (e4m3fn, e5m2) caches, head dims 64/80/96/128/256, any page size 1..128, GQA/MQA
+    (any Hq multiple of Hkv). Features (kvcore.backend.Attention): fp8, sliding
+    windows, soft-capping, sinks; not MLA (latent caches raise Unsupported naming
+    "mla": see the package docstring).
 
     Construction raises :class:`~kvcore.errors.Unsupported` where cupy or a CUDA
     device is missing, so ``kvcore.backend.get("cupy")`` fails cleanly there.
@@ -56,6 +68,7 @@ class CupyBackend(Backend):
         dtypes=frozenset(kernels.C_TYPES),
         head_dims=frozenset(kernels.HEAD_DIMS),
         page_sizes=None,
+        features=kernels.FEATURES,
     )
 
     def __init__(self) -> None:
@@ -88,43 +101,72 @@ class CupyBackend(Backend):
     # -- operations ----------------------------------------------------------------
 
     def _write_kv(
-        self, plan: WritePlan, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        plan: WritePlan,
+        kv_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        slots = plan.slots
-        key, value = _dense(key), _dense(value)
+        """Byte copies into a 16/32-bit cache; on an fp8 cache write_kv_fp8 quantizes
+        (x / scale, saturated, round to nearest even) from fp32 rows."""
+        slots, spec = plan.slots, plan.cache
         num_tokens, hkv, d = key.shape
-        cb = chunk_bytes(kv_cache)
-        row_chunks = d * key.element_size() // cb
-        total = num_tokens * hkv * row_chunks
-        blocks = min(cdiv(total, _COPY_THREADS), 32 * self._sms(kv_cache))
         sp, skv, stok, shead = _byte_strides(kv_cache)
+        if spec.fp8:  # quantize fp32 rows, one element per thread
+            key, value = _dense(key.float()), _dense(value.float())
+            name = kernels.write_fp8_name(spec.dtype_name)
+            total = num_tokens * hkv * d
+            row_args: tuple[Any, ...] = (_i32(hkv), _i32(d))
+            tail: tuple[Any, ...] = (_f32(k_scale), _f32(v_scale))
+        else:  # byte copies of cb-byte chunks
+            key, value = _dense(key), _dense(value)
+            cb = chunk_bytes(kv_cache)
+            name = kernels.copy_name("write_kv", cb)
+            row_chunks = d * key.element_size() // cb
+            total = num_tokens * hkv * row_chunks
+            row_args, tail = (_i32(hkv), _i32(row_chunks)), ()
+        blocks = min(cdiv(total, _COPY_THREADS), 32 * self._sms(kv_cache))
         with self._on_stream(kv_cache.device):
             _launch(
-                self._modules.cache_op(kernels.copy_name("write_kv", cb)),
+                self._modules.cache_op(name),
                 (blocks, 1, 1),
                 _COPY_THREADS,
                 (
-                    _ptr(key), _ptr(value), _ptr(slots), _i64(num_tokens),
-                    _i32(hkv), _i32(row_chunks), _ptr(kv_cache),
-                    _i64(sp), _i64(skv), _i64(stok), _i64(shead),
-                    _i64(kv_cache.shape[2]),
+                    _ptr(key), _ptr(value), _ptr(slots), _i64(num_tokens), *row_args,
+                    _ptr(kv_cache), _i64(sp), _i64(skv), _i64(stok), _i64(shead),
+                    _i64(spec.page_size), *tail,
                 ),
             )  # fmt: skip
 
     def _decode(
-        self, plan: DecodePlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: DecodePlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         import torch
 
-        block_table, seq_lens = plan.block_table, plan.seq_lens
-        q = _dense(query)
+        block_table, seq_lens, att = plan.block_table, plan.seq_lens, plan.attention
+        q = _rows_in(query, plan)
         wide = chunk_bytes(kv_cache) == 16
         batch, hq, d = q.shape
         page_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
         dtype = _dtype_name(kv_cache)
         tiling = launch.group_tiling(hq // hkv)
+        # a window bounds the tokens of every sequence: splits cover those only
+        span = plan.max_seq_len
+        if att.window_left >= 0:
+            span = min(span, att.window_left + 1)
         splits = launch.split_plan(
-            plan.max_seq_len,
+            span,
             batch * hkv * tiling.n_chunks,
             self._sms(kv_cache),
             min_split=self._split_min,
@@ -139,6 +181,7 @@ class CupyBackend(Backend):
             part_args: tuple[Any, Any] = (_ptr(part_out), _ptr(part_lse))
         else:
             part_args = (_ptr_null(), _ptr_null())
+        sink_arg, sinks = _sinks(sinks)
         with self._on_stream(q.device):
             fn = self._modules.function(
                 "decode.cu",
@@ -155,9 +198,10 @@ class CupyBackend(Backend):
                     _ptr(q), _ptr(kv_cache), *_elem_strides(kv_cache),
                     _ptr(block_table), _i64(block_table.stride(0)), _ptr(seq_lens),
                     _i32(hq), _i32(hq // hkv), _i32(tiling.n_chunks),
-                    _f32(scale * LOG2E),
+                    _f32(scale * k_scale * LOG2E),
                     _u32(fd.d), _u32(fd.mul), _u32(fd.shift),
                     _i32(splits.split_len), _i32(s),
+                    *_options(att, sink_arg, v_scale),
                     _ptr(out), *part_args,
                 ),
             )  # fmt: skip
@@ -169,17 +213,25 @@ class CupyBackend(Backend):
                     merge,
                     (batch * hq, 1, 1),
                     128,
-                    (*part_args, _i32(s), _i32(d), _ptr(out)),
+                    (*part_args, _i32(s), _i32(d), sink_arg, _i32(hq), _ptr(out)),
                 )
-        return out
+        return out.to(query.dtype)  # fp32 -> the query's dtype on an fp8 cache
 
     def _prefill(
-        self, plan: PrefillPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float
+        self,
+        plan: PrefillPlan,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        scale: float,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         import torch
 
         block_table, cu_seqlens_q, seq_lens = plan.block_table, plan.cu_seqlens_q, plan.seq_lens
-        q = _dense(query)
+        q = _rows_in(query, plan)
         wide = chunk_bytes(kv_cache) == 16
         total_q, hq, d = q.shape
         page_size, hkv = kv_cache.shape[2], kv_cache.shape[3]
@@ -187,6 +239,7 @@ class CupyBackend(Backend):
         tiling = launch.group_tiling(hq // hkv)
         fd = launch.fast_divisor(page_size)
         out = torch.empty_like(q)
+        sink_arg, sinks = _sinks(sinks)
         with self._on_stream(q.device):
             fn = self._modules.function(
                 "prefill.cu", dtype, d, wide, kernels.prefill_name(dtype, d, tiling.tile, wide)
@@ -201,12 +254,13 @@ class CupyBackend(Backend):
                     _ptr(cu_seqlens_q), _ptr(seq_lens),
                     _i32(seq_lens.shape[0]), _i32(total_q),
                     _i32(hq), _i32(hq // hkv), _i32(tiling.n_chunks),
-                    _f32(scale * LOG2E),
+                    _f32(scale * k_scale * LOG2E),
                     _u32(fd.d), _u32(fd.mul), _u32(fd.shift),
+                    *_options(plan.attention, sink_arg, v_scale),
                     _ptr(out),
                 ),
             )  # fmt: skip
-        return out
+        return out.to(query.dtype)
 
     def _copy_pages(self, plan: CopyPlan, kv_cache: torch.Tensor) -> None:
         src, dst = plan.src, plan.dst
@@ -278,6 +332,33 @@ def _f32(x: float) -> np.float32:
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def _rows_in(query: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """The query as the kernels read it: dense, in fp32 on an fp8 cache (Io<T>)."""
+    import torch
+
+    return _dense(query.to(torch.float32) if plan.cache.fp8 else query)
+
+
+def _sinks(sinks: torch.Tensor | None) -> tuple[np.uint64, torch.Tensor | None]:
+    """The sinks pointer argument (null: none) and the dense tensor it points at (kept
+    alive by the caller for the launch)."""
+    if sinks is None:
+        return _ptr_null(), None
+    sinks = _dense(sinks)
+    return _ptr(sinks), sinks
+
+
+def _options(attention: Attention, sink_arg: np.uint64, out_mult: float) -> tuple[Any, ...]:
+    """The attention kernels' option arguments: window_left (tokens, -1 none),
+    cap * log2(e) (0 off), the sinks pointer and the output multiplier (v_scale)."""
+    return (
+        _i32(attention.window_left),
+        _f32(attention.logits_soft_cap * LOG2E),
+        sink_arg,
+        _f32(out_mult),
+    )
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:

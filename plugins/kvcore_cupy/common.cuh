@@ -5,7 +5,11 @@
 // Valid for both NVRTC (what CuPy's RawModule uses) and nvcc: no header is
 // included at all. bf16 and fp16 travel as raw 16-bit words (kv_bf16 / kv_f16
 // below) and are converted to fp32 in registers with shifts (bf16) or one PTX
-// cvt (fp16), so neither <cuda_bf16.h> nor <cuda_fp16.h> is needed.
+// cvt (fp16), so neither <cuda_bf16.h> nor <cuda_fp16.h> is needed. fp8 pages
+// (kv_e4m3: float8_e4m3fn, kv_e5m2: float8_e5m2) travel as raw bytes and are
+// converted by integer bit manipulation (kv_fp8_to_f32 / kv_f32_to_fp8 below,
+// exact both ways for finite values), so <cuda_fp8.h> is not needed either. An
+// fp8 cache's queries and outputs are fp32 (Io<T>): the host converts them.
 //
 // Layout of one layer's cache (strides in elements, int64; only the last dim is
 // contiguous):
@@ -22,13 +26,25 @@ typedef long long i64;
 typedef int i32;
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned char u8;
 
-// Raw 16-bit storage types: the kernels never do arithmetic on them.
+// Raw 16-bit and 8-bit storage types: the kernels never do arithmetic on them.
 struct kv_bf16 { u16 bits; };
 struct kv_f16 { u16 bits; };
+struct kv_e4m3 { u8 bits; };  // float8_e4m3fn: bias 7, no inf, NaN = S.1111.111, max 448
+struct kv_e5m2 { u8 bits; };  // float8_e5m2: bias 15, IEEE-like inf/NaN, max 57344
 
-// 16 bytes, loaded and stored as one ld/st.global.v4.u32.
+// 16 bytes, loaded and stored as one ld/st.global.v4.u32; 8 bytes as one .v2.u32.
 struct __align__(16) Vec16 { u32 x, y, z, w; };
+struct __align__(8) Vec8 { u32 x, y; };
+
+template <class A, class B> struct kv_same { static constexpr bool value = false; };
+template <class A> struct kv_same<A, A> { static constexpr bool value = true; };
+
+// Io<T>::type: the dtype of queries and outputs of a cache of storage type T (fp32 for fp8).
+template <class T> struct Io { typedef T type; };
+template <> struct Io<kv_e4m3> { typedef float type; };
+template <> struct Io<kv_e5m2> { typedef float type; };
 
 __host__ __device__ constexpr int kv_pow2_ceil(int n) { return n <= 1 ? 1 : 2 * kv_pow2_ceil((n + 1) / 2); }
 __host__ __device__ constexpr int kv_min(int a, int b) { return a < b ? a : b; }
@@ -62,11 +78,57 @@ __device__ __forceinline__ u32 kv_f2bf(float f) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
-// Elem<T>: elements per 16-byte chunk, unpack a chunk to fp32, pack fp32 to a chunk,
-// store one element.
+// fp8 <-> fp32, by bit manipulation (no float denormal is ever formed, so FTZ
+// settings cannot change a result). Format: M mantissa bits, exponent bias B.
+//
+// Decode: placing the byte's exponent and mantissa fields under the fp32 ones and
+// adding 127 - B to the exponent gives (1 + m / 2^M) * 2^(e - B) for e >= 1. A
+// subnormal (e = 0) is m / 2^M * 2^(1 - B): read as e = 1, that is 2^(1 - B) too
+// much, subtracted exactly. The all-ones patterns are NaN (e4m3fn: S.1111.111;
+// e5m2: exponent 31, m != 0) or inf (e5m2, m = 0).
+template <int M, int B, bool IEEE>
+__device__ __forceinline__ float kv_fp8_to_f32(u32 byte) {
+  const u32 mag = byte & 0x7fu, e = mag >> M;
+  const u32 normal = (mag << (23 - M)) + ((u32)(127 - B) << 23);
+  const float f = e != 0u ? __uint_as_float(normal)
+                          : __uint_as_float(normal + (1u << 23)) -
+                                __uint_as_float((u32)(128 - B) << 23);  // - 2^(1 - B)
+  u32 bits = __float_as_uint(f);
+  if (IEEE ? e == (1u << (8 - 1 - M)) - 1u : mag == 0x7fu) {
+    bits = (IEEE && (mag & ((1u << M) - 1u)) == 0u) ? 0x7f800000u : 0x7fc00000u;
+  }
+  return __uint_as_float(bits | ((byte & 0x80u) << 24));
+}
+
+// Encode, round to nearest even; the caller has saturated |f| to the format's largest
+// finite value (so nothing overflows); NaN -> 0x7f | sign. Below the smallest normal
+// 2^(1 - B), adding 2^(1 - B - M + 23) (whose fp32 ulp is the fp8 subnormal step)
+// lets the fp32 adder round; above it, the mantissa is rounded by integer arithmetic
+// (the carry may move into the exponent: 1.111b rounds up to 10.00b).
+template <int M, int B>
+__device__ __forceinline__ u32 kv_f32_to_fp8(float f) {
+  u32 u = __float_as_uint(f);
+  const u32 sign = (u >> 24) & 0x80u;
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7fu;
+  u32 r;
+  if (u < ((u32)(128 - B) << 23)) {
+    const u32 magic = (u32)(128 - B - M + 23) << 23;
+    r = __float_as_uint(__uint_as_float(u) + __uint_as_float(magic)) - magic;
+  } else {
+    const u32 odd = (u >> (23 - M)) & 1u;
+    u += ((u32)(B - 127) << 23) + ((1u << (22 - M)) - 1u) + odd;
+    r = u >> (23 - M);
+  }
+  return sign | r;
+}
+
+// Elem<T>: elements per wide chunk (Wide: 16 bytes, 8 for fp8), unpack a chunk to fp32,
+// pack fp32 to a chunk, store one element, convert one raw element.
 template <class T> struct Elem;
 
 template <> struct Elem<float> {
+  typedef Vec16 Wide;
   static constexpr int kVec = 4;
   __device__ static void unpack(const Vec16& r, float* f) {
     f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y);
@@ -83,6 +145,7 @@ template <> struct Elem<float> {
 };
 
 template <> struct Elem<kv_bf16> {
+  typedef Vec16 Wide;
   static constexpr int kVec = 8;
   // little endian: element 2i is the low half of word i; bf16 -> fp32 is a 16-bit shift.
   __device__ static void unpack_word(u32 w, float* f) {
@@ -103,6 +166,7 @@ template <> struct Elem<kv_bf16> {
 };
 
 template <> struct Elem<kv_f16> {
+  typedef Vec16 Wide;
   static constexpr int kVec = 8;
   __device__ static void unpack_word(u32 w, float* f) {
     f[0] = kv_h2f((u16)(w & 0xffffu));
@@ -121,6 +185,27 @@ template <> struct Elem<kv_f16> {
   __device__ static float to_float(u32 raw) { return kv_h2f((u16)raw); }
 };
 
+// fp8 pages are read, never written, by the attention kernels (write_kv_fp8 in
+// cache_ops.cu quantizes). A wide chunk is 8 bytes, so that a lane holds as many
+// elements of a row (kE) as with 16-byte chunks of a 16-bit dtype: the same registers.
+template <int M, int B, bool IEEE> struct Fp8Elem {
+  typedef Vec8 Wide;
+  static constexpr int kVec = 8;
+  __device__ static void unpack_word(u32 w, float* f) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = kv_fp8_to_f32<M, B, IEEE>((w >> (8 * i)) & 0xffu);
+  }
+  __device__ static void unpack(const Vec8& r, float* f) { unpack_word(r.x, f); unpack_word(r.y, f + 4); }
+  __device__ static float to_float(u32 raw) { return kv_fp8_to_f32<M, B, IEEE>(raw); }
+  __device__ static u32 from_float(float f) { return kv_f32_to_fp8<M, B>(f); }
+};
+template <> struct Elem<kv_e4m3> : Fp8Elem<3, 7, false> {
+  static constexpr float kMax = 448.f;
+};
+template <> struct Elem<kv_e5m2> : Fp8Elem<2, 15, true> {
+  static constexpr float kMax = 57344.f;
+};
+
 // Chunk<T, WIDE>: the unit a lane loads. WIDE: 16 bytes (kVec = 16 / sizeof(T)
 // elements, one vector load) -- needs 16-byte aligned rows. Not WIDE: one element,
 // for cache views whose base or strides are not multiples of 16 bytes (e.g. a slice
@@ -128,13 +213,14 @@ template <> struct Elem<kv_f16> {
 template <class T, bool WIDE> struct Chunk;
 
 template <class T> struct Chunk<T, true> {
+  typedef typename Elem<T>::Wide W;
   static constexpr int kVec = Elem<T>::kVec;
-  Vec16 raw;
-  __device__ __forceinline__ void zero() { raw = Vec16{0u, 0u, 0u, 0u}; }
-  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const Vec16*>(p); }
+  W raw;
+  __device__ __forceinline__ void zero() { raw = W{}; }
+  __device__ __forceinline__ void load(const T* p) { raw = *reinterpret_cast<const W*>(p); }
   __device__ __forceinline__ void unpack(float* f) const { Elem<T>::unpack(raw, f); }
   __device__ __forceinline__ static void store(T* p, const float* f) {
-    *reinterpret_cast<Vec16*>(p) = Elem<T>::pack(f);
+    *reinterpret_cast<W*>(p) = Elem<T>::pack(f);
   }
 };
 
@@ -145,8 +231,10 @@ template <class T> struct Chunk<T, false> {
   __device__ __forceinline__ void load(const T* p) {
     if constexpr (sizeof(T) == 4) {
       raw = *reinterpret_cast<const u32*>(p);
-    } else {
+    } else if constexpr (sizeof(T) == 2) {
       raw = *reinterpret_cast<const u16*>(p);
+    } else {
+      raw = *reinterpret_cast<const u8*>(p);
     }
   }
   __device__ __forceinline__ void unpack(float* f) const { f[0] = Elem<T>::to_float(raw); }
@@ -180,19 +268,25 @@ template <class T, int D, bool WIDE> struct Geo {
   static constexpr int kBlock = kRows * kUnroll;  // tokens per warp per loop step
 };
 
-// Load the lane's share of a [*, D] row of fp32-converted values, times `mult`;
-// chunks past D are zero.
-template <class T, int D, bool WIDE>
-__device__ __forceinline__ void kv_load_row(const T* row, int c, float mult, float* out) {
+// Load the lane's share (in the geometry of a T row) of a [*, D] row of Q = T or, for
+// fp8 caches, Q = float (Io<T>), as fp32 values times `mult`; chunks past D are zero.
+template <class T, int D, bool WIDE, class Q>
+__device__ __forceinline__ void kv_load_row(const Q* row, int c, float mult, float* out) {
   typedef Geo<T, D, WIDE> G_;
 #pragma unroll
   for (int k = 0; k < G_::kCpl; ++k) {
     const int ch = c + k * G_::kLanes;
     float f[G_::kVec];
     if (ch < G_::kChunks) {
-      typename G_::Ch chunk;
-      chunk.load(row + ch * G_::kVec);
-      chunk.unpack(f);
+      if constexpr (kv_same<Q, T>::value) {
+        typename G_::Ch chunk;
+        chunk.load(row + ch * G_::kVec);
+        chunk.unpack(f);
+      } else {
+        static_assert(kv_same<Q, float>::value, "a query is T or fp32");
+#pragma unroll
+        for (int e = 0; e < G_::kVec; ++e) f[e] = row[ch * G_::kVec + e];
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < G_::kVec; ++e) f[e] = 0.f;
@@ -202,9 +296,10 @@ __device__ __forceinline__ void kv_load_row(const T* row, int c, float mult, flo
   }
 }
 
-// Store the lane's share of a row: acc * inv (rounded to T).
-template <class T, int D, bool WIDE>
-__device__ __forceinline__ void kv_store_row(T* row, int c, const float* acc, float inv) {
+// Store the lane's share (geometry of a T row) of an output row of O = Io<T>:
+// acc * inv (rounded to O).
+template <class T, int D, bool WIDE, class O>
+__device__ __forceinline__ void kv_store_row(O* row, int c, const float* acc, float inv) {
   typedef Geo<T, D, WIDE> G_;
 #pragma unroll
   for (int k = 0; k < G_::kCpl; ++k) {
@@ -213,7 +308,12 @@ __device__ __forceinline__ void kv_store_row(T* row, int c, const float* acc, fl
       float f[G_::kVec];
 #pragma unroll
       for (int e = 0; e < G_::kVec; ++e) f[e] = acc[k * G_::kVec + e] * inv;
-      G_::Ch::store(row + ch * G_::kVec, f);
+      if constexpr (kv_same<O, T>::value) {
+        G_::Ch::store(row + ch * G_::kVec, f);
+      } else {
+#pragma unroll
+        for (int e = 0; e < G_::kVec; ++e) row[ch * G_::kVec + e] = f[e];
+      }
     }
   }
 }
@@ -223,8 +323,8 @@ __device__ __forceinline__ void kv_store_row(T* row, int c, const float* acc, fl
 // row's first head ([Hq, D], contiguous). One helper for both kernels: measured with
 // nvcc for sm_90, no instantiation takes more registers than with a loop of its own
 // in each kernel (21 decode variants take fewer), and none spills.
-template <class T, int D, int NG, bool WIDE>
-__device__ __forceinline__ void kv_load_group(const T* q_row, int kv_head, int group, int h0,
+template <class T, int D, int NG, bool WIDE, class Q>
+__device__ __forceinline__ void kv_load_group(const Q* q_row, int kv_head, int group, int h0,
                                               int c, float mult,
                                               float (&q)[NG][Geo<T, D, WIDE>::kE]) {
 #pragma unroll
@@ -300,7 +400,7 @@ template <class T> struct PagedSeq {
 };
 
 // The attention loop of one warp: for its NG query heads (q already scaled by
-// scale * log2(e), lane share only), fold the tokens
+// scale * k_scale * log2(e), lane share only), fold the tokens
 //
 //   t = t0 + first + i * step + u * kRows + row      (i = 0, 1, ...; u < kUnroll)
 //
@@ -308,7 +408,11 @@ template <class T> struct PagedSeq {
 // kBlock = kRows * kUnroll consecutive tokens; `first`/`step` let several warps of a
 // CTA interleave blocks (decode) or one warp walk all of them (prefill). The loop
 // bound is warp-uniform, so every shuffle runs with the full warp; tokens >= t_end
-// are neither loaded nor counted (their slots may hold NaN).
+// are neither loaded nor counted (their slots may hold NaN), nor are their pages'
+// block-table entries read (a window's released pages, see decode.cu).
+//
+// Soft-capping (cap_log2 = cap * log2(e) > 0; 0 = off): a score s (log2 units) becomes
+// cap_log2 * tanh(s / cap_log2), i.e. cap * tanh(logit / cap) in natural units.
 //
 // Per block: issue all K and V loads (2 * kUnroll * kCpl chunks per lane), then the
 // next block's page ids (so that its K/V loads never wait on a block-table read),
@@ -316,13 +420,14 @@ template <class T> struct PagedSeq {
 // one max/rescale per head for the whole block and the p * V accumulation.
 template <class T, int D, int NG, bool WIDE>
 __device__ __forceinline__ void attend_tokens(
-    const PagedSeq<T>& seq, int t0, int t_end, int first, int step,
+    const PagedSeq<T>& seq, int t0, int t_end, int first, int step, float cap_log2,
     const float (&q)[NG][Geo<T, D, WIDE>::kE], Softmax<NG, Geo<T, D, WIDE>::kE>& st) {
   typedef Geo<T, D, WIDE> G_;
   constexpr int U = G_::kUnroll, C = G_::kCpl, E = G_::kE, V = G_::kVec;
   const int lane = threadIdx.x & 31;
   const int row = lane / G_::kLanes, c = lane % G_::kLanes;
   static_assert(G_::kBlock <= 32, "one lane per token of a block holds its page id");
+  const float inv_cap = cap_log2 > 0.f ? 1.f / cap_log2 : 0.f;
   // Page ids run one block ahead, one register per lane: lane j < kBlock holds the id
   // of token j of the block to come (0 past t_end); a row gets its id by shuffle.
   int ahead_t = t0 + first + lane;
@@ -369,6 +474,7 @@ __device__ __forceinline__ void attend_tokens(
         for (int e = 0; e < E; ++e) dot = fmaf(q[h][e], kf[e], dot);
 #pragma unroll
         for (int o = G_::kLanes / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (cap_log2 > 0.f) dot = cap_log2 * tanhf(dot * inv_cap);
         s[u][h] = valid[u] ? dot : kv_neg_inf();
       }
     }
@@ -407,3 +513,16 @@ __device__ __forceinline__ void merge_rows(Softmax<NG, Geo<T, D, WIDE>::kE>& st)
 #pragma unroll
   for (int o = Geo<T, D, WIDE>::kLanes; o < 32; o <<= 1) st.merge_xor(o);
 }
+
+// A sink (gpt-oss): one logit per query head, `sink_log2` (log2 units), that joins the
+// softmax denominator only. Given a state (m, l) over the tokens, returns the factor f
+// with out = acc * f: 2^(m - m') / (l * 2^(m - m') + 2^(sink_log2 - m')), m' = max(m, sink).
+// Without a sink (sinks == nullptr at the call) the factor is 1 / l (0 for l = 0).
+__device__ __forceinline__ float kv_norm_with_sink(float m, float l, bool has_sink, float sink_log2) {
+  if (!has_sink) return l > 0.f ? 1.f / l : 0.f;
+  const float mn = fmaxf(m, sink_log2);
+  const float f = kv_exp2(m - mn);
+  return f / (l * f + kv_exp2(sink_log2 - mn));
+}
+
+#define KV_LOG2E 1.4426950408889634f

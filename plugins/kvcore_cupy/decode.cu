@@ -6,7 +6,20 @@
 //   sequence b = blockIdx.x,
 //   kv head    = blockIdx.y / n_chunks, and the query heads
 //                kv_head * group + (blockIdx.y % n_chunks) * NG + [0, NG)  (those < group),
-//   tokens     [split * split_len, min((split + 1) * split_len, seq_len)).
+//   tokens     [lo + split * split_len, min(lo + (split + 1) * split_len, seq_len)),
+//
+// lo = max(0, seq_len - 1 - window_left) with a sliding window (window_left >= 0),
+// else 0: the query (position seq_len - 1) attends its last window_left + 1 tokens,
+// and the pages before `lo` are never touched -- not even their block-table entries,
+// which a hybrid engine may have released (-1 or anything). The host plans the splits
+// over min(max_seq_len, window_left + 1) tokens.
+//
+// fp8 caches (T = kv_e4m3 / kv_e5m2): query and output are fp32 (Io<T>); the host folds
+// k_scale into scale_log2 and passes v_scale as out_mult (dequantize-then-attend,
+// reordered: both scales are per layer). Soft-capping (cap_log2) is applied to each
+// score in attend_tokens (common.cuh); sinks (one logit per query head, natural
+// units, or null) join the denominator where the final output is normalised: here
+// with one split, in decode_merge with several.
 //
 // GQA: the NG query heads of one kv head sit in the same CTA, so each K/V row is
 // loaded once (16-byte vector loads along D when WIDE, see common.cuh) and used NG
@@ -39,7 +52,7 @@
 
 template <class T, int D, int NG, bool WIDE>
 __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) decode_partial(
-    const T* __restrict__ query,        // [B, Hq, D], contiguous
+    const typename Io<T>::type* __restrict__ query,  // [B, Hq, D], contiguous
     const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
     i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements
     const i32* __restrict__ block_table, i64 table_stride,            // [B, max_pages]
@@ -48,7 +61,11 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) deco
     float scale_log2,                   // scale * log2(e)
     u32 page_size, u32 ps_mul, u32 ps_shift,
     int split_len, int num_splits,      // split_len: tokens per split
-    T* __restrict__ out,                // [B, Hq, D] (num_splits == 1)
+    int window_left,                    // tokens; -1: no window
+    float cap_log2,                     // soft cap * log2(e); 0: off
+    const float* __restrict__ sinks,    // [Hq] sink logits, or null
+    float out_mult,                     // v_scale (1 unless fp8)
+    typename Io<T>::type* __restrict__ out,  // [B, Hq, D] (num_splits == 1)
     float* __restrict__ part_out,       // [B, Hq, num_splits, D] (num_splits > 1)
     float* __restrict__ part_lse) {     // [B, Hq, num_splits]
   typedef Geo<T, D, WIDE> G_;
@@ -61,7 +78,8 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) deco
   const int c = lane % G_::kLanes;
 
   const int seq_len = seq_lens[b];
-  const int t0 = split * split_len;
+  const int lo = window_left >= 0 ? max(0, seq_len - 1 - window_left) : 0;
+  const int t0 = lo + split * split_len;
   const int t_end = min(t0 + split_len, seq_len);
 
   float q[NG][E];
@@ -74,7 +92,8 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) deco
 
   Softmax<NG, E> st;
   st.init();
-  attend_tokens<T, D, NG, WIDE>(seq, t0, t_end, warp * G_::kBlock, KV_DECODE_WARPS * G_::kBlock, q, st);
+  attend_tokens<T, D, NG, WIDE>(seq, t0, t_end, warp * G_::kBlock, KV_DECODE_WARPS * G_::kBlock,
+                                cap_log2, q, st);
   merge_rows<T, D, NG, WIDE>(st);
 
   // merge the warps: each writes its state, then the CTA combines element-wise
@@ -111,31 +130,38 @@ __global__ void __launch_bounds__(KV_DECODE_WARPS * 32, KV_DECODE_MIN_CTAS) deco
       l += sm_l[w][h] * f;
       a += sm_acc[w][h][d] * f;
     }
-    const i64 row = (i64)b * num_q_heads + kv_head * group + h0 + h;  // [B, Hq] row
-    const float o = l > 0.f ? a / l : 0.f;
+    const int qh = kv_head * group + h0 + h;
+    const i64 row = (i64)b * num_q_heads + qh;  // [B, Hq] row
     if (num_splits == 1) {
-      Elem<T>::store(out + row * D + d, o);
+      const float sink = sinks != nullptr ? sinks[qh] * KV_LOG2E : 0.f;
+      const float o = a * kv_norm_with_sink(mx, l, sinks != nullptr, sink) * out_mult;
+      Elem<typename Io<T>::type>::store(out + row * D + d, o);
     } else {
-      part_out[(row * num_splits + split) * D + d] = o;
+      part_out[(row * num_splits + split) * D + d] = l > 0.f ? a / l * out_mult : 0.f;
       if (d == 0) part_lse[row * num_splits + split] = l > 0.f ? mx + log2f(l) : kv_neg_inf();
     }
   }
 }
 
-// Combine the splits of one (b, h) row per CTA: out[row, d] in the cache dtype.
-// A row whose splits are all empty (cannot happen for seq_len >= 1) gets zeros.
+// Combine the splits of one (b, h) row per CTA: out[row, d] in the output dtype T
+// (Io of the cache's). A sink (log-sum-exp sinks[h] * log2(e), no value row) joins
+// as one more term of the denominator. A row whose splits are all empty and that has
+// no sink (cannot happen for seq_len >= 1) gets zeros.
 template <class T>
 __global__ void __launch_bounds__(128) decode_merge(
     const float* __restrict__ part_out,  // [rows, num_splits, D]
     const float* __restrict__ part_lse,  // [rows, num_splits]
     int num_splits, int head_dim,
+    const float* __restrict__ sinks,     // [Hq], or null
+    int num_q_heads,
     T* __restrict__ out) {               // [rows, D], contiguous
   const i64 row = blockIdx.x;
   const float* lse = part_lse + row * num_splits;
-  float mx = kv_neg_inf();
+  const float sink = sinks != nullptr ? sinks[row % num_q_heads] * KV_LOG2E : kv_neg_inf();
+  float mx = sink;
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, lse[s]);
   const bool empty = mx == kv_neg_inf();
-  float den = 0.f;
+  float den = empty || sinks == nullptr ? 0.f : kv_exp2(sink - mx);
   for (int s = 0; s < num_splits; ++s) den += empty ? 0.f : kv_exp2(lse[s] - mx);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     float num = 0.f;

@@ -9,13 +9,16 @@ Templates (see the ``.cu`` headers):
 * ``decode_partial<T, D, NG, WIDE>`` and ``prefill<T, D, NG, WIDE>`` in decode.cu /
   prefill.cu,
 * ``decode_merge<T>`` in decode.cu,
-* ``write_kv<CB>`` and ``copy_pages<CB>`` (dtype-free byte copies) in cache_ops.cu,
+* ``write_kv<CB>`` and ``copy_pages<CB>`` (dtype-free byte copies) and
+  ``write_kv_fp8<T>`` (quantizing fp32 key/value into an fp8 cache) in cache_ops.cu,
 
-with ``T`` the storage type (``float``, or the raw 16-bit ``kv_f16`` /
-``kv_bf16``), ``D`` the head dim in elements, ``NG`` the number of query heads
+with ``T`` the storage type (``float``, the raw 16-bit ``kv_f16`` / ``kv_bf16``
+or the raw 8-bit ``kv_e4m3`` / ``kv_e5m2``, whose queries and outputs are fp32),
+``D`` the head dim in elements, ``NG`` the number of query heads
 of one kv head that a CTA (decode) or warp (prefill) handles together, ``WIDE``
-whether K/V rows are read in 16-byte vectors (aligned cache views) or one
-element at a time, and ``CB`` the bytes one thread copies (16, 8, 4 or 2).
+whether K/V rows are read in 16-byte vectors (8-byte for fp8; aligned cache
+views) or one element at a time, and ``CB`` the bytes one thread copies (16, 8,
+4, 2 or 1).
 """
 
 from __future__ import annotations
@@ -25,7 +28,19 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent
 
 #: torch dtype name -> the kernels' storage type
-C_TYPES: dict[str, str] = {"float32": "float", "float16": "kv_f16", "bfloat16": "kv_bf16"}
+C_TYPES: dict[str, str] = {
+    "float32": "float",
+    "float16": "kv_f16",
+    "bfloat16": "kv_bf16",
+    "float8_e4m3fn": "kv_e4m3",
+    "float8_e5m2": "kv_e5m2",
+}
+#: fp8 cache dtypes: their queries and outputs are fp32 (the host converts), K/V are
+#: dequantized on load (times k_scale / v_scale) and write_kv_fp8 quantizes
+FP8_DTYPES: frozenset[str] = frozenset({"float8_e4m3fn", "float8_e5m2"})
+#: the kvcore.backend.FEATURES these kernels compute (see the .cu headers): fp8 caches,
+#: sliding windows, soft-capping, sinks. Not "mla" (the package docstring says why).
+FEATURES: frozenset[str] = frozenset({"fp8", "window", "soft_cap", "sinks"})
 #: head dims (elements) with a compiled instantiation; each row is a whole number of
 #: 16-byte chunks for every dtype
 HEAD_DIMS: tuple[int, ...] = (64, 80, 96, 128, 256)
@@ -35,10 +50,11 @@ GROUP_TILES: tuple[int, ...] = (1, 2, 4)
 
 ATTENTION_FILES: tuple[str, ...] = ("decode.cu", "prefill.cu")
 CACHE_OPS_FILE = "cache_ops.cu"
-#: bytes one thread of write_kv / copy_pages moves, widest first
-COPY_CHUNK_BYTES: tuple[int, ...] = (16, 8, 4, 2)
-CACHE_OPS_KERNELS: tuple[str, ...] = tuple(
-    f"{kernel}<{cb}>" for kernel in ("write_kv", "copy_pages") for cb in COPY_CHUNK_BYTES
+#: bytes one thread of write_kv / copy_pages moves, widest first (1: fp8 views only)
+COPY_CHUNK_BYTES: tuple[int, ...] = (16, 8, 4, 2, 1)
+CACHE_OPS_KERNELS: tuple[str, ...] = (
+    *(f"{kernel}<{cb}>" for kernel in ("write_kv", "copy_pages") for cb in COPY_CHUNK_BYTES),
+    *(f"write_kv_fp8<{C_TYPES[dtype]}>" for dtype in sorted(FP8_DTYPES)),
 )
 ALL_FILES: tuple[str, ...] = (*ATTENTION_FILES, CACHE_OPS_FILE)
 
@@ -52,11 +68,16 @@ def decode_partial_name(dtype: str, head_dim: int, group_tile: int, wide: bool) 
 
 
 def decode_merge_name(dtype: str) -> str:
-    return f"decode_merge<{C_TYPES[dtype]}>"
+    """The merge writes the output dtype: the cache's, fp32 for an fp8 cache."""
+    return f"decode_merge<{'float' if dtype in FP8_DTYPES else C_TYPES[dtype]}>"
 
 
 def prefill_name(dtype: str, head_dim: int, group_tile: int, wide: bool) -> str:
     return f"prefill<{C_TYPES[dtype]}, {head_dim}, {group_tile}, {_flag(wide)}>"
+
+
+def write_fp8_name(dtype: str) -> str:
+    return f"write_kv_fp8<{C_TYPES[dtype]}>"
 
 
 def copy_name(kernel: str, chunk_bytes: int) -> str:

@@ -16,6 +16,12 @@
 // (mostly), so they walk the same K/V rows at about the same time and share them
 // through L1/L2. CUDA cores only (no tensor cores): this kernel is correct and
 // memory-friendly, not a FlashAttention-class prefill.
+//
+// Options, as in decode.cu: a sliding window (window_left >= 0) starts query i's loop
+// at max(0, p - window_left), p = seq_len - q_len + i its position, so the pages
+// before it are never touched (nor their block-table entries); soft-capping per score
+// (cap_log2); sinks (or null) in the final normalisation; fp8 caches with fp32 query
+// and output, k_scale folded into scale_log2 and v_scale passed as out_mult.
 #include "common.cuh"
 
 #define KV_PREFILL_WARPS 4
@@ -27,7 +33,7 @@
 
 template <class T, int D, int NG, bool WIDE>
 __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) prefill(
-    const T* __restrict__ query,        // [total_q, Hq, D], contiguous
+    const typename Io<T>::type* __restrict__ query,  // [total_q, Hq, D], contiguous
     const T* __restrict__ cache,        // [num_pages, 2, page_size, Hkv, D], strided
     i64 stride_page, i64 stride_kv, i64 stride_tok, i64 stride_head,  // elements
     const i32* __restrict__ block_table, i64 table_stride,            // [B, max_pages]
@@ -37,7 +43,11 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) pr
     int num_q_heads, int group, int n_chunks,
     float scale_log2,                      // scale * log2(e)
     u32 page_size, u32 ps_mul, u32 ps_shift,
-    T* __restrict__ out) {                 // [total_q, Hq, D], contiguous
+    int window_left,                       // tokens; -1: no window
+    float cap_log2,                        // soft cap * log2(e); 0: off
+    const float* __restrict__ sinks,       // [Hq] sink logits, or null
+    float out_mult,                        // v_scale (1 unless fp8)
+    typename Io<T>::type* __restrict__ out) {  // [total_q, Hq, D], contiguous
   typedef Geo<T, D, WIDE> G_;
   constexpr int E = G_::kE;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -57,7 +67,8 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) pr
   const int b = lo;
   const int q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b];
   const int i = qrow - cu_seqlens_q[b];
-  const int t_end = seq_lens[b] - q_len + i + 1;  // tokens 0 .. t_end - 1
+  const int t_end = seq_lens[b] - q_len + i + 1;  // tokens t_lo .. t_end - 1
+  const int t_lo = window_left >= 0 ? max(0, t_end - 1 - window_left) : 0;
 
   float q[NG][E];
   kv_load_group<T, D, NG, WIDE>(query + (i64)qrow * num_q_heads * D, kv_head, group, h0, c,
@@ -69,7 +80,7 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) pr
 
   Softmax<NG, E> st;
   st.init();
-  attend_tokens<T, D, NG, WIDE>(seq, 0, t_end, 0, G_::kBlock, q, st);
+  attend_tokens<T, D, NG, WIDE>(seq, t_lo, t_end, 0, G_::kBlock, cap_log2, q, st);
   merge_rows<T, D, NG, WIDE>(st);
 
   if (row == 0) {
@@ -77,7 +88,8 @@ __global__ void __launch_bounds__(KV_PREFILL_WARPS * 32, KV_PREFILL_MIN_CTAS) pr
     for (int h = 0; h < NG; ++h) {
       if (h0 + h < group) {
         const int qh = kv_head * group + h0 + h;
-        const float inv = st.l[h] > 0.f ? 1.f / st.l[h] : 0.f;
+        const float sink = sinks != nullptr ? sinks[qh] * KV_LOG2E : 0.f;
+        const float inv = kv_norm_with_sink(st.m[h], st.l[h], sinks != nullptr, sink) * out_mult;
         kv_store_row<T, D, WIDE>(out + ((i64)qrow * num_q_heads + qh) * D, c, st.acc[h], inv);
       }
     }

@@ -154,6 +154,7 @@ class EmulatedCupyBackend(CupyBackend):
         dtypes=CupyBackend.capabilities.dtypes,
         head_dims=CupyBackend.capabilities.head_dims,
         page_sizes=None,
+        features=CupyBackend.capabilities.features,
     )
 
     def __init__(self, *, num_sms: int = 8, split_min: int = 16, split_align: int = 8) -> None:

@@ -54,9 +54,11 @@ inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); r
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 using std::fmaf;
 using std::fmaxf;
 using std::log2f;
+using ::tanhf;
 
 inline float kv_exp2(float x) { return std::exp2(x); }
 inline float kv_h2f(unsigned short h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
