@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,3 +87,30 @@ def held(client: Client) -> tuple[int, int]:
     """(live sequences, held pages) of the client's pool."""
     stats = client.stats()
     return stats.num_sequences, stats.held_pages
+
+
+ENGINE = r"""
+import json, sys, torch
+from kvcore import Client
+from kvcore.demo_model import *  # the spec's class, by its repr
+from kvcore.integrations.transformers import KVCoreCache
+spec, endpoint, prompt, new = eval(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(1)
+model = spec.build()
+ids = torch.tensor([prompt])
+with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache, torch.no_grad():
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    print(json.dumps({"cached": cache.num_cached_tokens, "tokens": out[0, len(prompt):].tolist()}))
+"""
+
+
+def engine_process(spec: TinyLlama, endpoint: str, prompt: list[int], new: int) -> dict[str, Any]:
+    """One greedy generate of ``spec``'s model (any kvcore.demo_model spec) on a
+    KVCoreCache, in an engine process of its own: ``cached`` (prompt tokens served
+    from the pool) and the new ``tokens``."""
+    argv = [sys.executable, "-c", ENGINE, repr(spec), endpoint, json.dumps(prompt), str(new)]
+    result: dict[str, Any] = json.loads(
+        subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    )
+    return result

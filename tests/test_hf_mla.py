@@ -11,15 +11,12 @@ the latent expanded per head) generates.
 
 from __future__ import annotations
 
-import json
 import secrets
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_helpers import SMALL, reference
+from hf_helpers import SMALL, engine_process, reference
 
 from kvcore import Client, KVLayout
 from kvcore.daemon_process import DaemonProcess
@@ -31,21 +28,6 @@ PAGE = 16
 SPEC = TinyDeepseekV2(num_layers=2)  # latent of 64 + 32 = 96 elements per token and layer
 SYSTEM = SPEC.prompt(3 * PAGE, seed=11)  # 3 full pages
 NEW = 8
-
-ENGINE = r"""
-import json, sys, torch
-from kvcore import Client
-from kvcore.demo_model import TinyDeepseekV2
-from kvcore.integrations.transformers import KVCoreCache
-spec, endpoint, prompt, new = eval(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-torch.set_num_threads(1)
-model = spec.build()
-ids = torch.tensor([prompt])
-with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache, torch.no_grad():
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    print(json.dumps({"cached": cache.num_cached_tokens, "tokens": out[0, len(prompt):].tolist()}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +41,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(endpoint: str) -> None:
     first = SYSTEM + SPEC.prompt(7, seed=1)
-    argv = [sys.executable, "-c", ENGINE, repr(SPEC), endpoint, json.dumps(first), str(NEW)]
-    a = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    a = engine_process(SPEC, endpoint, first, NEW)
     model = SPEC.build()
     assert a["cached"] == 0
     assert a["tokens"] == reference(model, [first], NEW)[0].tolist()

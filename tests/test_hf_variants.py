@@ -14,14 +14,11 @@ window (24 tokens) starts mid-page (pages of 16) for every query past the first 
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_helpers import reference
+from hf_helpers import engine_process, reference
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
@@ -36,21 +33,6 @@ MODELS: dict[str, TinyLlama] = {
 }
 SYSTEM = TinyLlama().prompt(3 * PAGE, seed=11)  # 3 full pages, twice the window
 NEW = 8
-
-ENGINE = r"""
-import json, sys, torch
-from kvcore import Client
-from kvcore.demo_model import TinyGemma2, TinyGemma3, TinyGptOss
-from kvcore.integrations.transformers import KVCoreCache
-spec, endpoint, prompt, new = eval(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-torch.set_num_threads(1)
-model = spec.build()
-ids = torch.tensor([prompt])
-with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache, torch.no_grad():
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                         max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    print(json.dumps({"cached": cache.num_cached_tokens, "tokens": out[0, len(prompt):].tolist()}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +63,7 @@ def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(
 ) -> None:
     spec = MODELS[name]
     first = SYSTEM + spec.prompt(7, seed=1)
-    argv = [sys.executable, "-c", ENGINE, repr(spec), endpoint, json.dumps(first), str(NEW)]
-    a = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+    a = engine_process(spec, endpoint, first, NEW)
     model = spec.build()
     assert a["cached"] == 0
     assert a["tokens"] == reference(model, [first], NEW)[0].tolist()
