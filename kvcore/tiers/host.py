@@ -1,10 +1,11 @@
 """HostTier: daemon-owned host memory below a pool, a fixed number of page slots.
 
 One preallocated tensor ``[capacity_pages, num_layers, parts, page_size, H, D]``
-holds every entry; a slot is one page (``page_bytes`` bytes). Puts and gets
-are one ``index_copy_`` / ``index_select`` over the slots for the whole batch
-(float8 through uint8 views: bytes, as kvcore.tiers.transfer copies): no Python
-copy of bytes, no loop over layers.
+holds every entry; a slot is one page (``page_bytes`` bytes). A put is one
+``index_copy_`` over the slots for the whole batch (float8 through uint8 views:
+bytes, as kvcore.tiers.transfer copies); a get is one memmove per page
+(kvcore.tiers.transfer.take_rows), a promotion one per page and layer
+(promote_rows): no Python copy of bytes.
 
 Invariants (:meth:`HostTier.check_integrity`):
 
@@ -33,7 +34,7 @@ from kvcore.tiers.base import (
     check_pages,
     layout_fingerprint,
 )
-from kvcore.tiers.transfer import promote_rows, raw
+from kvcore.tiers.transfer import promote_rows, raw, take_rows
 
 if TYPE_CHECKING:
     import torch
@@ -90,15 +91,17 @@ class HostTier(LocalKeys):
         import torch
 
         slots = self._take(keys)
-        index = torch.tensor(slots, dtype=torch.int64)
         if out is None:
-            return self._slots.index_select(0, index)
-        if (
+            out = torch.empty((len(slots), *self._slots.shape[1:]), dtype=self._slots.dtype)
+        elif (
             out.shape[1:] != self._slots.shape[1:]
             or out.dtype != self._slots.dtype
             or len(out) < len(keys)
         ):
             raise BadRequest("out must be a batch of at least len(keys) pages of this layout")
+        if out.device.type == "cpu" and out.is_contiguous():
+            return take_rows(self._slots, slots, out)
+        index = torch.tensor(slots, dtype=torch.int64)
         return torch.index_select(self._slots, 0, index, out=out[: len(slots)])
 
     def promote(
