@@ -331,6 +331,9 @@ class Client:
     lookup = ops.lookup
     block_table = ops.block_table
     num_tokens = ops.num_tokens
+    allocate_pages = ops.allocate_pages
+    lookup_pages = ops.lookup_pages
+    commit_pages = ops.commit_pages
 
     def run_op(self, op: Operation[Any, T], request: msg.BatchOp) -> T:
         """One Manager operation over the wire: its result, as the Manager returns it."""
@@ -468,6 +471,9 @@ class Batch:
     lookup = Queued(ops.lookup)
     block_table = Queued(ops.block_table)
     num_tokens = Queued(ops.num_tokens)
+    allocate_pages = Queued(ops.allocate_pages)
+    lookup_pages = Queued(ops.lookup_pages)
+    commit_pages = Queued(ops.commit_pages)
 
     def __init__(self, client: Client) -> None:
         self._client = client

@@ -26,8 +26,11 @@ checked by :meth:`check_integrity` after every step of the conformance state mac
 * a page's refcount equals the number of block-table entries naming it;
 * no page is both free and referenced; every evictable page is indexed;
 * every block table has exactly ceil(num_tokens / page_size) pages;
-* the memos (the last key space's root, the last prompt's page keys) hold what
-  hashing would compute now.
+* the key-space memo holds the root hashing would compute now.
+
+Matching a prompt hashes nothing: the index finds each page by its parent key and
+its tokens (:attr:`~kvcore.prefix.PrefixIndex.by_content`), which name one key.
+Only commit and adopt (the pages they index) and plan (the pages after a hit) hash.
 
 Key spaces: a sequence's pages are keyed under the root of its
 :class:`~kvcore.prefix.KeySpace` (namespace, model, LoRA adapter, cache salt;
@@ -112,6 +115,7 @@ class Manager:
         self._index = PrefixIndex()
         self._entries = self._index.entries  # read only: the index writes them
         self._key_by_page = self._index.key_by_page  # read only, likewise
+        self._by_content = self._index.by_content  # read only, likewise
         self._seqs: dict[int, _Sequence] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -120,13 +124,15 @@ class Manager:
         # a caller that keeps evicted bytes (kvcore.daemon.tiering) must copy out of the
         # page before anyone writes into it again.
         self._evicted: list[tuple[PrefixKey, PageId]] | None = [] if record_evictions else None
-        # Memos of pure functions, so neither can change a result: the root key of
-        # the last key space; and the keys of the last prompt matched (root, token
-        # bytes, keys of its first pages, at most the pages a hit may cover),
-        # compared by bytes, never by identity (see _match).
+        # Memo of a pure function, so it cannot change a result: the last key space
+        # passed (kept only if every part is a str, so the same object means the same
+        # values), resolved, and its root key (see _resolve).
         default = KeySpace(DEFAULT_NAMESPACE)
-        self._root_memo: tuple[KeySpace, PrefixKey] = (default, root_key(default))
-        self._match_memo: tuple[PrefixKey, bytes, list[PrefixKey]] | None = None
+        self._space_memo: tuple[KeySpace, KeySpace, PrefixKey] = (
+            default,
+            default,
+            root_key(default),
+        )
 
     # -- operations -------------------------------------------------------------
 
@@ -147,8 +153,7 @@ class Manager:
         under it, its forks inherit it. OutOfPages if the pages do not fit;
         BadRequest if a key-space field is not a str of at most 256 UTF-8 bytes."""
         self.check_new(seq_id)
-        root = self._root(space)  # BadRequest for a bad key space
-        space = space.resolved()
+        space, root = self._resolve(space)  # BadRequest for a bad key space
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
         keys, hit_pages = self._match(
@@ -169,9 +174,12 @@ class Manager:
 
         If the sequence's last page is partly filled and shared (refcount > 1),
         the sequence gets a private copy first (copy-on-write)."""
-        seq = self._get(seq_id)
-        if not isinstance(num_tokens, int) or num_tokens.__class__ is bool or num_tokens < 0:
-            raise BadRequest(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        # The per-token path: exact ints skip the full checks of _get and _check_count.
+        seq = self._seqs.get(seq_id) if seq_id.__class__ is int else None
+        if seq is None:
+            seq = self._get(seq_id)
+        if num_tokens.__class__ is not int or num_tokens < 0:
+            _check_count("num_tokens", num_tokens)
         pages = seq.pages
         total = seq.num_tokens + num_tokens
         if total <= len(pages) * self._page_size and (
@@ -304,7 +312,7 @@ class Manager:
         brings pages up from them, as allocate does (kvcore.daemon.tiering): that
         changes which pages are cached and queues their events, never any sequence
         (docs/concepts.md, "Tiers")."""
-        root = self._root(space)
+        _, root = self._resolve(space)
         token_bytes = encode_tokens(tokens)
         limit = _hit_limit(len(token_bytes) // 4, self._page_size, compute_last)
         _, pages = self._match(root, token_bytes, limit)
@@ -330,7 +338,7 @@ class Manager:
         """The keys of ``tokens``' full pages that a hit may cover, how many lead
         indexed in the key space ``space``, and the room
         beside them (:class:`PrefixPlan`). Read-only, like :meth:`lookup`; hashes
-        every page a hit may cover."""
+        the pages a hit may cover after those indexed now."""
         root = self._root(space)
         token_bytes = encode_tokens(tokens)
         num_tokens = len(token_bytes) // 4
@@ -363,10 +371,9 @@ class Manager:
         changes nothing. The key space ``space`` is the lookup's; ``medium`` labels their stored events. OutOfPages if the pages do not fit beside the hit pages; BadRequest
         if the run reaches the last token (a hit never covers it).
         """
-        root = self._root(space)
+        space, root = self._resolve(space)
         token_bytes = encode_tokens(tokens)
-        if not isinstance(num_pages, int) or num_pages.__class__ is bool or num_pages < 0:
-            raise BadRequest(f"num_pages must be an int >= 0, got {num_pages!r}")
+        _check_count("num_pages", num_pages)
         max_pages = _hit_limit(len(token_bytes) // 4, self._page_size)
         keys, hit_pages = self._match(root, token_bytes, max_pages)
         if len(hit_pages) + num_pages > max_pages:
@@ -390,7 +397,7 @@ class Manager:
         self._pages.retain(hit_pages)  # so that the take below cannot evict them
         pages = self._pages.take(len(new), self._evict)
         chain_bytes = token_bytes[first * stride : (first + len(new)) * stride]
-        self._index.insert_chain(parent, new, pages, chain_bytes, space.resolved(), medium)
+        self._index.insert_chain(parent, new, pages, chain_bytes, space, medium)
         self._pages.release(reversed(hit_pages + pages), self._key_by_page)
         return list(pages)
 
@@ -455,15 +462,10 @@ class Manager:
             assert seq.root == root_key(seq.space), f"sequence {seq_id}: wrong root"
             references.update(seq.pages)
         self._pages.check_integrity(references, self._key_by_page)
-        self._index.check_integrity()
-        if self._match_memo is not None:
-            root, token_bytes, keys = self._match_memo
-            stride = 4 * self._page_size
-            assert keys == list(
-                chain_keys(root, token_bytes[: len(keys) * stride], self._page_size)
-            ), "the match memo holds keys of other tokens"
-        space, root = self._root_memo
-        assert root == root_key(space), "the root memo holds another key space's root"
+        self._index.check_integrity()  # which checks every key against its tokens
+        given, space, root = self._space_memo
+        assert given.resolved() == space, "the key-space memo resolves another space"
+        assert root == root_key(space), "the key-space memo holds another key space's root"
 
     # -- internals --------------------------------------------------------------
 
@@ -494,46 +496,22 @@ class Manager:
         self, root: PrefixKey, token_bytes: bytes, max_pages: int
     ) -> tuple[list[PrefixKey], list[PageId]]:
         """Keys and pages of the longest indexed run of leading full pages, at most
-        ``max_pages`` (:func:`_hit_limit`). Hashes one page past the match at most,
-        and none of the leading pages whose bytes equal the last call's (same root):
-        a lookup then an allocate of one prompt hash it once, and prompts that share
-        a system prefix reuse its keys."""
-        page_size = self._page_size
-        stride = 4 * page_size
-        memo = self._match_memo
-        if memo is not None and memo[0] == root and memo[1] == token_bytes:
-            known = memo[2]  # keys of this prompt's first pages, at most one past a match
-        else:
-            known = []
-            if memo is not None and memo[0] == root:  # keep the keys of equal leading pages
-                last, keys = memo[1], memo[2]
-                same = min(len(keys), max_pages)
-                if token_bytes[: same * stride] != last[: same * stride]:
-                    same = 0
-                    while (
-                        token_bytes[same * stride : (same + 1) * stride]
-                        == (last[same * stride : (same + 1) * stride])
-                    ):
-                        same += 1
-                known = keys[:same]
-            self._match_memo = (root, token_bytes, known)
-        get = self._entries.get
+        ``max_pages`` (:func:`_hit_limit`). Hashes nothing: page i is found by its
+        parent key (``root`` for page 0) and its token bytes, which name one key
+        (PrefixIndex.by_content), one dict look-up per page, one past the match."""
+        stride = 4 * self._page_size
+        get = self._by_content.get
+        keys: list[PrefixKey] = []
         pages: list[PageId] = []
-        for key in known[:max_pages]:
-            entry = get(key)
-            if entry is None:
-                return known[: len(pages)], pages
-            pages.append(entry.page)
-        parent = known[-1] if known else root
-        for i in range(len(known), max_pages):
-            key = page_key(parent, token_bytes[i * stride : (i + 1) * stride])
-            known.append(key)
-            entry = get(key)
+        parent = root
+        for at in range(0, max_pages * stride, stride):
+            entry = get((parent, token_bytes[at : at + stride]))
             if entry is None:
                 break
+            parent = entry.key
+            keys.append(parent)
             pages.append(entry.page)
-            parent = key
-        return known[: len(pages)], pages
+        return keys, pages
 
     def _room(self, hit_pages: list[PageId]) -> int:
         """Pages take() may hand out beside ``hit_pages``, which the caller pins first:
@@ -559,27 +537,151 @@ class Manager:
 
         Ids and counts are ints and not bools, tested as ``isinstance(x, int) and
         x.__class__ is not bool`` throughout (bool cannot be subclassed, so this is
-        ``not isinstance(x, bool)``, without a second call on the per-token path)."""
-        is_int = isinstance(seq_id, int) and seq_id.__class__ is not bool
-        seq = self._seqs.get(seq_id) if is_int else None
+        ``not isinstance(x, bool)``, without a second call), after the one test
+        ``x.__class__ is int``, which implies it (extend, the per-token path, inlines
+        that test)."""
+        if seq_id.__class__ is int:  # the common case, one test
+            seq = self._seqs.get(seq_id)
+        else:
+            is_int = isinstance(seq_id, int) and seq_id.__class__ is not bool
+            seq = self._seqs.get(seq_id) if is_int else None
         if seq is None:
             raise UnknownSequence(f"no live sequence {seq_id!r}")
         return seq
 
     def _root(self, space: KeySpace) -> PrefixKey:
-        """root_key(space), memoized for the last key space; BadRequest (from
-        root_key) unless each part is a str of at most 256 UTF-8 bytes."""
+        """root_key(space), memoized (:meth:`_resolve`)."""
+        return self._resolve(space)[1]
+
+    def _resolve(self, space: KeySpace) -> tuple[KeySpace, PrefixKey]:
+        """(``space`` with a None namespace resolved, its root key), memoized for the
+        last key space; BadRequest unless ``space`` is a KeySpace whose parts are strs
+        of at most 256 UTF-8 bytes (root_key checks them). The memo keeps a space
+        only if each part is an exact str, so the same object (a KeySpace is
+        immutable) has the same values and skips even the comparison."""
+        memo = self._space_memo
+        if space is memo[0]:
+            return memo[1], memo[2]
         if space.__class__ is not KeySpace:
             raise BadRequest(f"a key space must be a KeySpace, got {space!r}")
-        space = space.resolved()
-        memo = self._root_memo
-        if space != memo[0] or any(v.__class__ is not str for v in space):
-            root = root_key(space)  # raises for a part that is not a str
-            memo = self._root_memo = (space, root)
-        return memo[1]
+        resolved = space.resolved()
+        exact = all(part.__class__ is str for part in resolved)
+        root = memo[2] if exact and resolved == memo[1] else root_key(resolved)
+        if exact:
+            self._space_memo = (space, resolved, root)
+        return resolved, root
+
+    # -- one-page chains: a store of whole pages (SGLang's HiCache storage) ----------
+
+    def allocate_pages(
+        self, seq_id: int, tokens: Sequence[int], space: KeySpace = KeySpace()
+    ) -> PagesAllocation:
+        """Start sequence ``seq_id`` holding ``len(tokens) // page_size`` one-page chains:
+        page i of ``tokens`` is keyed as the first page of a prompt in the key space
+        ``space`` (its parent is the root, spec/hashing.md), not as page i - 1's
+        continuation. A page whose key is indexed is pinned (``hits[i]``: it holds that
+        page's K/V; read it, never write it); every other page gets a fresh page to
+        write and then publish with :meth:`commit_pages`. What as many one-page
+        allocates with ``compute_last=False`` would do, in one sequence (one ownership,
+        one quota entry, one free). OutOfPages if the fresh pages do not fit;
+        BadRequest unless ``tokens`` is whole pages, or for a bad key space."""
+        self.check_new(seq_id)
+        space, root = self._resolve(space)  # BadRequest for a bad key space
+        token_bytes = encode_tokens(tokens)
+        stride = 4 * self._page_size
+        if len(token_bytes) % stride:
+            raise BadRequest(
+                f"allocate_pages takes whole pages of {self._page_size} tokens, "
+                f"got {len(token_bytes) // 4}"
+            )
+        get = self._by_content.get  # (parent, page tokens) -> entry: no hashing
+        found = [
+            get((root, token_bytes[at : at + stride])) for at in range(0, len(token_bytes), stride)
+        ]
+        hit_pages = [entry.page for entry in found if entry is not None]
+        num_new = len(found) - len(hit_pages)
+        self._check_room(num_new, self._room(list(dict.fromkeys(hit_pages))))  # a page once
+        self._pages.retain(hit_pages)  # pinned first, so the take below cannot evict them
+        fresh = iter(self._pages.take(num_new, self._evict))
+        pages = [next(fresh) if entry is None else entry.page for entry in found]
+        num_tokens = len(token_bytes) // 4
+        self._seqs[seq_id] = _Sequence(space, root, pages, num_tokens)
+        self._query_tokens += num_tokens
+        self._hit_tokens += len(hit_pages) * self._page_size
+        return PagesAllocation(list(pages), [entry is not None for entry in found])
+
+    def commit_pages(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """Publish each of the first ``len(tokens) // page_size`` pages of ``seq_id`` as
+        the one-page chain of its tokens, keyed as :meth:`allocate_pages` keys them;
+        ``tokens`` are the sequence's first tokens, whole pages. A page already indexed under its key (a hit, or
+        committed before) is left as it is; a page whose key another page holds stays
+        private. Afterwards every page's key is indexed. Returns the pages this call
+        indexed. BadRequest, changing nothing, unless ``tokens`` is whole pages and at
+        most the sequence's tokens, or if a page is indexed under another key (a hit of
+        other tokens, or committed with other tokens)."""
+        seq = self._get(seq_id)
+        token_bytes = encode_tokens(tokens)
+        stride = 4 * self._page_size
+        if len(token_bytes) > 4 * seq.num_tokens or len(token_bytes) % stride:
+            raise BadRequest(
+                f"commit_pages of sequence {seq_id} takes whole pages of "
+                f"{self._page_size} tokens, at most its {seq.num_tokens}; "
+                f"got {len(token_bytes) // 4}"
+            )
+        root, pages, published = seq.root, seq.pages, self._key_by_page
+        chunks = [token_bytes[at : at + stride] for at in range(0, len(token_bytes), stride)]
+        keys = [page_key(root, chunk) for chunk in chunks]
+        for i, key in enumerate(keys):
+            known = published.get(pages[i])
+            if known is not None and known != key:
+                raise BadRequest(
+                    f"page {pages[i]} (page {i} of sequence {seq_id}) is indexed with other "
+                    "tokens than this commit sends"
+                )
+        indexed = len(published)
+        for page, key, chunk in zip(pages[: len(keys)], keys, chunks, strict=True):
+            if page not in published:  # a key another page holds keeps it; this one stays private
+                self._index.insert_chain(root, (key,), (page,), chunk, seq.space)
+        return len(published) - indexed
+
+    def lookup_pages(self, tokens: Sequence[int], space: KeySpace = KeySpace()) -> list[bool]:
+        """Per one-page chain of ``tokens`` (whole pages, keyed as :meth:`allocate_pages`
+        keys them), whether its key is indexed in the key space ``space`` now: what
+        :meth:`allocate_pages` would find a hit. Read-only, as :meth:`lookup`: no pins,
+        no LRU update, no stats, no events. BadRequest unless ``tokens`` is whole
+        pages, or for a bad key space."""
+        _, root = self._resolve(space)
+        token_bytes = encode_tokens(tokens)
+        stride = 4 * self._page_size
+        if len(token_bytes) % stride:
+            raise BadRequest(
+                f"lookup_pages takes whole pages of {self._page_size} tokens, "
+                f"got {len(token_bytes) // 4}"
+            )
+        found = self._by_content
+        return [
+            (root, token_bytes[at : at + stride]) in found
+            for at in range(0, len(token_bytes), stride)
+        ]
+
+
+def _check_count(name: str, value: object) -> None:
+    """BadRequest unless ``value`` is an int >= 0 and not a bool."""
+    if not isinstance(value, int) or value.__class__ is bool or value < 0:
+        raise BadRequest(f"{name} must be an int >= 0, got {value!r}")
 
 
 def _hit_limit(num_tokens: int, page_size: int, compute_last: bool = True) -> int:
     """Pages a prefix hit of ``num_tokens`` tokens may cover: every full page, less
     the last token when the caller computes it (``compute_last``)."""
     return max(num_tokens - compute_last, 0) // page_size
+
+
+@dataclass(slots=True)
+class PagesAllocation:
+    """Result of :meth:`Manager.allocate_pages`: ``pages[i]`` holds one-page chain i;
+    ``hits[i]``: that page is indexed under chain i's key (its K/V is there: read it,
+    never write it), else it is fresh (write it, then :meth:`Manager.commit_pages`)."""
+
+    pages: list[int]
+    hits: list[bool]

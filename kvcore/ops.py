@@ -43,8 +43,16 @@ from kvcore_ipc import messages as msg
 from msgspec import Struct
 from msgspec.structs import astuple
 
+from kvcore.errors import Unsupported
 from kvcore.layout import cdiv
-from kvcore.manager import Allocation, Extension, Manager, PageManager, PrefixHit
+from kvcore.manager import (
+    Allocation,
+    Extension,
+    Manager,
+    PageManager,
+    PagesAllocation,
+    PrefixHit,
+)
 from kvcore.prefix import KeySpace
 
 P = ParamSpec("P")
@@ -132,7 +140,7 @@ class Operation(Generic[P, T]):
             return obj.run_op(self, self.encode(*args, **kwargs))
 
         _describe(call, self)
-        return call
+        return _bind(obj, owner, self, call)
 
 
 class Queuer(Protocol):
@@ -160,7 +168,18 @@ class Queued(Generic[P]):
             obj.queue_op(op, op.encode(*args, **kwargs))
 
         _describe(queue, op, queued=True)
-        return queue
+        return _bind(obj, owner, self, queue)
+
+
+def _bind(obj: object, owner: type, descriptor: object, method: Callable[P, T]) -> Callable[P, T]:
+    """``method`` (``descriptor`` bound to ``obj``), kept as ``obj``'s own attribute when
+    ``obj`` has a ``__dict__`` and ``owner`` serves the descriptor under the method's
+    name: the descriptor (a non-data one) then runs once per object and operation, not on
+    every call (a round trip pays a dict lookup, not a closure)."""
+    attributes = getattr(obj, "__dict__", None)
+    if attributes is not None and getattr(owner, method.__name__, None) is descriptor:
+        attributes[method.__name__] = method
+    return method
 
 
 def _describe(function: Callable[..., Any], op: Operation[Any, Any], queued: bool = False) -> None:
@@ -183,7 +202,10 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
     return tokens if isinstance(tokens, list) else list(tokens)
 
 
-def _space(request: msg.Allocate | msg.Lookup, session_namespace: str) -> KeySpace:
+def _space(
+    request: msg.Allocate | msg.Lookup | msg.AllocatePages | msg.LookupPages,
+    session_namespace: str,
+) -> KeySpace:
     """The request's key space; a None namespace is the session's (fixed at attach)."""
     namespace = session_namespace if request.namespace is None else request.namespace
     return KeySpace(namespace, request.model, request.lora, request.salt)
@@ -224,6 +246,30 @@ def _lookup(
 ) -> msg.Lookup:
     ns, model, lora, salt = _parts(space)
     return msg.Lookup(_tokens(tokens), ns, salt, lora, compute_last, model)
+
+
+def _allocate_pages(
+    seq_id: int, tokens: Sequence[int], space: KeySpace = KeySpace()
+) -> msg.AllocatePages:
+    ns, model, lora, salt = _parts(space)
+    return msg.AllocatePages(seq_id, _tokens(tokens), ns, salt, lora, model)
+
+
+def _lookup_pages(tokens: Sequence[int], space: KeySpace = KeySpace()) -> msg.LookupPages:
+    ns, model, lora, salt = _parts(space)
+    return msg.LookupPages(_tokens(tokens), ns, salt, lora, model)
+
+
+def _commit_pages(seq_id: int, tokens: Sequence[int]) -> msg.CommitPages:
+    return msg.CommitPages(seq_id, _tokens(tokens))
+
+
+def _paged(manager: PageManager) -> Manager:
+    """The pool's Manager, for the one-page-chain ops; Unsupported on a pool with
+    lower tiers (its TieredManager would have to spill what they evict)."""
+    if not isinstance(manager, Manager):
+        raise Unsupported("the *_pages operations need a pool without lower tiers")
+    return manager
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
@@ -347,6 +393,41 @@ num_tokens = Operation(
     work=_no_work,
     grows=_grows_none,
 )
+allocate_pages = Operation(
+    Manager.allocate_pages,
+    msg.AllocatePages,
+    _allocate_pages,
+    serve=lambda m, r, ns: msg.AllocatePagesOk(
+        *_pages_allocation(_paged(m).allocate_pages(r.seq, r.tokens, _space(r, ns)))
+    ),
+    decode=lambda r: PagesAllocation(r.pages, r.hits),
+    creates="seq",
+    work=lambda r, b: len(r.tokens),
+    grows=lambda r, b: (r.seq, len(r.tokens)),
+)
+lookup_pages = Operation(
+    Manager.lookup_pages,
+    msg.LookupPages,
+    _lookup_pages,
+    serve=lambda m, r, ns: msg.LookupPagesOk(_paged(m).lookup_pages(r.tokens, _space(r, ns))),
+    decode=lambda r: r.hits,
+    work=lambda r, b: len(r.tokens),
+    grows=_grows_none,
+)
+commit_pages = Operation(
+    Manager.commit_pages,
+    msg.CommitPages,
+    _commit_pages,
+    serve=lambda m, r, ns: msg.CommitPagesOk(_paged(m).commit_pages(r.seq, r.tokens)),
+    decode=lambda r: r.num_indexed,
+    owns=("seq",),
+    work=lambda r, b: len(r.tokens),
+    grows=_grows_none,
+)
+
+
+def _pages_allocation(a: PagesAllocation) -> tuple[list[int], list[bool]]:
+    return a.pages, a.hits
 
 
 def _allocation(a: Allocation) -> tuple[list[int], int]:
@@ -367,7 +448,20 @@ def _hit(h: PrefixHit) -> tuple[int, int]:
 
 
 OPERATIONS: dict[type[msg.BatchOp], Operation[Any, Any]] = {
-    op.request: op for op in (allocate, extend, commit, fork, free, lookup, block_table, num_tokens)
+    op.request: op
+    for op in (
+        allocate,
+        extend,
+        commit,
+        fork,
+        free,
+        lookup,
+        block_table,
+        num_tokens,
+        allocate_pages,
+        lookup_pages,
+        commit_pages,
+    )
 }
 """Every Manager operation by request type; exactly the batchable ops of the protocol."""
 

@@ -5,7 +5,9 @@ The result types of :class:`~kvcore.manager.Manager`'s operations and the
 call: the Manager, or a wrapper that holds one (kvcore.daemon.tiering). Plain
 data, no state machine: a module that only reads results (the client, the
 benches, the tests' model) needs nothing else. kvcore.manager re-exports them
-all, so ``from kvcore.manager import Allocation`` keeps working.
+all, so ``from kvcore.manager import Allocation`` keeps working. The results of the
+per-step operations (allocate, extend, lookup) are msgspec Structs: built in C, a
+fraction of a dataclass's Python ``__init__`` on the Manager's hottest path.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from kvcore.layout import KVLayout
 from kvcore.prefix import KeySpace, PageEvent, PageStored, PrefixKey
 
 
-@dataclass(slots=True)
-class Allocation:
+class Allocation(msgspec.Struct):
     """Result of :meth:`Manager.allocate`.
 
     ``pages`` is the new block table; its first ``num_cached_tokens // page_size``
@@ -30,8 +33,7 @@ class Allocation:
     num_cached_tokens: int
 
 
-@dataclass(slots=True)
-class Extension:
+class Extension(msgspec.Struct):
     """Result of :meth:`Manager.extend`.
 
     Run every ``(src, dst)`` page copy of ``copies`` (backend ``copy_pages``)
@@ -43,8 +45,7 @@ class Extension:
     copies: list[tuple[int, int]]
 
 
-@dataclass(slots=True)
-class PrefixHit:
+class PrefixHit(msgspec.Struct):
     """Result of :meth:`Manager.lookup`: what :meth:`Manager.allocate` of the same
     tokens would reuse now.
 

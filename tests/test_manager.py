@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvcore import KVLayout, Manager, PrefixHit, prefix
-from kvcore import manager as manager_module
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.prefix import (
     KeySpace,
     PageRemoved,
     PageStored,
-    PrefixKey,
     chain_keys,
     encode_tokens,
     root_key,
@@ -347,37 +345,34 @@ def chain_entries(m: Manager, tokens: list[int]) -> list[PageStored]:
 
 
 def test_lookup_then_allocate_hashes_the_prompt_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most once, in fact never: a match finds each page by its parent key and its
+    tokens, so lookups and allocates hash no page, whatever came before them."""
     m = make(num_pages=32)
     prompt = list(range(40))  # ten pages
     m.allocate(1, prompt)
     m.commit(1, prompt)
     m.free(1)
     calls = 0
-    real = prefix.page_key
+    real = prefix._sha256
 
-    def counting(parent: PrefixKey, page_tokens: bytes, extra: bytes = b"") -> PrefixKey:
+    def counting(message: bytes) -> object:
         nonlocal calls
         calls += 1
-        return real(parent, page_tokens, extra)
+        return real(message)
 
-    monkeypatch.setattr(prefix, "page_key", counting)
-    monkeypatch.setattr(manager_module, "page_key", counting)
+    monkeypatch.setattr(prefix, "_sha256", counting)  # every page key: page_key, page_keys
     query = [*prompt[:30], 99, 98, 97]  # pages 0-6 hit, page 7 differs
     assert m.lookup(query, KeySpace(namespace="b")).num_cached_tokens == 0  # nothing in "b"
-    assert calls == 1  # page 0's key in "b" misses: nothing more is hashed
     assert m.lookup(query).num_cached_tokens == 28
-    assert calls == 9  # seven hits and the first miss, in "default"
     assert m.allocate(2, list(query)).num_cached_tokens == 28  # an equal list, not the same
     assert m.lookup(tuple(query)).num_cached_tokens == 28
-    assert calls == 9  # the memo, compared by bytes
     other = [*query[:28], 5, 5, 5, 5, 5]  # pages 0-6 as query's, page 7 other bytes
     assert m.lookup(other).num_cached_tokens == 28
-    assert calls == 10  # only page 7 hashed: the leading pages kept their keys
-    assert (
-        m.lookup(query, KeySpace(namespace="b")).num_cached_tokens == 0
-    )  # other root: hashed again
-    assert calls == 11
-    m.check_integrity()  # which also recomputes the memo's keys
+    assert m.lookup(query, KeySpace(namespace="b")).num_cached_tokens == 0
+    assert calls == 0
+    assert m.commit(2, query[28:32], start=28) == 8  # a commit hashes its new page
+    assert calls == 1
+    m.check_integrity()  # which also checks every indexed key against its tokens
 
 
 def test_commit_that_contradicts_a_prefix_hit_or_an_earlier_commit_is_refused() -> None:

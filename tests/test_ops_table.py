@@ -87,6 +87,9 @@ EXAMPLES: dict[type[msg.BatchOp], msg.BatchOp] = {
     msg.Lookup: msg.Lookup(list(range(9))),
     msg.BlockTable: msg.BlockTable(1),
     msg.NumTokens: msg.NumTokens(1),
+    msg.AllocatePages: msg.AllocatePages(2, list(range(100, 108))),
+    msg.LookupPages: msg.LookupPages(list(range(8))),
+    msg.CommitPages: msg.CommitPages(1, list(range(8))),
 }
 """One request per operation, for a Manager holding seq 1 (13 tokens, 4 pages of 4)."""
 

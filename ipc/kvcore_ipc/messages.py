@@ -183,6 +183,22 @@ class NumTokensOk(_Message):
     num_tokens: int
 
 
+class AllocatePagesOk(_Message):
+    """``pages[i]`` holds one-page chain i; ``hits[i]``: it is indexed under chain i's
+    key (read it, never write it), else fresh (write it, then ``commit_pages``)."""
+
+    pages: list[int]  # the new block table, one page per chain
+    hits: list[bool]
+
+
+class LookupPagesOk(_Message):
+    hits: list[bool]  # per one-page chain: its key is indexed now
+
+
+class CommitPagesOk(_Message):
+    num_indexed: int  # pages this commit indexed (hits, and keys another page holds, excluded)
+
+
 class PoolStats(_Message):
     name: str
     device: str
@@ -378,6 +394,47 @@ class NumTokens(_Op, tag="num_tokens"):
     batchable = True
 
     seq: U64
+
+
+class AllocatePages(_Op, tag="allocate_pages"):
+    """Start ``seq`` holding ``len(tokens) // page_size`` one-page chains: page i of
+    ``tokens`` is keyed as the first page of a prompt (a store of whole pages, each
+    named by its own tokens: SGLang's HiCache storage)."""
+
+    Result = AllocatePagesOk
+    batchable = True
+
+    seq: U64
+    tokens: list[Token]  # whole pages, one chain each
+    namespace: Namespace | None = None  # as Allocate
+    salt: KeyPart = ""  # as Allocate
+    lora: KeyPart = ""  # as Allocate
+    model: KeyPart = ""  # as Allocate
+
+
+class LookupPages(_Op, tag="lookup_pages"):
+    """Per one-page chain of ``tokens`` (as AllocatePages), whether its key is indexed
+    now; read-only, as Lookup."""
+
+    Result = LookupPagesOk
+    batchable = True
+
+    tokens: list[Token]  # whole pages, one chain each
+    namespace: Namespace | None = None  # as Allocate
+    salt: KeyPart = ""  # as Allocate
+    lora: KeyPart = ""  # as Allocate
+    model: KeyPart = ""  # as Allocate
+
+
+class CommitPages(_Op, tag="commit_pages"):
+    """Publish the first ``len(tokens) // page_size`` pages of ``seq``, each as the
+    one-page chain of its tokens."""
+
+    Result = CommitPagesOk
+    batchable = True
+
+    seq: U64
+    tokens: list[Token]  # the sequence's first tokens, whole pages
 
 
 class GetStats(_Op, tag="stats"):

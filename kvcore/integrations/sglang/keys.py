@@ -36,9 +36,12 @@ own (every other process misses them), and a warning names ``model_id``.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -194,3 +197,18 @@ def page_tokens(key: str, page_size: int) -> list[int]:
         )
     words = _WORDS.unpack(hashlib.sha256(key.encode()).digest())
     return [*words, *([0] * (page_size - DIGEST_WORDS))]
+
+
+def pages_tokens(keys: Sequence[str], page_size: int) -> list[int]:
+    """:func:`page_tokens` of each of ``keys``, page after page, as one list (what
+    ``allocate_pages`` carries): built as bytes and converted once, ~2x faster than
+    joining the per-key lists. BadRequest as :func:`page_tokens`."""
+    page_tokens("", page_size)  # BadRequest for pages too small to key
+    pad = bytes(4 * (page_size - DIGEST_WORDS))
+    sha256 = hashlib.sha256
+    words = array.array("I")
+    assert words.itemsize == 4, "array 'I' is not 4 bytes here"
+    words.frombytes(b"".join([sha256(key.encode()).digest() + pad for key in keys]))
+    if sys.byteorder != "little":  # the digest's words are little-endian (module docstring)
+        words.byteswap()
+    return words.tolist()

@@ -1,15 +1,24 @@
 """KVCoreStorage: SGLang's HiCache storage tier (L3), in a kvcore pool.
 
 Every SGLang instance whose backend attaches to one daemon's pool shares its pages.
-Each call is at most two round trips, and holds pages only while it copies:
+Each call is at most two round trips, and holds pages only while it copies. Each
+key is a one-page chain (:mod:`.keys`); a call's keys are one sequence of them
+(``allocate_pages``, spec/protocol.md), so a call costs the daemon one op for its
+pages, not one per page:
 
-* ``batch_exists``: one lookup per key (``compute_last=False``: a page's tokens
-  may all hit); the answer is the length of the leading run of hits.
-* ``batch_get_v1``: allocate each key's page (a hit is pinned, nothing is taken),
-  copy the hits into SGLang's host pages, free.
-* ``batch_set_v1``: allocate each key's page (a hit: stored already), copy SGLang's
-  host pages into the fresh pages, commit and free. A page is visible to other
-  instances only after its commit, so nobody reads one half written.
+* ``batch_exists``: ``lookup_pages`` of the keys; the answer is the length of
+  the leading run of hits.
+* ``batch_get_v1``: ``allocate_pages`` of the keys (a hit is pinned), copy the hits
+  into SGLang's host pages, free.
+* ``batch_set_v1``: ``allocate_pages`` of the keys (a hit: stored already), copy
+  SGLang's host pages into the fresh pages, ``commit_pages`` and free. A page is
+  visible to other instances only after its commit, so nobody reads one half
+  written.
+
+A pool with lower tiers answers those ops ``unsupported``; the backend then uses
+one ``lookup`` or ``allocate`` (and ``commit``, ``free``) per key, in one batch per
+round trip. So does a call whose ``allocate_pages`` was refused (the pool full of
+held pages, a quota): the keys then stored or fetched are the leading ones that fit.
 
 The session's lease frees whatever a dead process held. Keys map onto kvcore
 prefix keys as :mod:`.keys` says; pages move as :mod:`.pages` says; the config, the
@@ -35,7 +44,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvcore.client import Batch, Client
-from kvcore.errors import BatchFailed, KVCoreError
+from kvcore.errors import BatchFailed, KVCoreError, UnknownOp, Unsupported
 from kvcore.integrations.extra_config import parse_extra
 from kvcore.integrations.identity import space_model
 from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
@@ -45,7 +54,12 @@ from kvcore.integrations.sglang.attach import (
     connect,
     expected_layout,
 )
-from kvcore.integrations.sglang.keys import page_tokens, rank_identity, server_model
+from kvcore.integrations.sglang.keys import (
+    page_tokens,
+    pages_tokens,
+    rank_identity,
+    server_model,
+)
 from kvcore.integrations.sglang.pages import (
     copy_pages,
     flat_page,
@@ -88,6 +102,8 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._copies = 0  # copies running on the mapping (outside the lock): no remap meanwhile
         self._seq_ids = itertools.count(random.getrandbits(62) or 1)  # ids are per pool
         self._fetched_pages: list[int] = []
+        self._last_keys: tuple[list[str], list[int]] = ([], [])  # _all's memo
+        self._paged = True  # the pool serves allocate_pages (until it answers unsupported)
         self._stored_pages: list[int] = []
 
     # -- set-up ------------------------------------------------------------------------
@@ -137,6 +153,11 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` kvcore holds (committed) now."""
+        if self._paged:
+            got, _ = self._round_trip(lambda batch: batch.lookup_pages(self._all(keys), self.space))
+            if got:
+                found: list[bool] = got[0]
+                return found.index(False) if False in found else len(found)
         hits, _ = self._round_trip(
             lambda batch: [
                 batch.lookup(self._tokens(key), self.space, compute_last=False) for key in keys
@@ -227,6 +248,64 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
     # -- the work --------------------------------------------------------------------
 
     def _get(self, keys: Sequence[str], dst: torch.Tensor, dst_pages: torch.Tensor) -> list[bool]:
+        if not self._paged:
+            return self._get_each(keys, dst, dst_pages)
+        seq = next(self._seq_ids)
+        got, on = self._round_trip(
+            lambda batch: batch.allocate_pages(seq, self._all(keys), self.space)
+        )
+        if not got:  # refused, unsupported or the daemon gone: the per-key path says which
+            return self._get_each(keys, dst, dst_pages)
+        found = list(got[0].hits)
+        hits = [i for i, hit in enumerate(found) if hit]
+        if hits:
+            with self._pool_of(on) as pool:
+                if pool is not None:
+                    src = torch.tensor([got[0].pages[i] for i in hits], device=pool.device)
+                    copy_pages(dst, dst_pages[hits].to(dst.device), pool, src)
+                if pool is None or self._fenced():  # what was read is not the pages'
+                    found, hits = [False] * len(keys), []
+        self._round_trip(lambda batch: batch.free(seq), on)
+        self._fetched_pages.append(len(hits))
+        return found
+
+    def _set(self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor) -> list[bool]:
+        if not self._paged:
+            return self._set_each(keys, src, src_pages)
+        seq = next(self._seq_ids)
+        tokens = self._all(keys)
+        got, on = self._round_trip(lambda batch: batch.allocate_pages(seq, tokens, self.space))
+        if not got:  # refused, unsupported or the daemon gone: the per-key path says which
+            return self._set_each(keys, src, src_pages)
+        held = list(got[0].hits)
+        fresh = [i for i, hit in enumerate(held) if not hit]
+        if fresh:
+            with self._pool_of(on) as pool:
+                if pool is not None:
+                    dst = torch.tensor([got[0].pages[i] for i in fresh], device=pool.device)
+                    copy_pages(pool, dst, src, src_pages[fresh].to(src.device))
+                    if pool.is_cuda:  # the bytes are in place before anyone may read them
+                        torch.cuda.current_stream(pool.device).synchronize()
+                if pool is None or self._fenced():  # not written: commit nothing
+                    fresh = []
+
+        def finish(batch: Batch) -> None:  # commit the written pages (hits are left alone)
+            if fresh:
+                batch.commit_pages(seq, tokens)
+            batch.free(seq)
+
+        done, _ = self._round_trip(finish, on)
+        if fresh and done:  # committed: every key is held now
+            held = [True] * len(keys)
+        if len(done) < 1 + bool(fresh):  # the free did not run (the lease would, at the latest)
+            self._round_trip(lambda batch: batch.free(seq), on)
+        self._stored_pages.append(sum(held))
+        return held
+
+    def _get_each(
+        self, keys: Sequence[str], dst: torch.Tensor, dst_pages: torch.Tensor
+    ) -> list[bool]:
+        """:meth:`_get` on a pool without ``allocate_pages``: one allocate per key."""
         seqs = [next(self._seq_ids) for _ in keys]
         got, on = self._round_trip(
             lambda batch: [
@@ -247,7 +326,10 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._fetched_pages.append(len(hits))
         return found + [False] * (len(keys) - len(got))
 
-    def _set(self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor) -> list[bool]:
+    def _set_each(
+        self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor
+    ) -> list[bool]:
+        """:meth:`_set` on a pool without ``allocate_pages``: one allocate per key."""
         seqs = [next(self._seq_ids) for _ in keys]
         tokens = [self._tokens(key) for key in keys]
         got, on = self._round_trip(
@@ -353,7 +435,10 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _failed(self, exc: KVCoreError) -> None:
         assert self._reconnect is not None
-        if daemon_gone(exc):
+        if isinstance(exc, Unsupported | UnknownOp):  # a pool with tiers: one op per key
+            self._paged = False
+            log.info("kvcore: %s; storing one op per page", exc)
+        elif daemon_gone(exc):
             self._reconnect.gone(exc, "storage call")
         elif isinstance(exc, BatchFailed):
             log.debug("kvcore: %s", exc.error)
@@ -364,6 +449,17 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _tokens(self, key: str) -> list[int]:
         return page_tokens(key, self.page_size)
+
+    def _all(self, keys: Sequence[str]) -> list[int]:
+        """The tokens of ``keys``' pages, page after page (``*_pages`` ops). The last
+        call's are kept: SGLang's prefetch asks ``batch_exists`` then ``batch_get_v1``
+        of the same keys."""
+        last = self._last_keys  # one read: other threads may replace it meanwhile
+        if last[0] == keys:
+            return last[1]
+        tokens = pages_tokens(keys, self.page_size)
+        self._last_keys = (list(keys), tokens)
+        return tokens
 
     def _host_page_ids(self, host_indices: torch.Tensor, num_keys: int) -> torch.Tensor:
         """SGLang's host token indices (``num_keys`` whole pages) as host page ids."""
