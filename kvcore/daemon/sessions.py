@@ -93,6 +93,7 @@ class SessionTable:
     """Every session, its lease, its state and what it owns."""
 
     __slots__ = (
+        "_draining",
         "_owner",
         "_sessions",
         "_tenants",
@@ -138,6 +139,7 @@ class SessionTable:
         self.expired = 0  # sessions whose lease ran out (counters for stats and tests)
         self.fenced = 0  # of those, sessions fenced because their process lived
         self._sessions: dict[int, Session] = {}
+        self._draining: dict[int, Session] = {}  # the DRAINING ones, oldest first (O(1) asks)
         self._owner: dict[str, dict[int, int]] = {}  # pool -> seq -> session id
         self._tenants: dict[str, int] = {}  # named tenant -> its sessions, in any state
         self._watcher = Watcher()  # the processes of ipc:// peers, one pidfd each
@@ -271,7 +273,7 @@ class SessionTable:
         left is removed; the caller sees it as ``not seqs`` on its last yield or in
         :meth:`finished`."""
         spent = 0
-        for session in [s for s in self._sessions.values() if s.state is State.DRAINING]:
+        for session in list(self._draining.values()):
             owners = self._owner[session.pool]
             seqs = session.seqs
             while seqs:  # pop(): O(1) a sequence, where sorting them was O(n log n) a call
@@ -284,9 +286,10 @@ class SessionTable:
 
     def finished(self) -> list[Session]:
         """Remove draining sessions that hold nothing any more; they are returned."""
-        done = [s for s in self._sessions.values() if s.state is State.DRAINING and not s.seqs]
+        done = [s for s in self._draining.values() if not s.seqs]
         for session in done:
             del self._sessions[session.id]
+            del self._draining[session.id]
             if session.peer is not None:
                 self._watcher.release(session.peer)
                 session.peer = None
@@ -298,10 +301,12 @@ class SessionTable:
         return done
 
     def draining(self) -> bool:
-        return any(s.state is State.DRAINING for s in self._sessions.values())
+        """Whether a session is draining (asked every loop turn: O(1))."""
+        return bool(self._draining)
 
     def _drain(self, session: Session) -> None:
         session.state = State.DRAINING
+        self._draining[session.id] = session
 
     # -- queries -------------------------------------------------------------------------
 
@@ -356,6 +361,8 @@ class SessionTable:
         assert all(n <= self.max_sessions_per_tenant for n in tenants.values()), (
             "a tenant holds more sessions than allowed"
         )
+        draining = {s.id for s in self._sessions.values() if s.state is State.DRAINING}
+        assert draining == self._draining.keys(), "the draining index lost a session"
         for session in self._sessions.values():
             assert session.state is not State.FENCED or session.fenced_until > 0, (
                 f"session {session.id:x} fenced without an end"
