@@ -59,7 +59,7 @@ class Forward(Protocol):
         layer_idx: int,
         query: torch.Tensor,
         scale: float,
-        attention: Attention,
+        attention: Attention | None,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor: ...
 
@@ -199,7 +199,10 @@ def _register(original: str) -> str:
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         layer_idx: int = module.layer_idx  # type: ignore[assignment]
         sinks = kwargs.get("s_aux")
-        attention = options(kwargs.get("sliding_window"), kwargs.get("softcap"), sinks is not None)
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        attention = None  # plain attention: the cache's own options
+        if sinks is not None or window or softcap:
+            attention = options(window, softcap, sinks is not None)
         if sinks is not None:
             sinks = sinks.float()
         return cache.attend(layer_idx, query, scale, attention, sinks), None

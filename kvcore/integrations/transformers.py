@@ -256,7 +256,7 @@ class KVCoreCache(Cache):
                 args, kwargs = _drop_columns(args, kwargs, skip)
             return args, kwargs
         _check_continues(self.rows, self.seen_columns, input_ids, kwargs)
-        if mask is not None and not bool(mask[:, -input_ids.shape[1] :].ne(0).all()):
+        if mask is not None and not bool(mask[:, -input_ids.shape[1] :].all()):
             raise BadRequest("new tokens after the prompt must not be padding")
         self._plan = self.rows.step(input_ids.tolist())
         self._kernels = self._plan_kernels(self._plan)
@@ -321,9 +321,10 @@ class KVCoreCache(Cache):
         """Attention of query [B, Hq, q, D] over the pages: out [B, q, Hq, Dv] (Dv = D;
         on a latent pool: kv_lora_rank); ``attention``: the layer's options (None: the
         cache's own), ``sinks`` its [Hq] float32 sink logits."""
-        plan = self._plan
-        assert plan is not None and self._kernels is not None, "attend outside a planned forward"
-        kernels = self._kernels_for(plan, attention or self._attention)
+        plan, kernels = self._plan, self._kernels
+        assert plan is not None and kernels is not None, "attend outside a planned forward"
+        if attention is not None:
+            kernels = self._kernels_for(plan, attention)
         kv = self._kv[layer_idx]
         batch, hq, q, dim = query.shape
         if plan.decode:

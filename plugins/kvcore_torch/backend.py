@@ -31,7 +31,9 @@ one query per sequence.
 The unused slots of a sequence's last page (which may hold anything, NaN
 included) never enter the arithmetic: prefill gathers only tokens
 ``0 .. seq_len - 1``; decode gathers, for the positions past a row's length, its
-token 0 again (a written token, so finite) and masks them out of the scores.
+token 0 again (a written token, so finite) and masks them out of the scores (a batch
+whose rows have one length gathers whole pages instead and attends over the first
+seq_len positions only).
 """
 
 from __future__ import annotations
@@ -67,14 +69,17 @@ class DecodeGather:
     length it repeats the row's token 0 (finite) and ``mask`` (additive fp32
     [B, 1, 1, max_len]: 0 or -inf; None when every row has max_len tokens) removes
     it from the softmax. ``rows`` indexes those tokens as head rows (one [D] row per
-    token and kv head), ``index`` shaped [2, B, Hkv, max_len], so one
-    ``index_select`` yields K and V head-major and contiguous, as SDPA reads them
-    fastest. Where the planning cache's strides allow no such view, ``rows`` is None
-    and ``pages``/``offsets`` hold each position's page and offset for an
+    token and kv head), ``index`` shaped [2, B, Hkv, width], so one
+    ``index_select`` yields K and V head-major, each head's tokens contiguous, as
+    SDPA reads them fastest. ``width`` is max_len where rows are padded, else the
+    whole pages of the longest row (>= max_len): the positions past max_len are
+    gathered (the last page's unwritten slots) but lie outside ``k``/``v``. Where
+    the planning cache's strides allow no such view, ``rows`` is None and
+    ``pages``/``offsets`` hold each position's page and offset for an
     advanced-index gather (a run on a cache whose strides differ from the planning
     cache's computes them itself).
 
-    ``workspace`` [2 * B * Hkv * max_len, D] (cache dtype) receives that gather in
+    ``workspace`` [2 * B * Hkv * width, D] (cache dtype) receives that gather in
     runs from the planning thread (``owner``), and ``k``/``v`` [B, Hkv, max_len, D]
     are its two halves, viewed once here: a layer's run is then one ``index_select``
     into it and one SDPA call. It is scratch, read only inside the run that filled
@@ -91,6 +96,7 @@ class DecodeGather:
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     owner: int = 0  # threading.get_ident() of the planning thread
+    width: int = 0  # positions gathered per row: max_len, or whole pages (see rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,8 @@ class WriteIndex:
     page: torch.Tensor
     offset: torch.Tensor
     rows: Rows | None
+    k_rows: torch.Tensor | None = None  # rows.index[0] and [1], taken once per step
+    v_rows: torch.Tensor | None = None
 
 
 class TorchBackend(Backend):
@@ -123,13 +131,12 @@ class TorchBackend(Backend):
             return None
         page_size = plan.cache.page_size
         max_len = plan.max_seq_len
-        lens = plan.seq_lens.long()
+        device = kv_cache.device
         valid = None  # [B, L] bool: position < the row's length; None when all are
         mask = None
         if min(plan.host_seq_lens) < max_len:
-            valid = torch.arange(max_len, device=lens.device) < lens[:, None]
-            mask = torch.zeros(valid.shape, device=lens.device).masked_fill_(~valid, float("-inf"))
-            mask = mask[:, None, None, :]
+            valid = torch.arange(max_len, device=device) < plan.seq_lens[:, None]
+            mask = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]  # fp32
         layout = row_layout(kv_cache, per_head=True)
         if layout is None:  # other strides: the advanced-index gather reads (pages, offsets)
             return DecodeGather(max_len, *_token_pages(plan, valid), mask, None)
@@ -138,16 +145,22 @@ class TorchBackend(Backend):
         # longest row uses; past a row's length, its token 0 (a written, finite row).
         batch, num_kv_heads, head_dim = plan.batch, kv_cache.shape[3], kv_cache.shape[4]
         n_pages = cdiv(max_len, page_size)
-        table = plan.block_table[:, :n_pages].long() * layout.a_page
-        index = table.view(1, batch, 1, n_pages, 1) + page_offsets(layout, lens.device)
-        index = index.view(2, batch, num_kv_heads, n_pages * page_size)[..., :max_len]
+        table = plan.block_table[None, :, None, :n_pages, None]  # [1, B, 1, n_pages, 1]
+        index = torch.add(page_offsets(layout, device), table, alpha=layout.a_page)  # int64
+        index = index.view(2, batch, num_kv_heads, n_pages * page_size)
         if valid is not None:
-            index = torch.where(valid.view(1, batch, 1, max_len), index, index[..., :1])
-        flat = index.reshape(-1)
+            valid = valid.view(1, batch, 1, max_len)
+            index = torch.where(valid, index[..., :max_len], index[..., :1])
+        # Without padding the gather reads whole pages (the index needs no copy): the
+        # positions past max_len lie outside the k/v views, so they never enter SDPA.
+        width = index.shape[-1]
+        flat = index.view(-1)
         rows = Rows(layout.strides, layout.contiguous, layout.n_rows, (head_dim,), index, flat)
         workspace = kv_cache.new_empty((flat.shape[0], head_dim))
-        k, v = workspace.view(2, batch, num_kv_heads, max_len, head_dim).unbind(0)
-        return DecodeGather(max_len, None, None, mask, rows, workspace, k, v, threading.get_ident())
+        k, v = _halves(workspace, batch, num_kv_heads, width, max_len)
+        return DecodeGather(
+            max_len, None, None, mask, rows, workspace, k, v, threading.get_ident(), width
+        )
 
     def _prepare_write(self, plan: WritePlan, kv_cache: torch.Tensor) -> WriteIndex:
         slots, keep = plan.slots, None
@@ -157,7 +170,9 @@ class TorchBackend(Backend):
         page_size = plan.cache.page_size
         page, offset = slots // page_size, slots % page_size
         rows = None if plan.cache.latent else token_rows(kv_cache, page, offset)
-        return WriteIndex(keep, page, offset, rows)
+        if rows is None:
+            return WriteIndex(keep, page, offset, None)
+        return WriteIndex(keep, page, offset, rows, *rows.index.unbind(0))
 
     # -- kernels ----------------------------------------------------------------------
 
@@ -180,9 +195,9 @@ class TorchBackend(Backend):
             value = quantize(value, kv_cache.dtype, v_scale).view(torch.uint8)
             kv_cache = kv_cache.view(torch.uint8)
         view = None if index.rows is None else index.rows.view(kv_cache)
-        if view is not None and index.rows is not None:
-            view.index_copy_(0, index.rows.index[0], key)
-            view.index_copy_(0, index.rows.index[1], value)
+        if view is not None and index.k_rows is not None and index.v_rows is not None:
+            view.index_copy_(0, index.k_rows, key)
+            view.index_copy_(0, index.v_rows, value)
             return
         kv_cache[index.page, 0, index.offset] = key
         kv_cache[index.page, 1, index.offset] = value
@@ -223,7 +238,7 @@ class TorchBackend(Backend):
                 k, v = g.k, g.v
             else:
                 kv = view.index_select(0, g.rows.flat)
-                k, v = kv.view(2, batch, num_kv_heads, g.max_len, head_dim).unbind(0)
+                k, v = _halves(kv, batch, num_kv_heads, g.width, g.max_len)
         else:  # other strides: one advanced-index gather, [B, L, 2, Hkv, D]
             pages, offsets = g.pages, g.offsets
             if pages is None or offsets is None:  # the planning cache took the row view
@@ -299,6 +314,15 @@ def _attend_paged(
         )
         out[lo:hi] = got.to(query.dtype)
     return out
+
+
+def _halves(
+    gathered: torch.Tensor, batch: int, num_kv_heads: int, width: int, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, Hkv, max_len, D] of a head-row gather laid out [2, B, Hkv, width]."""
+    kv = gathered.view(2, batch, num_kv_heads, width, gathered.shape[-1])
+    k, v = kv[:, :, :, :max_len].unbind(0)
+    return k, v
 
 
 def _token_pages(plan: DecodePlan, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

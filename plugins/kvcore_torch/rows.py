@@ -98,7 +98,8 @@ def token_rows(kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tenso
     layout = row_layout(kv_cache, per_head=False)
     if layout is None:
         return None
-    rows = pages * layout.a_page + offsets * layout.a_tok
+    tok = offsets if layout.a_tok == 1 else offsets * layout.a_tok
+    rows = torch.add(tok, pages, alpha=layout.a_page)
     index = torch.stack((rows, rows + layout.a_kv))
     row_shape = (kv_cache.shape[3], kv_cache.shape[4])
     return Rows(layout.strides, layout.contiguous, layout.n_rows, row_shape, index, index.view(-1))
