@@ -35,10 +35,10 @@ from kvcore.daemon.metrics import (
     SCRAPE_WAIT_S,
     SNAPSHOT_MIN_INTERVAL_S,
     Exchange,
-    MetricsServer,
     Snapshot,
 )
 from kvcore.daemon.metrics_http import HttpLimits, read_token
+from kvcore.daemon.metrics_server import MetricsServer
 from kvcore.daemon.serve import Daemon
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest, QuotaExceeded, UnknownSequence
@@ -415,3 +415,14 @@ def test_the_flags_serve_metrics_on_a_private_socket_with_a_token_and_no_namespa
                 reply = b"".join(iter(lambda: s.recv(65536), b""))
         assert reply.startswith(b"HTTP/1.0 200") and b"kvcore_pool_pages" in reply
         assert b"secret-tenant-name" not in reply
+
+
+def test_the_request_path_never_imports_prometheus() -> None:
+    """The handler and the daemon load prometheus_client only when metrics are on
+    (kvcore.daemon.metrics.start)."""
+    code = (
+        "import sys, kvcore.daemon.handler, kvcore.daemon.daemon; "
+        "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -36,8 +36,17 @@ The configuration with vLLM's prefix cache off has the same keys under
 vLLM's prefix cache on): ``fp8`` (the same model with ``kv_cache_dtype="fp8"`` on a
 ``float8_e4m3fn`` pool) and ``hybrid`` (a Gemma-3-style model of the same geometry,
 sliding-window and full-attention layers, vLLM's hybrid allocator on). The top-level
-comparison keys are over every configuration. Without vLLM the record is
-``{"skipped": reason}``.
+comparison keys are over every configuration.
+
+The connector's copy bandwidth (top level; :func:`copy_bandwidth`): the worker's own
+copy (``PageCopy``, planned and run as the worker does each step) measured in this
+process on the CPU at an 8B-class layer's page size, not on the engines (their tiny
+model's pages are 32 KiB): ``load_copy_gib_s`` / ``save_copy_gib_s`` (pool -> vLLM's
+blocks and back, pages drawn at random), ``copy_memcpy_gib_s`` (a memcpy of the same
+bytes, interleaved with them), ``load_copy_ratio`` / ``save_copy_ratio`` (target
+>= 0.8) and ``*_copy_runs_ratio`` (pages and blocks consecutive). The engines' own
+copies are counted on vLLM's ``/metrics`` (kvcore/integrations/vllm/prom.py).
+Without vLLM the record is ``{"skipped": reason}``.
 """
 
 from __future__ import annotations
@@ -139,6 +148,8 @@ HEADLINE = (
         for k, target in TARGETS.items()
     ),
     *(Figure(k, LABELS[k], target) for k, target in CHECKS.items()),
+    Figure("load_copy_ratio", "connector's load copies: GiB/s / memcpy's", Target(">=", 0.8)),
+    Figure("save_copy_ratio", "connector's save copies: GiB/s / memcpy's", Target(">=", 0.8)),
     Figure("max_logprob_diff", "largest |kvcore - plain| log-probability of a token, nats"),
     Figure("first_mismatch", "where kvcore's outputs first part from plain vLLM's"),
 )
@@ -238,10 +249,112 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **on,
         **others,
         **_all(on, others),
+        **copy_bandwidth(),
         "workload": {**dataclasses.asdict(sizes), "repeats": repeats, "page_size": PAGE_SIZE},
         "model": dataclasses.asdict(BENCH_MODEL),
         "cpu_count": os.cpu_count(),
         "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class CopySizes:
+    """:func:`copy_bandwidth`'s geometry: an 8B-class model's layer (8 KV heads x 128
+    dims, bfloat16, 32-token pages: 128 KiB per page and layer), ``pages_per_step``
+    pages per step (a 512-token hit), ``sets`` different page sets in turn over a pool
+    and a cache of ``pool_pages`` pages per layer (32 MiB: past a core's L2), and
+    ``rounds`` rounds after a warm-up one (the median)."""
+
+    layers: int = 4
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 32
+    pages_per_step: int = 16
+    sets: int = 8
+    pool_pages: int = 256
+    rounds: int = 9
+
+
+def copy_bandwidth(sizes: CopySizes = CopySizes()) -> dict[str, Any]:
+    """The worker's copies (``PageCopy``, kvcore/integrations/vllm/pages.py, exactly as
+    the worker plans and runs them each step) measured in this process on the CPU,
+    against a memcpy of the same bytes: every layer's pages copied pool -> vLLM
+    blocks (load, vLLM's ``CPU_ATTN`` layout) and back (save), and the same bytes
+    as one contiguous ``copy_`` per layer; the three interleaved round by round.
+    Two kinds of steps: ``scattered`` (pages and blocks drawn at random: almost
+    every page its own copy; the headline keys) and ``runs`` (a sequence's
+    pages into a fresh request's blocks, both consecutive: ``*_runs_ratio``).
+    GiB/s of bytes copied (read once, written once)."""
+    import torch
+
+    from kvcore.integrations.vllm.pages import PageCopy, block_view
+
+    z = sizes
+    gen = torch.Generator().manual_seed(0)
+    shape = (z.pool_pages, z.num_kv_heads, z.page_size, 2 * z.head_dim)
+    caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(z.layers)]
+    blocks = [block_view(cache, "kv_blocks") for cache in caches]
+    pool = [torch.ones_like(b[0]).expand_as(b).contiguous() for b in blocks]
+    n, cpu = z.pages_per_step, torch.device("cpu")
+
+    def steps(scattered: bool) -> list[PageCopy]:
+        out = []
+        for k in range(z.sets):
+            if scattered:
+                src = torch.randperm(z.pool_pages, generator=gen)[:n].tolist()
+                dst = torch.randperm(z.pool_pages, generator=gen)[:n].tolist()
+            else:
+                start = k * n % (z.pool_pages - n)
+                src, dst = list(range(start, start + n)), list(range(start + 1, start + 1 + n))
+            out.append(PageCopy.plan(src, dst, cpu, cpu))
+        return out
+
+    flat = [torch.zeros(z.pool_pages * pool[0][0].numel(), dtype=torch.bfloat16) for _ in "ab"]
+    chunk = n * pool[0][0].numel()
+
+    def memcpy() -> None:
+        for k in range(z.sets):
+            at = k * chunk % (flat[0].numel() - chunk)
+            for _ in range(z.layers):
+                flat[1][at : at + chunk].copy_(flat[0][at : at + chunk])
+
+    def run(copies: list[PageCopy], save: bool) -> Callable[[], None]:
+        def go() -> None:
+            pairs = list(zip(blocks, pool, strict=True))
+            for copy in copies:
+                for block, page in pairs:
+                    copy.run(block, page) if save else copy.run(page, block)
+
+        return go
+
+    scattered, runs = steps(True), steps(False)
+    kinds: dict[str, Callable[[], None]] = {
+        "memcpy": memcpy,
+        "load": run(scattered, False),
+        "save": run(scattered, True),
+        "load_runs": run(runs, False),
+        "save_runs": run(runs, True),
+    }
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for _ in range(z.rounds + 1):  # the first round warms up (page faults)
+        for kind, go in kinds.items():
+            start = time.perf_counter()
+            go()
+            seconds[kind].append(time.perf_counter() - start)
+    step_bytes = z.layers * n * pool[0][0].nbytes
+    gib_s = {
+        kind: z.sets * step_bytes / statistics.median(s[1:]) / 2**30 for kind, s in seconds.items()
+    }
+    return {
+        "load_copy_gib_s": round(gib_s["load"], 2),
+        "save_copy_gib_s": round(gib_s["save"], 2),
+        "copy_memcpy_gib_s": round(gib_s["memcpy"], 2),
+        **{f"{k}_copy_ratio": round(gib_s[k] / gib_s["memcpy"], 3) for k in ("load", "save")},
+        **{
+            f"{k}_copy_runs_ratio": round(gib_s[f"{k}_runs"] / gib_s["memcpy"], 3)
+            for k in ("load", "save")
+        },
+        "copy_geometry": {**dataclasses.asdict(z), "dtype": "bfloat16", "step_bytes": step_bytes},
     }
 
 

@@ -11,15 +11,12 @@ the HTTP thread calls them, never the loop.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from kvcore_ipc import messages as msg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .metrics import Snapshot
 from .tiering import tier_metric_families
-
-if TYPE_CHECKING:
-    from .metrics import Snapshot
 
 
 def snapshot_families(snap: Snapshot, *, namespace_labels: bool = True) -> Iterator[Metric]:

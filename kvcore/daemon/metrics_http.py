@@ -34,10 +34,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler
-
-from prometheus_client.exposition import ThreadingWSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from kvcore.errors import BadRequest
 from kvcore.paths import check_socket_path, read_private_file
@@ -100,14 +99,17 @@ class _Handler(WSGIRequestHandler):
         pass
 
 
-class BoundedServer(ThreadingWSGIServer):
-    """A thread per connection, at most ``limits.max_connections`` of them.
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``limits.max_connections`` of them (daemon
+    threads: none is joined at close). The standard library's, not prometheus_client's
+    server class: the daemon imports this module whether metrics are on or not.
 
     Invariant: ``_slots`` is held once per connection whose thread was started and
     has not finished; a connection that gets no slot is closed before the next accept.
     """
 
     block_on_close = False  # close() does not wait for clients (each ends by its deadline)
+    daemon_threads = True
 
     def __init__(self, address: Any, limits: HttpLimits) -> None:
         self.limits = limits

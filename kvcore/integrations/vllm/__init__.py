@@ -47,6 +47,9 @@ learns of the loss and plans nothing more on it, and the daemon keeps the lost
 session's pages fenced until the worker has reported every plan built on them
 (:mod:`.scheduler`, :mod:`.link`), so no copy lands in a page someone else was
 given, and none loads their K/V.
+
+Figures (hit tokens, pages and bytes copied, copy seconds, failed loads, daemon round
+trips) go to vLLM's ``/metrics`` through its KV-connector stats (:mod:`.prom`).
 """
 
 from __future__ import annotations
@@ -81,7 +84,12 @@ from kvcore.integrations.vllm.ranks import check_parallelism
 if TYPE_CHECKING:
     import torch
     from vllm.config import KVTransferConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -204,12 +212,26 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counters since the last call (vLLM asks after every step)."""
         side = self._scheduler or self._worker
-        return side.stats.take() if side is not None else None
+        return side.take_stats() if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvcoreStats:
         return KvcoreStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        """The connector's counters on vLLM's ``/metrics`` (:mod:`.prom`)."""
+        from kvcore.integrations.vllm.prom import KvcorePromMetrics
+
+        return KvcorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ---------------------------------------------------------------------
 

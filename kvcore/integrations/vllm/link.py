@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -144,6 +145,8 @@ class DaemonLink:
         self._answered = threading.Condition()  # notified on each record posted
         self._pending = 0  # ops sent to the thread and not yet handled
         self._warned: set[str] = set()  # error codes logged at WARNING already
+        self._trips = (0, 0.0)  # round trips since the last take_round_trips, their seconds
+        self._trips_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvcore-link", daemon=True)
         self._thread.start()
 
@@ -178,6 +181,13 @@ class DaemonLink:
         """Wait until every op sent so far was handled (tests, shutdown)."""
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def take_round_trips(self) -> tuple[int, float]:
+        """The batches sent to the daemon since the last call and the seconds they took
+        (each from send to answer, refused ones included)."""
+        with self._trips_lock:
+            trips, self._trips = self._trips, (0, 0.0)
+        return trips
 
     def close(self) -> None:
         """Send what is queued, stop the thread, close the session."""
@@ -232,9 +242,7 @@ class DaemonLink:
         while ops:
             sent = ops[:1] if one_by_one else ops
             try:
-                with self.client.batch() as batch:
-                    _queue(batch, sent)
-                self._post(sent, batch.results)
+                self._post(sent, self._send(sent))
                 ops = ops[len(sent) :]
             except BatchFailed as exc:
                 self._post(sent[: exc.batch_index], exc.batch_results)
@@ -250,6 +258,20 @@ class DaemonLink:
                     self._drop(ops[1:])
                     return
                 ops = ops[1:]
+
+    def _send(self, ops: list[Op]) -> list[object]:
+        """One round trip: ``ops`` as one batch; their results (timed, answer or error:
+        :meth:`take_round_trips`)."""
+        start = time.perf_counter()
+        try:
+            with self.client.batch() as batch:
+                _queue(batch, ops)
+        finally:
+            seconds = time.perf_counter() - start
+            with self._trips_lock:
+                trips, total = self._trips
+                self._trips = (trips + 1, total + seconds)
+        return batch.results
 
     def _attached(self) -> bool:
         """Whether to call the daemon now (attaching again first where due: the

@@ -183,41 +183,66 @@ class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
         )
 
 
-STAT_KEYS = ("external_hit_tokens", "loaded_pages", "saved_pages", "failed_load_pages")
+COUNT_KEYS = (
+    "external_hit_tokens",
+    "loaded_pages",
+    "saved_pages",
+    "failed_load_pages",
+    "load_bytes",
+    "save_bytes",
+    "daemon_round_trips",
+)
+SECONDS_KEYS = ("load_copy_s", "save_copy_s", "daemon_round_trip_s")
+STAT_KEYS = COUNT_KEYS + SECONDS_KEYS
 
 
 @dataclass
 class KvcoreStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters since the last report: ``external_hit_tokens`` (tokens vLLM was told
-    kvcore holds, scheduler), ``loaded_pages`` / ``saved_pages`` / ``failed_load_pages``
-    (worker). Sums across workers and intervals."""
+    """Counters since the last report, each a sum across workers and intervals.
 
-    _taken: dict[str, int] = field(default_factory=dict, repr=False)
+    Scheduler side: ``external_hit_tokens`` (tokens vLLM was told kvcore holds and
+    loaded for it), ``daemon_round_trips`` and ``daemon_round_trip_s`` (the link's
+    batches to the daemon and the seconds they took, answer included). Worker side:
+    ``loaded_pages`` / ``saved_pages`` / ``failed_load_pages`` (pages of all layers at
+    once), ``load_bytes`` / ``save_bytes`` (bytes copied, every layer) and
+    ``load_copy_s`` / ``save_copy_s`` (seconds the copies took; a GPU save: the time to
+    queue it). ``data`` holds only ints and floats keyed by these names: it crosses
+    from worker to scheduler (pickled) and from the engine to vLLM's front end (as
+    ``to_dict()``), where :meth:`KvcoreConnector.build_kv_connector_stats` and
+    :mod:`.prom` read it back."""
+
+    _taken: dict[str, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for key in STAT_KEYS:
             self.data.setdefault(key, 0)
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(STAT_KEYS, 0)
+        self.data: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
 
-    def add(self, key: str, n: int) -> None:
+    def add(self, key: str, n: float) -> None:
+        assert key in STAT_KEYS, key
         self.data[key] = self.data.get(key, 0) + n
 
     def aggregate(self, other: KVConnectorStats) -> KvcoreStats:
         for key, n in other.data.items():
-            self.add(key, int(n))
+            if key in STAT_KEYS:  # a newer worker's key this side does not know: dropped
+                self.add(key, n)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {key: int(self.data.get(key, 0)) for key in STAT_KEYS}
+        """The interval's figures for vLLM's log line: the counters, seconds in ms."""
+        out: dict[str, int | float] = {key: int(self.data.get(key, 0)) for key in COUNT_KEYS}
+        for key in SECONDS_KEYS:
+            out[key.removesuffix("_s") + "_ms"] = round(1e3 * float(self.data.get(key, 0)), 3)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.get(key, 0) for key in STAT_KEYS)
 
-    def totals(self) -> dict[str, int]:
+    def totals(self) -> dict[str, float]:
         """Counters since start-up (``take`` resets only the interval's)."""
-        return {key: int(self.data.get(key, 0)) + self._taken.get(key, 0) for key in STAT_KEYS}
+        return {key: self.data.get(key, 0) + self._taken.get(key, 0) for key in STAT_KEYS}
 
     def take(self) -> KvcoreStats | None:
         """A copy to report, and reset; None when nothing happened."""
@@ -225,6 +250,6 @@ class KvcoreStats(KVConnectorStats):  # type: ignore[misc]
             return None
         out = KvcoreStats(dict(self.data))
         for key in STAT_KEYS:
-            self._taken[key] = self._taken.get(key, 0) + int(self.data.get(key, 0))
+            self._taken[key] = self._taken.get(key, 0) + self.data.get(key, 0)
         self.reset()
         return out

@@ -21,7 +21,9 @@ attention backend:
 
 :func:`block_view` turns each into kvcore's page order ``[B, parts, N, H, D]``
 (a stride permutation, no copy), so one ``index_select`` and one
-``index_copy_`` per layer move any set of pages either way.
+``index_copy_`` per layer move any set of pages either way; on the CPU,
+:class:`PageCopy` moves runs of adjacent pages with one slice copy each instead
+(torch's CPU ``index_copy_`` is far slower than a memcpy).
 
 fp8: vLLM keeps an fp8 cache as ``uint8`` whatever the format; the format is
 its ``kv_cache_dtype`` (:data:`FP8_CACHE_DTYPES`), the pool's dtype the matching
@@ -32,6 +34,7 @@ the per-layer k/v scales that decode them are part of the model's identity
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -155,6 +158,69 @@ def copy_pages(
     if gathered.device != dst.device:
         gathered = gathered.to(dst.device)
     dst.index_copy_(0, dst_index, gathered)
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, count)`` of each maximal run in which ``src[i]`` and
+    ``dst[i]`` both go up by one: the pairs ``src[i] -> dst[i]`` as few slices."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """One step's copies of one KV cache group, planned once and run on every layer:
+    page ``src[i]`` of the source -> page ``dst[i]`` of the destination (``[*, parts,
+    N, H, D]`` tensors as :func:`copy_pages` takes them; ``dst`` without repeats).
+
+    Between two CPU tensors, one strided ``copy_`` per run of :func:`page_runs`
+    (``runs``): torch's CPU ``index_copy_`` moves pages at about a tenth of a memcpy's
+    bytes per second (it indexes element by element), a slice ``copy_`` at about a
+    memcpy's, and a sequence's pages and a fresh request's blocks mostly come in runs;
+    a page with no neighbour costs one ``copy_`` of its own (a few microseconds).
+    Anywhere else (a GPU, or across devices): one gather and one scatter per layer
+    (:func:`copy_pages`; ``src_index`` / ``dst_index`` on their tensors' devices).
+    ``pages``: how many pages each layer copies."""
+
+    pages: int
+    runs: tuple[tuple[int, int, int], ...] = ()
+    src_index: torch.Tensor | None = None
+    dst_index: torch.Tensor | None = None
+
+    @classmethod
+    def plan(
+        cls,
+        src: Sequence[int],
+        dst: Sequence[int],
+        src_device: torch.device,
+        dst_device: torch.device,
+    ) -> PageCopy:
+        if src_device.type == "cpu" and dst_device.type == "cpu":
+            return cls(len(src), tuple(page_runs(src, dst)))
+        return cls(
+            len(src),
+            src_index=torch.tensor(src, dtype=torch.int64, device=src_device),
+            dst_index=torch.tensor(dst, dtype=torch.int64, device=dst_device),
+        )
+
+    def run(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy this plan's pages of one layer (bytes as they are: 1-byte elements as
+        uint8, as :func:`copy_pages`). Synchronous on the CPU."""
+        if self.src_index is not None:
+            assert self.dst_index is not None
+            copy_pages(src, self.src_index, dst, self.dst_index)
+            return
+        if src.element_size() == 1:
+            src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+        for s, d, n in self.runs:
+            dst[d : d + n].copy_(src[s : s + n])
 
 
 @dataclass(frozen=True, slots=True)

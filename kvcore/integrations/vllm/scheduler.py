@@ -365,6 +365,14 @@ class SchedulerSide:
         for record in self._records.values():
             record.check(self.page_size)
 
+    def take_stats(self) -> KvcoreStats | None:
+        """This side's counters since the last call (the link's round trips folded in),
+        for vLLM's ``get_kv_connector_stats``; None when nothing happened."""
+        trips, seconds = self.link.take_round_trips()
+        self.stats.add("daemon_round_trips", trips)
+        self.stats.add("daemon_round_trip_s", seconds)
+        return self.stats.take()
+
     def close(self) -> None:
         self._absorb()
         for record in list(self._records.values()):

@@ -4,7 +4,9 @@ The worker attaches its own session (it holds no sequence; the scheduler side
 does) only to map the pool zero-copy. Per step it runs the :class:`StepPlan`:
 loads before the forward (``start_load_kv``; synchronous, so every layer is
 loaded before attention reads it), saves after it (``wait_for_save``; one
-gather/scatter per layer, never waited for on a GPU), and reports each save, once
+:class:`~.pages.PageCopy` per layer: a gather and a scatter on a GPU, never waited
+for there; a slice copy per run of adjacent pages on the CPU), counts each copy's
+bytes and seconds (:class:`~.metadata.KvcoreStats`), and reports each save, once
 its copy is complete, in a :class:`StepReport` that the scheduler turns into
 commits. A worker of a tensor- or pipeline-parallel engine maps the shard of its rank
 (:mod:`.ranks`). No K/V crosses the socket; no Python loop runs per token.
@@ -30,6 +32,7 @@ every plan with a copy is reported, refused or not.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -49,10 +52,10 @@ from kvcore.integrations.vllm.metadata import (
 )
 from kvcore.integrations.vllm.pages import (
     HeadLayout,
+    PageCopy,
     VllmGeometry,
     block_view,
     check_layout,
-    copy_pages,
 )
 from kvcore.integrations.vllm.ranks import WorkerRank
 
@@ -144,12 +147,13 @@ class WorkerSide:
         if not self._maps(plan.epoch):
             self._refuse(plan)
             return
+        start = time.perf_counter()
         pool = self.client.kv_caches
-        index = self._indexes(plan, save=False)
+        copies = self._copies(plan, save=False)
         for layer, blocks in enumerate(self._blocks):
-            src, dst = index[self._layer_groups[layer]]
-            copy_pages(pool[layer], src, blocks, dst)
+            copies[self._layer_groups[layer]].run(pool[layer], blocks)
         _sync(self._blocks[0].device)
+        self._count("load", copies, time.perf_counter() - start)
         if self.client.lease_lost:  # fenced while copying: what was read may be scratch
             self._refuse(plan)
             return
@@ -165,11 +169,12 @@ class WorkerSide:
         saved: dict[Ticket, int] = {}  # what kvcore holds once the copy is complete
         pending: torch.cuda.Event | None = None
         if plan.save_pages and plan.step != self._refused_step and self._maps(plan.epoch):
+            start = time.perf_counter()
             pool = self.client.kv_caches
-            index = self._indexes(plan, save=True)
+            copies = self._copies(plan, save=True)
             for layer, blocks in enumerate(self._blocks):
-                dst, src = index[self._layer_groups[layer]]
-                copy_pages(blocks, src, pool[layer], dst)
+                copies[self._layer_groups[layer]].run(blocks, pool[layer])
+            self._count("save", copies, time.perf_counter() - start)
             if pool[0].device.type == "cuda":
                 pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 pending.record()
@@ -202,27 +207,38 @@ class WorkerSide:
         self._report.saved.update(report.saved)
         self._report.requests += report.requests
 
-    def _indexes(self, plan: StepPlan, save: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per KV cache group: the plan's pool pages and that group's vLLM blocks for
-        them (int64, each on its tensors' device), less the pages it holds no block of."""
+    def _copies(self, plan: StepPlan, save: bool) -> list[PageCopy]:
+        """Per KV cache group: the copies of the plan's pages, pool -> that group's vLLM
+        blocks (loads) or back (saves), less the pages it holds no block of."""
         pages = plan.save_pages if save else plan.load_pages
+        pool, model = self._pool_device, self._blocks[0].device
         out = []
         for g in range(self.groups.count):
-            blocks = plan.blocks(g, save)
-            kept = [(p, b) for p, b in zip(pages, blocks, strict=True) if b != NO_BLOCK]
+            kept = [
+                (p, b) for p, b in zip(pages, plan.blocks(g, save), strict=True) if b != NO_BLOCK
+            ]
+            ps, bs = [p for p, _ in kept], [b for _, b in kept]
             out.append(
-                (
-                    torch.tensor([p for p, _ in kept], dtype=torch.int64, device=self._pool_device),
-                    torch.tensor(
-                        [b for _, b in kept], dtype=torch.int64, device=self._blocks[0].device
-                    ),
-                )
+                PageCopy.plan(bs, ps, model, pool) if save else PageCopy.plan(ps, bs, pool, model)
             )
         return out
+
+    def _count(self, what: str, copies: list[PageCopy], seconds: float) -> None:
+        """Add one step's ``what`` ("load" or "save") copies to the stats: bytes of every
+        layer, and the seconds they took."""
+        page_bytes = self.client.kv_caches[0][0].nbytes  # one page of one layer
+        pages = sum(copies[g].pages for g in self._layer_groups)
+        self.stats.add(f"{what}_bytes", pages * page_bytes)
+        self.stats.add(f"{what}_copy_s", seconds)
 
     @property
     def _pool_device(self) -> torch.device:
         return self.client.kv_caches[0].device
+
+    def take_stats(self) -> KvcoreStats | None:
+        """The copies' counters since the last call (vLLM's ``get_kv_connector_stats``,
+        after every step); None when nothing happened."""
+        return self.stats.take()
 
     def take_recv(self) -> tuple[set[str], set[str]]:
         """Hybrid engines' requests whose loads ran since the last call, and those
