@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "vllm": "two vLLM instances sharing kvcore: shared prefix, no hit, RAG, chat; vLLM's prefix cache on and off",
     "tiers": "hit rates with host/disk tiers below the pool; promotion bandwidth; remote fetch",
     "sglang": "SGLang's HiCache storage calls on kvcore vs a plain host store, pages/s (needs SGLang)",
+    "serve": "vLLM's OpenAI servers driven by `vllm bench serve` and a chat client, with/without kvcore",
 }
 
 
