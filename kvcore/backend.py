@@ -29,8 +29,9 @@ Plan once per step, run per layer (FlashInfer's plan/run split)::
   write or copy on its own) take the index tensors of a step, check their shapes,
   dtypes and devices, and their values (lengths, every page index a sequence
   uses, slots, copy pairs) with vectorised tensor ops whose flags are read back
-  in *one* transfer, the only device synchronisation of the step. They raise
-  :class:`~kvcore.errors.BadRequest` for bad input and
+  in *one* transfer, the only device synchronisation of the step (CPU tensors,
+  which have no transfer to save, are read directly: see kvcore.backend_checks).
+  They raise :class:`~kvcore.errors.BadRequest` for bad input and
   :class:`~kvcore.errors.Unsupported` outside the backend's capabilities, and
   return an immutable plan: the validated index tensors (contiguous), host copies
   of the lengths, the geometry they were validated against (:class:`CacheSpec`)
@@ -62,7 +63,7 @@ the value checks it runs live in kvcore.backend_checks.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -422,7 +423,7 @@ class Backend(abc.ABC):
         """
         spec = self._spec(kv_cache)
         options = self._options(spec, attention)
-        checks = ValueChecks()
+        checks = ValueChecks(host=spec.device.type == "cpu")
         table, lens = check_table(
             checks, block_table, seq_lens, kv_cache, None, options.window_left
         )
@@ -433,8 +434,7 @@ class Backend(abc.ABC):
         plan = DecodePlan(
             self.name, spec, table, lens, tuple(host[at]), write=write, copy=copy, attention=options
         )
-        prepared = self._prepare_decode(plan, kv_cache)
-        return plan if prepared is None else replace(plan, prepared=prepared)
+        return _prepared(plan, self._prepare_decode(plan, kv_cache))
 
     def plan_prefill(
         self,
@@ -456,7 +456,7 @@ class Backend(abc.ABC):
 
         spec = self._spec(kv_cache)
         options = self._options(spec, attention)
-        checks = ValueChecks()
+        checks = ValueChecks(host=spec.device.type == "cpu")
         cu = check_index(cu_seqlens_q, "cu_seqlens_q", spec.device, torch.int32, (None,))
         if cu.shape[0] < 1:
             raise BadRequest("cu_seqlens_q must hold B + 1 >= 1 entries")
@@ -481,15 +481,14 @@ class Backend(abc.ABC):
             copy=copy,
             attention=options,
         )
-        prepared = self._prepare_prefill(plan, kv_cache)
-        return plan if prepared is None else replace(plan, prepared=prepared)
+        return _prepared(plan, self._prepare_prefill(plan, kv_cache))
 
     def plan_write(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> WritePlan:
         """Validate ``slots`` [T] int64 on their own: non-negative slots must be
         < num_pages * page_size and distinct; negative ones are skipped.
         Synchronises with the device once."""
         spec = self._spec(kv_cache)
-        checks = ValueChecks()
+        checks = ValueChecks(host=spec.device.type == "cpu")
         side = _Side(checks, kv_cache, slots, None)
         plan = self._write_plan(side, spec, kv_cache, checks.run())
         assert plan is not None
@@ -500,7 +499,7 @@ class Backend(abc.ABC):
         [0, num_pages); ``dst`` holds no duplicate and no page of ``src``.
         Synchronises with the device once."""
         spec = self._spec(kv_cache)
-        checks = ValueChecks()
+        checks = ValueChecks(host=spec.device.type == "cpu")
         side = _Side(checks, kv_cache, None, (src, dst))
         checks.run()
         plan = side.copy_plan(self, spec)
@@ -683,10 +682,26 @@ class Backend(abc.ABC):
 
     def _spec(self, kv_cache: object) -> CacheSpec:
         """Shape checks of the planning cache, then the capabilities (before any value
-        is read: an undeclared device, meta included, never runs a check)."""
+        is read: an undeclared device, meta included, never runs a check).
+
+        What they accept depends on the cache's shape, dtype and device (and a
+        contiguous last dim) only, so each backend instance (whose capabilities may be
+        its own) remembers the specs of the geometries it accepted: a step's plan on a
+        known geometry is one dict lookup."""
+        import torch
+
+        specs: dict[object, CacheSpec] = self.__dict__.setdefault("_specs", {})
+        if isinstance(kv_cache, torch.Tensor):
+            key = (kv_cache.shape, kv_cache.dtype, kv_cache.device)
+            spec = specs.get(key)
+            if spec is not None and (kv_cache.stride(4) == 1 or spec.head_dim == 1):
+                return spec
         cache = check_cache(kv_cache)
         self.check_supported(cache)
-        return CacheSpec.of(cache)
+        if len(specs) >= 64:  # a bound, whatever geometries a caller tries
+            specs.clear()
+        spec = specs[(cache.shape, cache.dtype, cache.device)] = CacheSpec.of(cache)
+        return spec
 
     def _options(self, spec: CacheSpec, attention: object) -> Attention:
         """The attention options of a plan: BadRequest if invalid for ``spec``,
@@ -731,8 +746,7 @@ class Backend(abc.ABC):
         if side.slots is None:
             return None
         plan = WritePlan(self.name, spec, side.slots, bool(host[side.at_skips][0]))
-        prepared = self._prepare_write(plan, kv_cache)
-        return plan if prepared is None else replace(plan, prepared=prepared)
+        return _prepared(plan, self._prepare_write(plan, kv_cache))
 
     def _own(self, plan: object, kind: type[P]) -> P:
         if not isinstance(plan, kind):
@@ -740,6 +754,14 @@ class Backend(abc.ABC):
         if plan.backend != self.name:
             raise BadRequest(f"a plan of backend {plan.backend!r} given to {self.name!r}")
         return plan
+
+
+def _prepared(plan: P, prepared: object) -> P:
+    """``plan`` holding the backend's precomputation (None: none). Set in place, before
+    the plan is returned to anyone: ``dataclasses.replace`` would rebuild it per step."""
+    if prepared is not None:
+        object.__setattr__(plan, "prepared", prepared)
+    return plan
 
 
 def _out_shape(plan: AttentionPlan, query: torch.Tensor) -> tuple[int, int, int]:
@@ -763,8 +785,7 @@ class _Side:
         self.copies: tuple[torch.Tensor, torch.Tensor] | None = None
         self.at_skips = -1
         if slots is not None:
-            self.slots = check_slots(checks, slots, kv_cache)
-            self.at_skips = checks.fetch((self.slots < 0).any())
+            self.slots, self.at_skips = check_slots(checks, slots, kv_cache)
         if copies is not None:
             if not isinstance(copies, tuple) or len(copies) != 2:
                 raise BadRequest("copies must be a (src, dst) pair of tensors")

@@ -4,10 +4,15 @@ the capabilities.)
 
 Two kinds. Shape, dtype and device checks read no tensor data; the run methods
 (``decode``/``prefill``/``write_kv``/``copy_pages`` of a plan) use only these.
-Value checks (lengths, page indices, slots) are vectorised tensor expressions
-collected in a :class:`ValueChecks` and read back in one transfer, together with
-whatever host copies the plan keeps, so planning a step synchronises with the
-device once.
+Value checks (lengths, page indices, slots) are collected in a :class:`ValueChecks`
+and raised in the order queued. On a device they are vectorised tensor expressions
+read back in one transfer, together with whatever host copies the plan keeps, so
+planning a step synchronises with the device once. On the host (``ValueChecks.host``:
+CPU tensors, which have no transfer to save) the table and slot checks read the
+tensors' own memory through numpy and their flags are Python bools: a few numpy
+reductions instead of some forty torch dispatches of a few microseconds each, the
+cost of a decode step's plan on a CPU. Both paths raise the same BadRequest for the
+same input (the messages are built by the same code, from the tensors).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
@@ -144,44 +150,68 @@ def check_sinks(sinks: object, num_q_heads: int, device: torch.device) -> torch.
 
 @dataclass(slots=True)
 class ValueChecks:
-    """Violation flags (each a 0-dim or 1-element bool tensor, True = bad) with their
-    messages, and integer tensors to copy to the host, all read back in one transfer
-    by :meth:`run`. Messages are built only for the first violation (they may read
-    tensor values: that costs a second transfer on an error path only)."""
+    """Violation flags (True = bad) with their messages, and integer values for the
+    host, read back in one transfer by :meth:`run`. A flag is a Python bool (known on
+    the host) or a 0-dim or 1-element bool tensor; a fetched value is a list of ints
+    or an int tensor. Messages are built only for the first violation (they may read
+    tensor values: that costs a second transfer on an error path only).
 
-    flags: list[torch.Tensor] = field(default_factory=list)
+    ``host``: the checked tensors are CPU tensors, so the checks may read them
+    directly (:func:`check_table` and :func:`check_slots` then queue bools and lists);
+    the order of the flags, hence the error raised, is the same on both paths."""
+
+    host: bool = False
+    flags: list[torch.Tensor | bool] = field(default_factory=list)
     messages: list[Callable[[], str]] = field(default_factory=list)
-    fetches: list[torch.Tensor] = field(default_factory=list)
+    fetches: list[torch.Tensor | list[int]] = field(default_factory=list)
 
-    def check(self, bad: torch.Tensor, message: Callable[[], str]) -> None:
-        self.flags.append(bad.reshape(1))
+    def check(self, bad: torch.Tensor | bool, message: Callable[[], str]) -> None:
+        self.flags.append(bad if isinstance(bad, bool) else bad.reshape(1))
         self.messages.append(message)
 
-    def fetch(self, values: torch.Tensor) -> int:
-        """Queue an int tensor for the host; its index in :meth:`run`'s result."""
-        self.fetches.append(values.reshape(-1))
+    def fetch(self, values: torch.Tensor | list[int]) -> int:
+        """Queue int values for the host (a CPU tensor is read now: no transfer to
+        save); their index in :meth:`run`'s result."""
+        if not isinstance(values, list):
+            values = values.reshape(-1)
+            if values.device.type == "cpu":
+                values = values.tolist()
+        self.fetches.append(values)
         return len(self.fetches) - 1
 
     def run(self) -> list[list[int]]:
         """Read everything back at once; BadRequest for the first flag set, else the
-        host copies of the fetched tensors, in the order queued."""
+        host copies of the fetched values, in the order queued."""
         import torch
 
-        parts = [v.long() for v in self.fetches]
-        if self.flags:
-            parts.insert(0, torch.cat(self.flags).long())
-        if not parts:
-            return []
-        values = torch.cat(parts).tolist()  # the one transfer
-        for bad, message in zip(values, self.messages, strict=False):
-            if bad:
+        parts = [f.long() for f in self.flags if not isinstance(f, bool)]
+        parts += [v.long() for v in self.fetches if not isinstance(v, list)]
+        read = iter(torch.cat(parts).tolist() if parts else ())  # the one transfer
+        for bad, message in zip(self.flags, self.messages, strict=True):
+            if bad if isinstance(bad, bool) else next(read):
                 raise BadRequest(message())
-        out: list[list[int]] = []
-        at = len(self.flags)
-        for v in self.fetches:
-            out.append(values[at : at + v.numel()])
-            at += v.numel()
-        return out
+        return [v if isinstance(v, list) else list(islice(read, v.numel())) for v in self.fetches]
+
+
+HOST_LIST_MAX = 4096  # elements: up to this many, host checks read a tensor with one tolist()
+
+
+def host_bounds(values: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a contiguous CPU integer tensor of rank 1 or 2; (0, -1) when empty.
+
+    Small tensors (<= :data:`HOST_LIST_MAX` elements: a step's tables and slots) are
+    read with one ``tolist()`` and Python's min/max, large ones with numpy's
+    reductions: between a model's layers every call runs with cold caches and costs
+    some microseconds, a numpy reduction as much as a torch op."""
+    if values.numel() == 0:
+        return 0, -1
+    if values.numel() > HOST_LIST_MAX:
+        flat = values.numpy()
+        return int(flat.min()), int(flat.max())
+    host = values.tolist()
+    if values.dim() == 1:
+        return min(host), max(host)
+    return min(map(min, host)), max(map(max, host))
 
 
 def check_table(
@@ -209,33 +239,52 @@ def check_table(
     lens = check_index(seq_lens, "seq_lens", dev, torch.int32, (table.shape[0],))
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
     max_pages = table.shape[1]
-    # column j of row b is read iff its first token j * page_size < seq_lens[b]
-    first_token = torch.arange(0, max_pages * page_size, page_size, device=dev)
-    read = first_token < lens[:, None]
-    if window_left >= 0:  # ... and its last token (j + 1) * page_size - 1 >= window start
-        q_lens = 1 if cu_seqlens_q is None else cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
-        start = (lens.long() - q_lens - window_left).clamp(min=0)
-        read &= first_token + page_size > start[:, None]
-    bad_page = read & ((table < 0) | (table >= num_pages))
+    capacity = max_pages * page_size  # tokens a row can hold; int32 lens never exceed 2**31
 
-    def page_message() -> str:
-        b, j = (int(x) for x in bad_page.nonzero()[0])
+    def bad_pages() -> torch.Tensor:
+        """[B, max_pages] bool: the entries a sequence reads that are not pages."""
+        # column j of row b is read iff its first token j * page_size < seq_lens[b]
+        first_token = torch.arange(0, capacity, page_size, device=dev)
+        read = first_token < lens[:, None]
+        if window_left >= 0:  # ... and its last token (j + 1) * page_size - 1 >= window start
+            q_lens = (
+                1 if cu_seqlens_q is None else cu_seqlens_q[1:].long() - cu_seqlens_q[:-1].long()
+            )
+            start = (lens.long() - q_lens - window_left).clamp(min=0)
+            read &= first_token + page_size > start[:, None]
+        return read & ((table < 0) | (table >= num_pages))
+
+    def page_message(bad: torch.Tensor) -> str:
+        b, j = (int(x) for x in bad.nonzero()[0])
         n = int(lens[b])
         return (
             f"block_table[{b}, {j}] = {int(table[b, j])} is not a page in [0, {num_pages}) "
             f"(sequence {b} holds {n} tokens = {cdiv(n, page_size)} pages)"
         )
 
-    checks.check((lens < 1).any(), lambda: f"seq_lens must be >= 1, got {lens.tolist()[:16]}")
-    capacity = max_pages * page_size  # tokens a row can hold; int32 lens never exceed 2**31
-    checks.check(
-        (lens > min(capacity, 2**31 - 1)).any(),
-        lambda: (
-            f"seq_lens must be <= max_pages * page_size = {max_pages * page_size} "
+    def short_message() -> str:
+        return f"seq_lens must be >= 1, got {lens.tolist()[:16]}"
+
+    def long_message() -> str:
+        return (
+            f"seq_lens must be <= max_pages * page_size = {capacity} "
             f"(block_table has {max_pages} columns), got max {int(lens.max())}"
-        ),
-    )
-    checks.check(bad_page.any(), page_message)
+        )
+
+    longest = min(capacity, 2**31 - 1)
+    if checks.host:  # a table whose every entry is a page needs no mask (engines pad with 0)
+        host_lens = lens.tolist()
+        checks.check(min(host_lens, default=1) < 1, short_message)
+        checks.check(max(host_lens, default=0) > longest, long_message)
+        low, high = host_bounds(table)
+        if low < 0 or high >= num_pages:
+            host_bad = bad_pages()
+            checks.check(bool(host_bad.any()), lambda: page_message(host_bad))
+        return table, lens
+    bad = bad_pages()
+    checks.check((lens < 1).any(), short_message)
+    checks.check((lens > longest).any(), long_message)
+    checks.check(bad.any(), lambda: page_message(bad))
     return table, lens
 
 
@@ -254,24 +303,43 @@ def check_cu_seqlens(checks: ValueChecks, cu: torch.Tensor, seq_lens: torch.Tens
     )
 
 
-def check_slots(checks: ValueChecks, slots: object, kv_cache: torch.Tensor) -> torch.Tensor:
-    """slots [T] int64: each < num_pages * page_size; non-negative ones distinct."""
+def check_slots(
+    checks: ValueChecks, slots: object, kv_cache: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """slots [T] int64: each < num_pages * page_size; non-negative ones distinct. Returns
+    them and the index, in ``checks.run()``'s result, of [1 if some slot is negative
+    (skipped) else 0]."""
     import torch
 
     slots = check_index(slots, "slots", kv_cache.device, torch.int64, (None,))
     n_slots = kv_cache.shape[0] * kv_cache.shape[2]
+
+    def max_message() -> str:
+        return f"slots must be < num_pages * page_size = {n_slots}; got {int(slots.max())}"
+
+    def repeat_message() -> str:
+        return "slots must not repeat a non-negative slot (the winner would be undefined)"
+
+    if checks.host:
+        low, high = host_bounds(slots)
+        checks.check(high >= n_slots, max_message)
+        if slots.numel() <= HOST_LIST_MAX:
+            real = [s for s in slots.tolist() if s >= 0] if low < 0 else slots.tolist()
+            repeats = len(set(real)) < len(real)
+        else:
+            import numpy as np
+
+            values = slots.numpy()
+            ordered = np.sort(values if low >= 0 else values[values >= 0])
+            repeats = bool((ordered[1:] == ordered[:-1]).any())
+        checks.check(repeats, repeat_message)
+        return slots, checks.fetch([int(low < 0)])
     # negative slots become distinct negatives, so only repeated real slots collide
     masked = torch.where(slots >= 0, slots, -1 - torch.arange(slots.numel(), device=slots.device))
-    ordered = masked.sort().values
-    checks.check(
-        (slots >= n_slots).any(),
-        lambda: f"slots must be < num_pages * page_size = {n_slots}; got {int(slots.max())}",
-    )
-    checks.check(
-        (ordered[1:] == ordered[:-1]).any(),
-        lambda: "slots must not repeat a non-negative slot (the winner would be undefined)",
-    )
-    return slots
+    ordered_t = masked.sort().values
+    checks.check((slots >= n_slots).any(), max_message)
+    checks.check((ordered_t[1:] == ordered_t[:-1]).any(), repeat_message)
+    return slots, checks.fetch((slots < 0).any())
 
 
 def check_copies(

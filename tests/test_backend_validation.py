@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_torch import TorchBackend
 
+from kvcore import backend_checks
 from kvcore.backend import Attention, AttentionPlan, Backend, available, get
+from kvcore.backend_checks import ValueChecks, check_cu_seqlens, check_slots, check_table
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
 from kvcore.layout import KVLayout, cdiv
 
@@ -710,3 +713,143 @@ def test_feature_runs_read_no_tensor_value(monkeypatch: pytest.MonkeyPatch) -> N
     backend.prefill(prefill, q, fp8, 0.5, k_scale=0.5, v_scale=2.0, sinks=sinks)
     backend.write_kv(mla.write, latent, torch.ones(2, 1, 20), None)
     assert backend.decode(mla, torch.zeros(2, 3, 20), latent, 0.5).shape == (2, 3, 16)
+
+
+# -- the host path: CPU tensors checked on their own memory, same errors ------------------
+
+
+def _value_checks(host: bool, case: dict[str, Any]) -> object:
+    """check_table (+ check_cu_seqlens) and check_slots of one step on ``host`` or the
+    tensor path: the error message, or the host values the plan would keep."""
+    checks, kv, cu = ValueChecks(host=host), cache(), case.get("cu")
+    try:
+        batch = None if cu is None else cu.shape[0] - 1
+        _, lens = check_table(
+            checks, case["table"], case["lens"], kv, batch, case.get("window", -1), cu
+        )
+        if cu is not None:
+            check_cu_seqlens(checks, cu, lens)
+        at_lens = checks.fetch(lens)
+        _, at_skips = check_slots(checks, case["slots"], kv)
+        values = checks.run()
+    except BadRequest as exc:
+        return str(exc)
+    return values[at_lens], values[at_skips]
+
+
+HOST_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("valid", {"table": t32(0, 1, 2, 3).reshape(2, 2), "lens": t32(5, 8), "slots": t64(4, 7)}),
+    ("padding", {"table": t32(0, -7, 2, 3).reshape(2, 2), "lens": t32(4, 8), "slots": t64(3)}),
+    ("lens zero", {"table": t32(0, 1, 2, 3).reshape(2, 2), "lens": t32(0, 8), "slots": t64()}),
+    ("lens long", {"table": t32(0, 1, 2, 3).reshape(2, 2), "lens": t32(5, 9), "slots": t64()}),
+    ("page -1", {"table": t32(0, -1, 2, 3).reshape(2, 2), "lens": t32(5, 8), "slots": t64()}),
+    ("page past", {"table": t32(0, 1, 4, 3).reshape(2, 2), "lens": t32(5, 8), "slots": t64()}),
+    ("no columns", {"table": torch.zeros(1, 0, dtype=I32), "lens": t32(1), "slots": t64()}),
+    ("empty", {"table": torch.zeros(0, 2, dtype=I32), "lens": t32(), "slots": t64()}),
+    ("slot past", {"table": t32(0, 1).reshape(1, 2), "lens": t32(5), "slots": t64(0, 16)}),
+    ("slot repeat", {"table": t32(0, 1).reshape(1, 2), "lens": t32(5), "slots": t64(3, -1, 3)}),
+    ("skips", {"table": t32(0, 1).reshape(1, 2), "lens": t32(5), "slots": t64(-1, -1, 3)}),
+    (
+        "window",
+        {"table": t32(-1, 1, -1, 9).reshape(2, 2), "lens": t32(8, 8), "slots": t64(), "window": 3},
+    ),
+    (
+        "prefill window",
+        {
+            "table": t32(-1, 1, 2, 3).reshape(2, 2),
+            "lens": t32(8, 8),
+            "cu": t32(0, 2, 4),
+            "slots": t64(),
+            "window": 3,
+        },
+    ),
+    (
+        "cu decreasing",
+        {"table": t32(0, 1, 2, 3).reshape(2, 2), "lens": t32(5, 8), "cu": t32(0, 6, 5)},
+    ),
+    ("shape first", {"table": t32(0, -1, 2, 3).reshape(2, 2), "lens": t32(5, 8), "slots": t32(1)}),
+]
+
+
+@pytest.mark.parametrize("list_max", [backend_checks.HOST_LIST_MAX, 0], ids=["lists", "numpy"])
+@pytest.mark.parametrize("case", [c[1] for c in HOST_CASES], ids=[c[0] for c in HOST_CASES])
+def test_host_path_raises_what_the_tensor_path_raises(
+    case: dict[str, Any], list_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU tensors are checked on their own memory (lists, or numpy for large tensors;
+    Python bools): every check gives the tensor path's result, the first violation in
+    the same order, and a shape error of a later argument still comes before any value
+    error."""
+    monkeypatch.setattr(backend_checks, "HOST_LIST_MAX", list_max)
+    case = {"slots": t64(), **case}
+    assert _value_checks(True, case) == _value_checks(False, case)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_host_and_tensor_paths_agree_on_random_steps(data: st.DataObject) -> None:
+    batch, columns = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    entry = st.one_of(st.integers(-2, NUM_PAGES + 1), st.sampled_from([-(2**31), 2**31 - 1]))
+    table = torch.tensor(
+        data.draw(st.lists(entry, min_size=batch * columns, max_size=batch * columns)), dtype=I32
+    )
+    lens = data.draw(st.lists(st.integers(-1, columns * PAGE + 1), min_size=batch, max_size=batch))
+    slots = data.draw(st.lists(st.integers(-2, NUM_PAGES * PAGE), max_size=5))
+    case: dict[str, Any] = {
+        "table": table.reshape(batch, columns),
+        "lens": torch.tensor(lens, dtype=I32),
+        "slots": torch.tensor(slots, dtype=I64),
+        "window": data.draw(st.integers(-1, 6)),
+    }
+    if data.draw(st.booleans()):
+        q_lens = data.draw(st.lists(st.integers(-1, 3), min_size=batch, max_size=batch))
+        case["cu"] = torch.tensor(
+            [0, *torch.tensor(q_lens, dtype=I64).cumsum(0).tolist()], dtype=I32
+        )
+    expected = _value_checks(False, case)
+    assert _value_checks(True, case) == expected
+    with mock.patch.object(backend_checks, "HOST_LIST_MAX", 0):  # large tensors: numpy
+        assert _value_checks(True, case) == expected
+
+
+def test_host_path_queues_no_tensor() -> None:
+    """On CPU tensors the table and slot checks queue Python bools and lists: planning a
+    valid step runs a few numpy reductions, no torch reduction per check."""
+    checks = ValueChecks(host=True)
+    _, lens = check_table(checks, t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8), cache(), None)
+    checks.fetch(lens)
+    check_slots(checks, t64(4, -1, 7), cache())
+    assert all(isinstance(flag, bool) for flag in checks.flags)
+    assert checks.fetches == [[5, 8], [1]]
+    assert checks.run() == [[5, 8], [1]]
+
+
+def test_large_steps_take_numpy_and_write_where_small_ones_do() -> None:
+    """A step past HOST_LIST_MAX slots (numpy checks, the torch write index) writes the
+    same K/V as the same slots planned a thousand at a time (the host write index)."""
+    num_pages, page = 1200, 4
+    tokens = backend_checks.HOST_LIST_MAX + 8
+    slots = torch.randperm(num_pages * page, generator=torch.Generator().manual_seed(3))[:tokens]
+    key = torch.randn(tokens, HKV, D)
+    backend, one = TorchBackend(), torch.zeros(num_pages, 2, page, HKV, D)
+    backend.write_kv(backend.plan_write(one, slots), one, key, -key)
+    many = torch.zeros_like(one)
+    for part in range(0, tokens, 1000):
+        window = slice(part, part + 1000)
+        backend.write_kv(backend.plan_write(many, slots[window]), many, key[window], -key[window])
+    assert one.equal(many) and one.abs().sum() > 0
+    with pytest.raises(BadRequest, match="must not repeat"):
+        backend.plan_write(one, torch.cat([slots, slots[:1]]))
+
+
+def test_a_backend_remembers_only_valid_geometries() -> None:
+    """The planning cache's checks are remembered per accepted geometry; a cache of the
+    same shape, dtype and device with a strided last dim is still refused."""
+    backend, table, lens = TorchBackend(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    plan = backend.plan_decode(cache(), table, lens)
+    assert backend.plan_decode(cache(), table, lens).cache is plan.cache
+    strided = torch.zeros(NUM_PAGES, 2, PAGE, HKV, 2 * D)[..., ::2]
+    with pytest.raises(BadRequest, match="contiguous last dim"):
+        backend.plan_decode(strided, table, lens)
+    with pytest.raises(Unsupported, match="device=meta"):
+        backend.plan_decode(cache().to("meta"), table.to("meta"), lens.to("meta"))

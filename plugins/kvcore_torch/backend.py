@@ -54,9 +54,10 @@ from kvcore.backend import (
     PrefillPlan,
     WritePlan,
 )
+from kvcore.backend_checks import HOST_LIST_MAX
 from kvcore.layout import cdiv
 from kvcore_torch.reference import PLAIN, attend, gather_kv, quantize
-from kvcore_torch.rows import Rows, page_offsets, row_layout, token_rows
+from kvcore_torch.rows import RowLayout, Rows, page_offsets, row_layout, token_rows
 
 __all__ = ["DecodeGather", "TorchBackend"]
 
@@ -136,7 +137,7 @@ class TorchBackend(Backend):
         mask = None
         if min(plan.host_seq_lens) < max_len:
             valid = torch.arange(max_len, device=device) < plan.seq_lens[:, None]
-            mask = torch.where(valid, 0.0, float("-inf"))[:, None, None, :]  # fp32
+            mask = torch.where(valid, 0.0, float("-inf")).view(plan.batch, 1, 1, max_len)  # fp32
         layout = row_layout(kv_cache, per_head=True)
         if layout is None:  # other strides: the advanced-index gather reads (pages, offsets)
             return DecodeGather(max_len, *_token_pages(plan, valid), mask, None)
@@ -145,7 +146,8 @@ class TorchBackend(Backend):
         # longest row uses; past a row's length, its token 0 (a written, finite row).
         batch, num_kv_heads, head_dim = plan.batch, kv_cache.shape[3], kv_cache.shape[4]
         n_pages = cdiv(max_len, page_size)
-        table = plan.block_table[None, :, None, :n_pages, None]  # [1, B, 1, n_pages, 1]
+        table = plan.block_table  # contiguous: its used columns as [B, 1, n_pages, 1]
+        table = table.as_strided((batch, 1, n_pages, 1), (table.shape[1], 0, 1, 0))
         index = torch.add(page_offsets(layout, device), table, alpha=layout.a_page)  # int64
         index = index.view(2, batch, num_kv_heads, n_pages * page_size)
         if valid is not None:
@@ -168,8 +170,11 @@ class TorchBackend(Backend):
             keep = (slots >= 0).nonzero().squeeze(1)  # (a device sync where slots skip)
             slots = slots.index_select(0, keep)
         page_size = plan.cache.page_size
+        layout = None if plan.cache.latent else row_layout(kv_cache, per_head=False)
+        if layout is not None and slots.device.type == "cpu" and slots.numel() <= HOST_LIST_MAX:
+            return _host_write_index(keep, slots.tolist(), page_size, layout, kv_cache)
         page, offset = slots // page_size, slots % page_size
-        rows = None if plan.cache.latent else token_rows(kv_cache, page, offset)
+        rows = None if layout is None else token_rows(kv_cache, page, offset)
         if rows is None:
             return WriteIndex(keep, page, offset, None)
         return WriteIndex(keep, page, offset, rows, *rows.index.unbind(0))
@@ -274,6 +279,27 @@ class TorchBackend(Backend):
         kv_cache[plan.dst] = kv_cache[plan.src]  # the gather copies src out before the scatter
 
 
+def _host_write_index(
+    keep: torch.Tensor | None,
+    slots: list[int],
+    page_size: int,
+    layout: RowLayout,
+    kv_cache: torch.Tensor,
+) -> WriteIndex:
+    """The WriteIndex of a step's few CPU slots (non-negative), computed on the host and
+    made one int64 tensor [4, T] (page, offset, K row, V row): between a model's layers
+    each torch op costs microseconds, more than a Python loop over a step's slots."""
+    page = [s // page_size for s in slots]
+    offset = [s % page_size for s in slots]
+    k = [p * layout.a_page + o * layout.a_tok for p, o in zip(page, offset, strict=True)]
+    table = torch.tensor([page, offset, k, [r + layout.a_kv for r in k]], dtype=torch.int64)
+    index = table[2:]
+    row_shape = (kv_cache.shape[3], kv_cache.shape[4])
+    rows = Rows(layout.strides, layout.contiguous, layout.n_rows, row_shape, index, index.view(-1))
+    pages, offsets, k_rows, v_rows = table.unbind(0)
+    return WriteIndex(keep, pages, offsets, rows, k_rows, v_rows)
+
+
 def _general(plan: AttentionPlan) -> bool:
     """Whether a plan needs the general path: any feature beyond plain attention."""
     return plan.cache.fp8 or plan.cache.latent or plan.attention != PLAIN
@@ -319,9 +345,14 @@ def _attend_paged(
 def _halves(
     gathered: torch.Tensor, batch: int, num_kv_heads: int, width: int, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [B, Hkv, max_len, D] of a head-row gather laid out [2, B, Hkv, width]."""
-    kv = gathered.view(2, batch, num_kv_heads, width, gathered.shape[-1])
-    k, v = kv[:, :, :, :max_len].unbind(0)
+    """K and V [B, Hkv, max_len, D] of a contiguous head-row gather laid out
+    [2, B, Hkv, width] (two strided views: the cheapest view op, once per step)."""
+    assert gathered.is_contiguous(), "a gather into a fresh tensor or the workspace"
+    head_dim = gathered.shape[-1]
+    shape = (batch, num_kv_heads, max_len, head_dim)
+    stride = (num_kv_heads * width * head_dim, width * head_dim, head_dim, 1)
+    k = gathered.as_strided(shape, stride)
+    v = gathered.as_strided(shape, stride, gathered.storage_offset() + gathered.numel() // 2)
     return k, v
 
 

@@ -63,8 +63,17 @@ class RowLayout:
 def row_layout(kv_cache: torch.Tensor, *, per_head: bool) -> RowLayout | None:
     """The cache as rows: None where the strides allow no such view (a row must be
     contiguous and every stride of the indexed dims a multiple of its width)."""
-    num_pages, _, page_size, num_kv_heads, head_dim = kv_cache.shape
-    s_page, s_kv, s_tok, s_head, s_dim = kv_cache.stride()
+    return _layout(tuple(kv_cache.shape), kv_cache.stride(), kv_cache.is_contiguous(), per_head)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(
+    shape: tuple[int, ...], strides: tuple[int, ...], contiguous: bool, per_head: bool
+) -> RowLayout | None:
+    """:func:`row_layout` of a cache of this shape and strides (a constant of the
+    geometry, computed once per step's plan otherwise)."""
+    num_pages, _, page_size, num_kv_heads, head_dim = shape
+    s_page, s_kv, s_tok, s_head, s_dim = strides
     if s_dim != 1 and head_dim > 1:
         return None
     if per_head:
@@ -79,7 +88,7 @@ def row_layout(kv_cache: torch.Tensor, *, per_head: bool) -> RowLayout | None:
     a_page, a_kv, a_tok, a_head = (s // width for s in strides)
     last = (num_pages - 1) * a_page + a_kv + (page_size - 1) * a_tok + (num_kv_heads - 1) * a_head
     per_row = (a_page, a_kv, a_tok, a_head, num_kv_heads, page_size)
-    return RowLayout(kv_cache.stride(), kv_cache.is_contiguous(), last + 1, *per_row)
+    return RowLayout(strides, contiguous, last + 1, *per_row)
 
 
 @functools.lru_cache(maxsize=64)
@@ -100,6 +109,12 @@ def token_rows(kv_cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tenso
         return None
     tok = offsets if layout.a_tok == 1 else offsets * layout.a_tok
     rows = torch.add(tok, pages, alpha=layout.a_page)
-    index = torch.stack((rows, rows + layout.a_kv))
+    index = torch.add(_kv_column(layout.a_kv, pages.device), rows)  # [2, T]: K rows, V rows
     row_shape = (kv_cache.shape[3], kv_cache.shape[4])
     return Rows(layout.strides, layout.contiguous, layout.n_rows, row_shape, index, index.view(-1))
+
+
+@functools.lru_cache(maxsize=64)
+def _kv_column(a_kv: int, device: torch.device) -> torch.Tensor:
+    """[[0], [a_kv]] int64: the row offsets of K and V (a constant; never written)."""
+    return torch.tensor([[0], [a_kv]], device=device)
