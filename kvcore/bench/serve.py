@@ -30,9 +30,13 @@ client's texts (``bench_texts_match``, under concurrency, where batches may diff
 are reported beside it.
 
 Sizes (default; ``--quick``, which the test runs): prefix_repetition
-4 prefixes x 4 prompts of 1024 + 128 tokens, 64 out (2 x 2 of 256 + 32, 16 out);
-random 16 prompts of 1024 tokens, 64 out (4 of 256, 16 out); at most 4 requests in
-flight; chat 4 x 4 turns of 40 words, 32 tokens out (2 x 3, 16 out); :data:`FIXED`.
+4 prefixes x 6 prompts of 1024 + 128 tokens, 64 out (2 x 2 of 256 + 32, 16 out);
+random 32 prompts of 1024 tokens, 64 out (4 of 256, 16 out); at most 4 requests in
+flight; chat 4 conversations x 4 turns (2 x 3): a 300-word system prompt shared by all,
+a 700-word document of its own in each first message, 140 words a user turn, 64-token
+answers (100, 200, 40, 16) — the shape of vLLM's multi-turn serving benchmark (a
+common prefix, a per-conversation prefix, short turns), scaled to this machine;
+:data:`FIXED`.
 One run takes ~2.5 minutes on a quiet 2-core machine (``--quick`` about as long;
 both 6-8 minutes under load), most of it the four servers' start-up (~40 s a pair
 when quiet) and the bench client's import of vLLM (8-17 s a phase); the measured
@@ -53,7 +57,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.bench.report import Figure, Target
-from kvcore.bench.serve_rig import Server, bench_serve, chat, complete, write_tokenizer
+from kvcore.bench.serve_rig import (
+    ChatShape,
+    Server,
+    bench_serve,
+    chat,
+    complete,
+    write_tokenizer,
+)
 from kvcore.bench.vllm import BENCH_MODEL
 from kvcore.bench.vllm_engine import PAGE_SIZE, pool_flag, settle, vllm_available, write_model
 
@@ -93,17 +104,19 @@ def sizes(args: argparse.Namespace) -> dict[str, int]:
     quick = args.quick
     return {
         "num_prefixes": 2 if quick else 4,
-        "prompts_per_prefix": 2 if quick else 4,
+        "prompts_per_prefix": 2 if quick else 6,
         "prefix_len": 256 if quick else 1024,
         "suffix_len": 32 if quick else 128,
         "prefix_output_len": 16 if quick else 64,
-        "random_prompts": 4 if quick else 16,
+        "random_prompts": 4 if quick else 32,
         "random_input_len": 256 if quick else 1024,
         "random_output_len": 16 if quick else 64,
         "conversations": args.conversations or (2 if quick else 4),
         "turns": args.turns or (3 if quick else 4),
-        "words_per_turn": 40,
-        "chat_output_len": 16 if quick else 32,
+        "system_words": 100 if quick else 300,
+        "document_words": 200 if quick else 700,
+        "words_per_turn": 40 if quick else 140,
+        "chat_output_len": 16 if quick else 64,
         "max_concurrency": args.max_concurrency,
     }
 
@@ -197,14 +210,15 @@ def run_chat(servers: list[Server], size: dict[str, int], settle: Any) -> dict[s
     from kvcore.bench.serve_rig import hit_fractions, read_counters
 
     before = [read_counters(s.url) for s in servers]
-    turns = chat(
-        [s.url for s in servers],
+    shape = ChatShape(
         size["conversations"],
         size["turns"],
+        size["system_words"],
+        size["document_words"],
         size["words_per_turn"],
         size["chat_output_len"],
-        settle,
     )
+    turns = chat([s.url for s in servers], shape, settle)
     after = [read_counters(s.url) for s in servers]
     summed = [{k: x[k] + y[k] for k in x} for x, y in (before, after)]
     later = [t.ttft_s for t in turns if t.turn >= 1]

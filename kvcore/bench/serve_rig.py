@@ -265,35 +265,55 @@ async def _chat_turn(
     return ttft, "".join(parts)
 
 
-def chat(
-    urls: list[str],
-    conversations: int,
-    turns: int,
-    words_per_turn: int,
-    max_tokens: int,
-    after_turn: Callable[[], object],
-) -> list[Turn]:
-    """``conversations`` chats of ``turns`` turns, turn t of each on ``urls[t % 2]``,
-    one request at a time (conversations interleaved turn by turn, so a conversation's
-    pages wait in the cache while others run). Each user message is
-    ``words_per_turn`` random words (seeded: equal for every pair of servers); each
-    turn's history is every earlier message and answer. ``after_turn`` runs after
-    each answer (the user's pause: what the server saved lands before the next turn)."""
+@dataclass(frozen=True, slots=True)
+class ChatShape:
+    """One chat workload, in words (one token each with :func:`write_tokenizer`'s
+    tokenizer) and tokens: every conversation opens with the same ``system_words``
+    system prompt and a document of its own of ``document_words`` pasted in its first
+    user message; each user message adds ``words_per_turn``; each answer is
+    ``answer_tokens`` long. (vLLM's multi-turn serving benchmark generates the same
+    shape: a common prefix, a per-conversation prefix, short user turns.)"""
+
+    conversations: int
+    turns: int
+    system_words: int
+    document_words: int
+    words_per_turn: int
+    answer_tokens: int
+
+
+def chat(urls: list[str], shape: ChatShape, after_turn: Callable[[], object]) -> list[Turn]:
+    """``shape.conversations`` chats of ``shape.turns`` turns, turn t of each on
+    ``urls[t % 2]``, one request at a time (conversations interleaved turn by turn, so a
+    conversation's pages wait in the cache while others run). Words are random
+    (seeded: equal for every pair of servers); each turn's history is every earlier
+    message and answer. ``after_turn`` runs after each answer (the user's pause: what
+    the server saved lands before the next turn)."""
     import aiohttp  # vLLM's own dependency (its benchmark client's HTTP library)
 
     rng = random.Random(1)
     vocab = words(200)
-    histories: list[list[dict[str, str]]] = [[] for _ in range(conversations)]
+
+    def text(count: int) -> str:
+        return " ".join(rng.choices(vocab, k=count))
+
+    system = {"role": "system", "content": text(shape.system_words)}
+    histories = [[system] for _ in range(shape.conversations)]
+    documents = [text(shape.document_words) for _ in range(shape.conversations)]
     out: list[Turn] = []
 
     async def run() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as client:
-            for turn in range(turns):
+            for turn in range(shape.turns):
                 for conv, history in enumerate(histories):
-                    text = " ".join(rng.choices(vocab, k=words_per_turn))
-                    history.append({"role": "user", "content": text})
+                    said = text(shape.words_per_turn)
+                    if not turn:
+                        said = documents[conv] + " " + said
+                    history.append({"role": "user", "content": said})
                     server = turn % len(urls)
-                    ttft, answer = await _chat_turn(client, urls[server], history, max_tokens)
+                    ttft, answer = await _chat_turn(
+                        client, urls[server], history, shape.answer_tokens
+                    )
                     history.append({"role": "assistant", "content": answer})
                     out.append(Turn(conv, turn, server, ttft, answer))
                     after_turn()
