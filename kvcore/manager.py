@@ -587,13 +587,7 @@ class Manager:
         BadRequest unless ``tokens`` is whole pages, or for a bad key space."""
         self.check_new(seq_id)
         space, root = self._resolve(space)  # BadRequest for a bad key space
-        token_bytes = encode_tokens(tokens)
-        stride = 4 * self._page_size
-        if len(token_bytes) % stride:
-            raise BadRequest(
-                f"allocate_pages takes whole pages of {self._page_size} tokens, "
-                f"got {len(token_bytes) // 4}"
-            )
+        token_bytes, stride = self._whole_pages(tokens, "allocate_pages")
         get = self._by_content.get  # (parent, page tokens) -> entry: no hashing
         found = [
             get((root, token_bytes[at : at + stride])) for at in range(0, len(token_bytes), stride)
@@ -651,18 +645,23 @@ class Manager:
         no LRU update, no stats, no events. BadRequest unless ``tokens`` is whole
         pages, or for a bad key space."""
         _, root = self._resolve(space)
-        token_bytes = encode_tokens(tokens)
-        stride = 4 * self._page_size
-        if len(token_bytes) % stride:
-            raise BadRequest(
-                f"lookup_pages takes whole pages of {self._page_size} tokens, "
-                f"got {len(token_bytes) // 4}"
-            )
+        token_bytes, stride = self._whole_pages(tokens, "lookup_pages")
         found = self._by_content
         return [
             (root, token_bytes[at : at + stride]) in found
             for at in range(0, len(token_bytes), stride)
         ]
+
+    def _whole_pages(self, tokens: Sequence[int], op: str) -> tuple[bytes, int]:
+        """``tokens`` as u32 bytes and the bytes of one page of them; BadRequest (naming
+        ``op``) unless they are whole pages or a token is not an int in [0, 2**32)."""
+        token_bytes = encode_tokens(tokens)
+        stride = 4 * self._page_size
+        if len(token_bytes) % stride:
+            raise BadRequest(
+                f"{op} takes whole pages of {self._page_size} tokens, got {len(token_bytes) // 4}"
+            )
+        return token_bytes, stride
 
 
 def _check_count(name: str, value: object) -> None:
