@@ -22,7 +22,7 @@ from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
 from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import OutOfPages
-from kvcore.integrations.vllm.link import Done
+from kvcore.integrations.vllm.link import Extended
 from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan, StepReport, Ticket
 from kvcore.integrations.vllm.records import Phase, RequestRecord
 from kvcore.integrations.vllm.scheduler import HOLD_PASSES, SchedulerSide
@@ -350,7 +350,7 @@ def test_an_answer_that_does_not_fit_runs_the_request_without_kvcore(
     req.output_token_ids.append(1)
     assert side.build_plan(FakeOutput({"odd": 1})).save_pages == []  # asks for room
     forged = Extension([5], [(10_000, 6)])  # as the link posts an answer
-    side.link._answer(Done("extended", side.attachment, "odd", ticket.seq, forged))
+    side.link._answer(Extended(side.attachment, "odd", ticket.seq, forged))
     side.wait_idle()
     side.check_integrity()
     assert any("does not fit" in r.getMessage() for r in caplog.records), caplog.records

@@ -3,11 +3,13 @@ waits for a round trip.
 
 The scheduler :meth:`~DaemonLink.send`\\ s operations and returns at once; the thread
 sends everything queued since its last round trip as one batch, in order, and posts
-what the scheduler must learn (an allocation's pages, an extension's new pages, a
-request the daemon refused, the daemon gone) as :class:`Done` records, which the
-scheduler :meth:`~DaemonLink.take`\\ s at its next hook. Only the thread uses the
-Client after start-up: the scheduler learns each new session from the
-``reconnected`` record, never by reading the client (whose epoch the thread
+what the scheduler must learn as :data:`Done` records, one type per kind
+(:class:`Allocated`: an allocation's pages; :class:`Extended`: an extension's new
+pages; :class:`Refused`, :class:`Failed`: an op the daemon refused, or one that did
+not run; :class:`Lost`, :class:`Reconnected`: the session's end, a new one), which the
+scheduler :meth:`~DaemonLink.take`\\ s at its next hook and matches by type. Only the
+thread uses the Client after start-up: the scheduler learns each new session from the
+:class:`Reconnected` record, never by reading the client (whose epoch the thread
 changes inside ``reconnect``, before it posts that record).
 
 Failures: an op the daemon refuses (any error that does not mean the daemon gone:
@@ -15,14 +17,15 @@ out of pages, a quota, a forbidden namespace, too many tokens) fails that op alo
 the ops after it are sent again. The daemon gone (:mod:`kvcore.integrations.reconnect`,
 the rule every integration shares): every queued op is dropped (allocations answered
 as failed), nothing is sent while the quiet period runs, then the thread attaches
-again and posts ``reconnected`` with the new :class:`~kvcore.integrations.reconnect.Attachment`.
+again and posts :class:`Reconnected` with the new
+:class:`~kvcore.integrations.reconnect.Attachment`.
 
 This session over while the daemon lives (its lease lost: a ``lease_lost`` or
 ``not_attached`` answer, or the client's heartbeat found it; the thread looks at
-least every :data:`LOSS_POLL_S` while idle): the thread posts ``lost`` at once, so
-the scheduler stops planning copies on the session's pages, and then waits, sending
+least every :data:`LOSS_POLL_S` while idle): the thread posts :class:`Lost` at once,
+so the scheduler stops planning copies on the session's pages, and then waits, sending
 nothing, for the scheduler's :class:`Retire` of that attachment (sent once every
-plan built on it was reported run: :mod:`.scheduler`). Only then does it attach
+plan built on it was reported run: :mod:`.session`). Only then does it attach
 again, which acknowledges the loss (``Client.reconnect``): the daemon keeps a lost
 session's pages fenced until then (a map-less client does not acknowledge at once:
 :mod:`kvcore.client`), so no copy the worker still runs from an older plan writes a
@@ -47,7 +50,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 from kvcore.client import Batch, Client
 from kvcore.errors import BatchFailed, KVCoreError, LeaseLost, NotAttached, OutOfPages
@@ -101,7 +103,7 @@ class Free:
 @dataclass(frozen=True, slots=True)
 class Retire:
     """The scheduler holds nothing of ``attachment`` any more, a session the thread said
-    is ``lost``: no record, and no plan built on it that the worker has not reported.
+    is :class:`Lost`: no record, and no plan built on it that the worker has not reported.
     The thread may now attach again (which frees that session's pages)."""
 
     attachment: Attachment
@@ -111,33 +113,78 @@ Op = Allocate | Extend | Commit | Free | Retire
 
 
 @dataclass(frozen=True, slots=True)
-class Done:
-    """What the scheduler learns from the thread, on ``attachment`` (the session the
-    record belongs to). ``kind``: ``allocated`` (``result`` an Allocation),
-    ``extended`` (an Extension), ``refused`` (the op's request runs without kvcore
-    from now on; the link logged why), ``failed`` (an allocation that did not run: a
-    miss, ask again later), ``lost`` (``attachment``'s session is over though the
-    daemon lives: its sequences are gone, its pages fenced until the scheduler's
-    :class:`Retire`), ``reconnected`` (``attachment`` is a new session: every
-    sequence of the old one is gone)."""
+class Allocated:
+    """Allocation ``seq`` of request ``req_id`` ran: ``result`` its pages and pinned hit."""
 
-    kind: Literal["allocated", "extended", "refused", "failed", "lost", "reconnected"]
+    attachment: Attachment  # the session the record belongs to (every record has one)
+    req_id: str
+    seq: int
+    result: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class Extended:
+    """Sequence ``seq`` of request ``req_id`` grew: ``result`` its new pages."""
+
     attachment: Attachment
-    req_id: str = ""
-    seq: int = 0
-    result: Allocation | Extension | None = None
+    req_id: str
+    seq: int
+    result: Extension
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The daemon refused the op (the link logged why). An allocation: its request runs
+    without kvcore from now on (a quota, a forbidden namespace, too many tokens); an
+    extension: the sequence cannot grow (out of pages too)."""
+
+    attachment: Attachment
+    req_id: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """An allocation that did not run (out of pages, the daemon gone, an older
+    session's, the link failed): a miss; the request may be asked again later."""
+
+    attachment: Attachment
+    req_id: str
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """``attachment``'s session is over though the daemon lives: its sequences are gone,
+    its pages fenced until the scheduler's :class:`Retire`."""
+
+    attachment: Attachment
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnected:
+    """``attachment`` is a new session: every sequence of the old one is gone."""
+
+    attachment: Attachment
+
+
+Answer = Allocated | Extended | Refused | Failed
+"""A record about one request's op (its ``req_id`` and sequence ``seq``)."""
+Done = Answer | Lost | Reconnected
+"""What the scheduler learns from the thread, each on the ``attachment`` it belongs
+to; the scheduler matches them by type."""
 
 
 class DaemonLink:
     """The I/O thread and its two queues (ops in, :class:`Done` out). The client's session
-    at start-up is the first attachment; later ones arrive as ``reconnected`` records."""
+    at start-up is the first attachment; later ones arrive as :class:`Reconnected`."""
 
     def __init__(self, client: Client, *, retry_s: float, timeout_s: float) -> None:
         self.client = client
         self._timeout_s = timeout_s  # the bound on one round trip
         self._reconnect = Reconnector.of(client, retry_s=retry_s, what="vLLM scheduler")
-        self._posted = self._reconnect.attachment  # of the last ``reconnected`` posted
-        self._over: Attachment | None = None  # the last session posted ``lost``
+        self._posted = self._reconnect.attachment  # of the last Reconnected posted
+        self._over: Attachment | None = None  # the last session posted Lost
         self._retired: Attachment | None = None  # the last one the scheduler retired
         self._inbox: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Done] = queue.SimpleQueue()
@@ -275,19 +322,19 @@ class DaemonLink:
 
     def _attached(self) -> bool:
         """Whether to call the daemon now (attaching again first where due: the
-        Reconnector's rule); a new session is posted ``reconnected`` before any answer."""
+        Reconnector's rule); a new session is posted :class:`Reconnected` before any answer."""
         if not self._reconnect.ready():
             return False
         now = self._reconnect.attachment
         if now != self._posted:
             self._posted = now
-            self._answer(Done("reconnected", now))
+            self._answer(Reconnected(now))
         return True
 
     def _while_idle(self) -> None:
         """No op for :data:`LOSS_POLL_S`: post a lease the heartbeat found lost; attach
         again after a retired loss (the scheduler, sending nothing on a lost session,
-        would otherwise wait for the ``reconnected`` forever)."""
+        would otherwise wait for the :class:`Reconnected` forever)."""
         try:
             self._notice_loss()
             if self._over == self._posted == self._retired:
@@ -302,7 +349,7 @@ class DaemonLink:
             self._end(self._posted)
 
     def _end(self, attachment: Attachment) -> None:
-        """``attachment``'s session is over though the daemon lives: post ``lost`` (once);
+        """``attachment``'s session is over though the daemon lives: post :class:`Lost` (once);
         nothing is sent until the scheduler retires it."""
         if self._over != attachment:
             self._over = attachment
@@ -311,7 +358,7 @@ class DaemonLink:
                 "the process was silent for longer than the lease); requests are misses "
                 "until the copies planned on it are done, then it attaches again"
             )
-            self._answer(Done("lost", attachment))
+            self._answer(Lost(attachment))
 
     def _answer(self, done: Done) -> None:
         with self._answered:
@@ -322,10 +369,10 @@ class DaemonLink:
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Allocate):
                 assert isinstance(result, Allocation), result
-                self._answer(Done("allocated", op.attachment, op.req_id, op.seq, result))
+                self._answer(Allocated(op.attachment, op.req_id, op.seq, result))
             elif isinstance(op, Extend):
                 assert isinstance(result, Extension), result
-                self._answer(Done("extended", op.attachment, op.req_id, op.seq, result))
+                self._answer(Extended(op.attachment, op.req_id, op.seq, result))
 
     def _refused(self, op: Op, exc: KVCoreError) -> bool:
         """One op failed; True if it was the op's own fault (the daemon is fine). Out of
@@ -336,7 +383,7 @@ class DaemonLink:
         if daemon_gone(exc):
             self._reconnect.gone(exc, what)
             if isinstance(op, Allocate):
-                self._answer(Done("failed", op.attachment, op.req_id, op.seq))
+                self._answer(Failed(op.attachment, op.req_id, op.seq))
             cause = exc.error if isinstance(exc, BatchFailed) else exc
             if isinstance(cause, LeaseLost | NotAttached):  # over, though the daemon lives
                 self._end(op.attachment)
@@ -354,8 +401,8 @@ class DaemonLink:
             )
         if isinstance(op, Allocate | Extend):
             failed = isinstance(op, Allocate) and isinstance(exc, OutOfPages)
-            kind: Literal["failed", "refused"] = "failed" if failed else "refused"
-            self._answer(Done(kind, op.attachment, op.req_id, op.seq))
+            answer = Failed if failed else Refused
+            self._answer(answer(op.attachment, op.req_id, op.seq))
         return True
 
     def _drop(self, ops: list[Op]) -> None:
@@ -363,7 +410,7 @@ class DaemonLink:
         failed): allocations are answered as misses; the rest are dropped."""
         for op in ops:
             if isinstance(op, Allocate):
-                self._answer(Done("failed", op.attachment, op.req_id, op.seq))
+                self._answer(Failed(op.attachment, op.req_id, op.seq))
 
 
 def _queue(batch: Batch, ops: list[Op]) -> None:

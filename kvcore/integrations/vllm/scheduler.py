@@ -22,28 +22,23 @@ that pass waits for none. A request whose answer is late waits for the next pass
 (vLLM skips it meanwhile), never anyone else's.
 
 State: one :class:`~.records.RequestRecord` per request, its phase explicit
-(asked, held, running, finished, missed, without kvcore; :mod:`.records`), in one
-dict; :meth:`SchedulerSide.check_integrity` checks every record's invariants.
-Every page number in a StepPlan belongs to a sequence this session holds (so
-nobody else writes or evicts it while the copy runs); a page is committed only
-after the worker reported it saved, and saved at most once.
+(asked, held, running, finished, missed, without kvcore; :mod:`.records`), kept by
+a :class:`~.book.RequestBook` (:mod:`.book`: what the link's answers and the
+worker's reports do to them). Every page number in a StepPlan belongs to a
+sequence this session holds (so nobody else writes or evicts it while the copy
+runs); a page is committed only after the worker reported it saved, and saved at
+most once. :meth:`SchedulerSide.check_integrity` checks every invariant.
 
-Generations: the records are those of one attachment (``attachment``: the
-daemon's epoch and this session), which changes only when :meth:`_absorb` takes
-the link's ``reconnected`` record, never read live from the client. A re-attach
-drops every record at once (loads queued for the next plan become load errors:
-vLLM recomputes them); a plan carries the epoch of the records it was built from,
-and a report counts only for the (epoch, sequence) it was planned for.
-
-A session lost with the daemon alive (its lease ran out: the epoch is the same, so
-the worker, whose own session is fine, would run any plan on it) is taken the same
-way as soon as the link posts ``lost``: every record dropped, queued loads turned
-into load errors, and nothing planned or asked on that session any more. Plans
-built before that may still be running in the worker: the session's pages stay
-fenced on the daemon (the link's client does not acknowledge the loss) until this
-side sends :class:`~.link.Retire`, once the worker reported the last plan with a
-copy built on it (the worker runs plans in order); the link attaches again only
-then, which frees them (:mod:`.link`).
+Sessions (:mod:`.session`): the records are those of one attachment (the daemon's
+epoch and this session), whose life is one :class:`~.session.Session`, changed only
+by the link's records, never read live from the client. ATTACHED: asks and plans go
+on. Lost with the daemon alive (its lease ran out), it is DRAINING: nothing asked
+or planned on it, while plans built before may still run in the worker on its
+(fenced) pages; RETIRED once the worker reported them (:class:`~.link.Retire` sent:
+the link may attach again). A loss or a re-attach drops every record at once
+(queued loads become load errors: vLLM recomputes them); a plan carries the epoch
+of the records it was built from, and a report counts only for the (epoch,
+sequence) it was planned for.
 
 vLLM's contract: ``get_num_new_matched_tokens`` may be asked many times. A
 request answered and then not scheduled keeps its pin for at most
@@ -85,15 +80,8 @@ from typing import TYPE_CHECKING
 
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.reconnect import Attachment
-from kvcore.integrations.vllm.link import (
-    Allocate,
-    Commit,
-    DaemonLink,
-    Done,
-    Extend,
-    Free,
-    Retire,
-)
+from kvcore.integrations.vllm.book import RequestBook
+from kvcore.integrations.vllm.link import Allocate, DaemonLink
 from kvcore.integrations.vllm.metadata import (
     NO_BLOCK,
     ConnectorConfig,
@@ -101,7 +89,6 @@ from kvcore.integrations.vllm.metadata import (
     KvGroups,
     StepPlan,
     StepReport,
-    Ticket,
 )
 from kvcore.integrations.vllm.records import (
     HOLDING,
@@ -111,7 +98,7 @@ from kvcore.integrations.vllm.records import (
     RequestRecord,
     tokens_of,
 )
-from kvcore.results import Allocation, Extension
+from kvcore.integrations.vllm.session import Session
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -120,7 +107,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvcore.vllm")
 HOLD_PASSES = 8  # scheduling passes an answered, unscheduled request keeps its pin
-EXTEND_PAGES = 4  # pages a sequence grows by at a time for generated tokens
 
 
 class SchedulerSide:
@@ -130,7 +116,9 @@ class SchedulerSide:
     engine's pages in one space). ``groups``: vLLM's KV cache groups (hybrid models:
     several; :class:`~.metadata.KvGroups`); one kvcore page holds a page of every
     group's layers (docs/architecture.md), so its block ids travel per group, and an
-    engine with a group kvcore cannot serve is all misses."""
+    engine with a group kvcore cannot serve is all misses. ``loads`` False: save pages
+    and load none, whatever the role (vLLM refuses cached context here:
+    :func:`~.backends.refusal`)."""
 
     def __init__(
         self,
@@ -140,6 +128,7 @@ class SchedulerSide:
         *,
         model: str,
         groups: KvGroups | None = None,
+        loads: bool = True,
     ) -> None:
         from kvcore.integrations.vllm.worker import attach
 
@@ -163,25 +152,22 @@ class SchedulerSide:
                 f"{self.page_size}: run vLLM with --block-size {self.page_size} or the daemon "
                 f"with a pool of page_size={block_size}"
             )
-        self.attachment = Attachment.of(client)  # of the records; changed only by _absorb
+        self.session = Session(Attachment.of(client))  # its life: the link's records only
         self.link = DaemonLink(client, retry_s=config.retry_s, timeout_s=config.timeout_s)
-        self.reach = Reach(
-            self.page_size, role != "kv_producer", role != "kv_consumer", config.save_generated
-        )
+        loads = loads and role != "kv_producer"
+        self.reach = Reach(self.page_size, loads, role != "kv_consumer", config.save_generated)
         self.stats = KvcoreStats()
-        self._records: dict[str, RequestRecord] = {}  # vLLM request id -> its one record
-        self._retiring: dict[Ticket, int] = {}  # dropped sequences -> their plans in flight
-        self._failed_blocks: list[int] = []  # loads promised on a dropped state: next plan
-        self._failed_recv: list[str] = []  # the same, of hybrid engines: request ids
+        self.book = RequestBook(
+            self.session, self.link, self.page_size, self.groups.count > 1, self.reach
+        )
         self._pass_late = False  # an answer came late in this pass: wait for no more
-        self._step = 0
-        self._copy_step = 0  # the last step whose plan has a copy (requests)
-        self._reported_step = 0  # the last step the worker reported run
-        self._lost = False  # ``attachment``'s session is over (the link posted ``lost``)
-        self._drain_step = 0  # lost: the last plan with a copy on it, to be reported
-        self._retired = False  # lost: Retire sent (the link may attach again)
         self.preemptions = 0  # requests vLLM preempted (for tests and logs)
         self.kv_cache_manager: KVCacheManager | None = None
+
+    @property
+    def attachment(self) -> Attachment:
+        """The session the records and plans are of (:class:`~.session.Session`)."""
+        return self.session.attachment
 
     # -- vLLM's scheduler hooks ---------------------------------------------------------
 
@@ -189,9 +175,9 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit, block aligned) that
         kvcore holds and pins for this request; None while its allocation is on the
         way past ``ask_wait_ms`` (vLLM asks again next pass)."""
-        self._absorb()
+        self.book.absorb()
         req_id = request.request_id
-        record = self._records.get(req_id)
+        record = self.book.records.get(req_id)
         if record is None:
             if not self.serves or self.reach.covered(request, num_computed_tokens):
                 return 0
@@ -206,7 +192,7 @@ class SchedulerSide:
             if record.phase is Phase.ASKED:
                 return None  # asked again next pass
         if record.phase is Phase.MISSED:
-            del self._records[req_id]  # a miss now; asked afresh if vLLM asks again
+            del self.book.records[req_id]  # a miss now; asked afresh if vLLM asks again
             return 0
         if record.phase is Phase.WITHOUT:
             return 0
@@ -220,7 +206,7 @@ class SchedulerSide:
     ) -> None:
         """vLLM scheduled the request: keep its sequence, and plan the load of the
         ``num_external_tokens`` after vLLM's own hit (as it was when vLLM asked)."""
-        record = self._records.get(request.request_id)
+        record = self.book.records.get(request.request_id)
         if record is None or record.phase not in (Phase.HELD, Phase.RUNNING):
             # external tokens only come from a grant, and vLLM calls this hook right after
             # the ask that granted them: no record is dropped in between
@@ -239,24 +225,22 @@ class SchedulerSide:
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
         """This step's loads and saves, on the state this side holds; frees what vLLM
         kept waiting too long."""
-        self._absorb()
+        self.book.absorb()
         self._pass_late = False  # the pass is over: the next one may wait again
-        self._step += 1
+        fail_blocks, fail_recv = self.book.take_failed()
         plan = StepPlan(
-            step=self._step,
-            epoch=self.attachment.epoch,
-            fail_blocks=self._failed_blocks,
+            epoch=self.session.attachment.epoch,
+            fail_blocks=fail_blocks,
             load_more=[[] for _ in range(self.groups.count - 1)],
             save_more=[[] for _ in range(self.groups.count - 1)],
-            fail_recv=self._failed_recv,
+            fail_recv=fail_recv,
         )
-        self._failed_blocks, self._failed_recv = [], []
         touched: dict[str, RequestRecord] = {}  # request id -> record with a copy in the plan
-        for record in list(self._records.values()):
+        for record in list(self.book.records.values()):
             if record.phase is Phase.HELD:
                 record.passes += 1
                 if record.passes > HOLD_PASSES and not record.in_flight:
-                    self._release(record)
+                    self.book.release(record)
             elif record.loads:
                 for page, blocks in record.loads:
                     plan.load_pages.append(page)
@@ -267,11 +251,11 @@ class SchedulerSide:
                 record.loads = []
                 touched[record.request.request_id] = record
         for req_id, n in output.num_scheduled_tokens.items():
-            running = self._records.get(req_id)
+            running = self.book.records.get(req_id)
             if running is None or running.phase is not Phase.RUNNING:
                 continue
             computed = running.request.num_computed_tokens + n
-            self._grow(req_id, running, computed)
+            self.book.grow(running, computed)
             upto = min(running.limit, computed, running.capacity) // self.page_size
             if upto <= running.scheduled:
                 continue
@@ -289,43 +273,25 @@ class SchedulerSide:
             if upto <= running.scheduled:
                 continue
             running.scheduled = upto
-            plan.saved[self._ticket(running)] = upto
+            plan.saved[self.book.ticket(running)] = upto
             touched[req_id] = running
         for record in touched.values():
             record.in_flight += 1
-        plan.requests = sorted(self._ticket(record) for record in touched.values())
-        if plan.requests:
-            self._copy_step = plan.step
+        plan.requests = sorted(self.book.ticket(record) for record in touched.values())
+        plan.step = self.session.planned(copies=bool(plan.requests))
         return plan
 
     def on_report(self, report: StepReport) -> None:
         """The worker finished steps: commit what it saved, release finished requests.
         Only entries of this side's epoch and of the very sequences planned count."""
-        self._absorb()
-        self._reported_step = max(self._reported_step, *report.steps, 0)
+        self.book.absorb()
         for ticket, upto in report.saved.items():
-            record = self._planned(ticket)
-            if record is None or upto <= record.confirmed:
-                continue
-            start = record.confirmed * self.page_size
-            tokens = tokens_of(record.request)[start : upto * self.page_size]
-            if len(tokens) < (upto - record.confirmed) * self.page_size:
-                continue  # not every token of the pages is known yet: commit later
-            self.link.send(Commit(self.attachment, record.seq, tokens, start))
-            record.confirmed = upto
-            record.scheduled = max(record.scheduled, upto)  # never saved twice
+            self.book.saved(ticket, upto)
         finished_commits = False
         for ticket in report.requests:
-            record = self._planned(ticket)
-            if record is None:
-                self._retiring_done(ticket)
-                continue
-            assert record.in_flight > 0, record
-            record.in_flight -= 1
-            if record.phase is Phase.FINISHED and not record.in_flight:
-                finished_commits |= record.confirmed > record.hit
-                self._release(record)
-        self._retire_if_drained()
+            finished_commits |= self.book.copied(ticket)
+        self.session.steps_reported(report.steps)  # a lost session drained: retired
+        self.book.flush()
         if finished_commits and not self.reach.loads:
             # a producer's answer means its pages are in kvcore (the consumer asks next)
             self.link.wait_idle(self.config.timeout_s)
@@ -336,34 +302,33 @@ class SchedulerSide:
         """vLLM dropped the request's blocks: saves planned but not reported restart
         from what kvcore holds (the next plan saves again from the new blocks)."""
         self.preemptions += 1
-        record = self._records.get(req_id)
+        record = self.book.records.get(req_id)
         if record is not None and record.phase in HOLDING:
             record.scheduled = record.confirmed
 
     def finished(self, request: Request) -> None:
         """The request finished or was aborted: release it once no copy is in flight (an
         allocation still on its way is freed when its answer comes)."""
-        record = self._records.get(request.request_id)
+        record = self.book.records.get(request.request_id)
         if record is None:
             return
         if record.phase not in HOLDING:
-            del self._records[request.request_id]
+            del self.book.records[request.request_id]
         elif record.in_flight:
             record.phase = Phase.FINISHED
         else:
-            self._release(record)
+            self.book.release(record)
 
     def wait_idle(self, timeout_s: float = 10.0) -> bool:
         """Wait until every call sent so far was answered, and take the answers."""
         idle = self.link.wait_idle(timeout_s)
-        self._absorb()
+        self.book.absorb()
         return idle
 
     def check_integrity(self) -> None:
-        """Every record's invariants (:meth:`RequestRecord.check`); AssertionError if one
-        is broken."""
-        for record in self._records.values():
-            record.check(self.page_size)
+        """Every record's invariants (:meth:`RequestRecord.check`) and the session's
+        (:meth:`~.session.Session.check_integrity`); AssertionError if one is broken."""
+        self.book.check_integrity()
 
     def take_stats(self) -> KvcoreStats | None:
         """This side's counters since the last call (the link's round trips folded in),
@@ -374,112 +339,9 @@ class SchedulerSide:
         return self.stats.take()
 
     def close(self) -> None:
-        self._absorb()
-        for record in list(self._records.values()):
-            if record.phase in HOLDING:
-                self._release(record)
-        self._records.clear()
-        for ticket in self._retiring:
-            self.link.send(Free(self.attachment, ticket.seq))
-        self._retiring.clear()
+        self.book.absorb()
+        self.book.close()
         self.link.close()
-
-    # -- the daemon's answers ------------------------------------------------------------
-
-    def _absorb(self) -> None:
-        """Take the link's records: sequences arrive, grow, were refused; or this session
-        was lost, or the link attached again: the state of the old session is dropped."""
-        for done in self.link.take():
-            if done.kind == "reconnected":
-                self._reattached(done.attachment)
-                continue
-            if done.attachment != self.attachment or self._lost:
-                continue  # of a session this side no longer holds: its sequences are gone
-            if done.kind == "lost":
-                self._session_lost()
-                continue
-            record = self._records.get(done.req_id)
-            if record is None or record.seq != done.seq:  # finished meanwhile, or stale
-                if done.kind == "allocated":
-                    self.link.send(Free(self.attachment, done.seq))
-                continue
-            if done.result is not None and not record.fits(done.result, self.page_size):
-                self._misfit(record, done)
-            elif isinstance(done.result, Allocation):
-                record.allocated(done.result, self.page_size, self.reach.limit(record.request))
-            elif isinstance(done.result, Extension):
-                record.extended(done.result)
-            elif record.phase is Phase.ASKED:  # a failed or refused allocation
-                record.phase = Phase.MISSED if done.kind == "failed" else Phase.WITHOUT
-                record.seq = 0
-            elif done.kind == "refused":  # an extension: no room to grow; saves stop at
-                aligned = record.capacity // self.page_size * self.page_size  # a whole page
-                record.limit = min(record.limit, aligned)
-                record.extending = 0
-
-    def _reattached(self, attachment: Attachment) -> None:
-        """A new session: every record of the old one goes (:meth:`_drop_records`); their
-        requests run on without kvcore, or are asked afresh if vLLM asks again."""
-        self._drop_records()
-        self.attachment = attachment
-        self._lost = self._retired = False
-
-    def _session_lost(self) -> None:
-        """This session is over though the daemon lives (its lease lost): its records go
-        as on a re-attach, nothing is asked or planned on it any more, and it is retired
-        once no plan built on it can still run (:meth:`_retire_if_drained`)."""
-        self._drop_records()
-        self._lost = True
-        self._drain_step = self._copy_step
-        self._retire_if_drained()
-
-    def _retire_if_drained(self) -> None:
-        """Once the worker reported the last plan with a copy on the lost session's pages
-        (it runs plans in order: every earlier one ran too), tell the link it may attach
-        again, which lets the daemon free those pages (:class:`~.link.Retire`)."""
-        if self._lost and not self._retired and self._reported_step >= self._drain_step:
-            self._retired = True
-            self.link.send(Retire(self.attachment))
-
-    def _drop_records(self) -> None:
-        """Every record goes (their sequences died with the session). Loads they queued
-        for the next plan will never run: vLLM is told they failed (it recomputes them)."""
-        for record in self._records.values():
-            self._fail_loads(record)
-        self._records.clear()
-        self._retiring.clear()
-
-    def _misfit(self, record: RequestRecord, done: Done) -> None:
-        """The daemon's answer does not fit the record (RequestRecord.fits): the request
-        runs without kvcore from now on, never an exception in vLLM's hooks. Its queued
-        loads fail (vLLM recomputes them), nothing more of it is committed, and its
-        sequence is freed once no plan with a copy of it is in flight."""
-        req_id = record.request.request_id
-        log.warning(
-            "kvcore: the daemon's %s answer for request %s does not fit what was asked "
-            "(%r); the request runs without kvcore from now on",
-            done.kind,
-            req_id,
-            done.result,
-        )
-        self._fail_loads(record)
-        if record.in_flight:
-            self._retiring[self._ticket(record)] = record.in_flight
-        else:
-            self.link.send(Free(self.attachment, record.seq))
-        if record.phase is Phase.FINISHED:
-            del self._records[req_id]
-        else:
-            self._records[req_id] = RequestRecord(record.request, Phase.WITHOUT)
-
-    def _retiring_done(self, ticket: Ticket) -> None:
-        """A plan of a sequence dropped by :meth:`_misfit` was reported: free it after
-        its last one."""
-        left = self._retiring.pop(ticket, 0) - 1
-        if left > 0:
-            self._retiring[ticket] = left
-        elif left == 0:
-            self.link.send(Free(self.attachment, ticket.seq))
 
     # -- internals -----------------------------------------------------------------------
 
@@ -487,7 +349,7 @@ class SchedulerSide:
         """Send the request's allocation; its record (ASKED), or None if it runs without
         kvcore this time (its tokens do not determine its K/V, the daemon is gone, or
         this session is lost)."""
-        if self._lost or self.link.quiet():
+        if not self.session.attached or self.link.quiet():
             return None
         space = self.spaces.of(request)
         tokens = tokens_of(request)
@@ -495,8 +357,8 @@ class SchedulerSide:
             return None
         seq = random.getrandbits(63) or 1
         record = RequestRecord(request, Phase.ASKED, seq, asked_tokens=len(tokens))
-        self._records[request.request_id] = record
-        self.link.send(Allocate(self.attachment, request.request_id, seq, tokens, space))
+        self.book.records[request.request_id] = record
+        self.link.send(Allocate(self.session.attachment, request.request_id, seq, tokens, space))
         return record
 
     def _wait_for(self, req_id: str) -> RequestRecord | None:
@@ -509,34 +371,14 @@ class SchedulerSide:
             deadline = time.monotonic() + self.config.ask_wait_ms / 1e3
             while self._asked(req_id) and (left := deadline - time.monotonic()) > 0:
                 self.link.wait_answer(left)
-                self._absorb()
+                self.book.absorb()
             self._pass_late = self._asked(req_id)
-        self._absorb()
-        return self._records.get(req_id)
+        self.book.absorb()
+        return self.book.records.get(req_id)
 
     def _asked(self, req_id: str) -> bool:
-        record = self._records.get(req_id)
+        record = self.book.records.get(req_id)
         return record is not None and record.phase is Phase.ASKED
-
-    def _planned(self, ticket: Ticket) -> RequestRecord | None:
-        """The record a plan's ticket was built for, if it is still this side's."""
-        record = self._records.get(ticket.req_id)
-        if ticket.epoch != self.attachment.epoch or record is None or record.seq != ticket.seq:
-            return None
-        return record
-
-    def _ticket(self, record: RequestRecord) -> Ticket:
-        return Ticket(record.request.request_id, self.attachment.epoch, record.seq)
-
-    def _grow(self, req_id: str, record: RequestRecord, computed: int) -> None:
-        """Extend the sequence ahead of the generated tokens it will save: when the
-        step's tokens come within a page of its end, by :data:`EXTEND_PAGES` pages at
-        most (no further than ``limit``: the pages its ``max_tokens`` can fill)."""
-        if record.extending or record.limit <= record.capacity:
-            return
-        if computed + self.page_size > record.capacity:
-            record.extending = min(EXTEND_PAGES * self.page_size, record.limit - record.capacity)
-            self.link.send(Extend(self.attachment, req_id, record.seq, record.extending))
 
     def _group_blocks(self, ids: tuple[list[int], ...], i: int) -> tuple[int, ...]:
         """Block ``i`` of a request in each KV cache group (``ids``: vLLM's block ids per
@@ -545,17 +387,3 @@ class SchedulerSide:
             g[i] if i < len(g) and g[i] != self.null_block else NO_BLOCK
             for g in ids[: self.groups.count]
         )
-
-    def _fail_loads(self, record: RequestRecord) -> None:
-        """The record's queued loads will never run: vLLM is told in the next plan (by
-        block on one group; by request on several, whose loads are asynchronous)."""
-        if record.loads and self.groups.count > 1:
-            self._failed_recv.append(record.request.request_id)
-        else:
-            self._failed_blocks += [blocks[0] for _, blocks in record.loads]
-        record.loads = []
-
-    def _release(self, record: RequestRecord) -> None:
-        """Free the record's sequence and forget the request."""
-        del self._records[record.request.request_id]
-        self.link.send(Free(self.attachment, record.seq))
