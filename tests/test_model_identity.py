@@ -293,7 +293,7 @@ def test_vllm_fp8_caches_key_their_scales(tmp_path: Path, caplog: pytest.LogCapt
     assert not hasattr(plain.cache_config, "calculate_kv_scales")
     fp8 = engine_config(model, kv_cache_dtype="fp8")
     ident = vllm_identity(fp8)
-    assert (ident.kv_dtype, ident.kv_scales) == ("fp8", CHECKPOINT_SCALES)
+    assert (ident.kv_dtype, ident.kv_scales) == ("fp8_e4m3", CHECKPOINT_SCALES)  # one spelling
     assert vllm_model(engine_config(model, kv_cache_dtype="fp8")) == vllm_model(fp8)
     assert vllm_model(fp8) != vllm_model(plain)
     object.__setattr__(fp8.cache_config, "calculate_kv_scales", True)  # an older vLLM's

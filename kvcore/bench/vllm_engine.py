@@ -33,6 +33,9 @@ MODEL = TinyLlama(
     vocab_size=512,
 )
 PAGE_SIZE = 32
+HIDE_AMX = "import torch; torch.cpu._is_amx_tile_supported = lambda: False"
+"""An :class:`Engine` preamble: vLLM runs as on a CPU without AMX (its CPU attention
+takes its ``vec`` path where it would take ``amx``: kvcore/integrations/vllm/backends.py)."""
 
 
 def vllm_available() -> bool:
@@ -58,6 +61,7 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import EmbedsPrompt, TokensPrompt
 
 args = json.loads(sys.argv[1])
+exec(args["preamble"])
 options = dict(model=args["model"], skip_tokenizer_init=True, dtype="float32",
                block_size=args["block_size"], max_model_len=args["max_model_len"],
                enforce_eager=True, gpu_memory_utilization=0.05,
@@ -125,6 +129,9 @@ for line in sys.stdin:
         continue
     if cmd["op"] == "kv_groups":
         print(json.dumps(kv_groups()), flush=True)
+        continue
+    if cmd["op"] == "model":
+        print(json.dumps({"model": connector._scheduler.spaces.model}), flush=True)
         continue
     params = SamplingParams(max_tokens=cmd["max_tokens"], temperature=0.0, ignore_eos=True,
                             detokenize=False, logprobs=cmd.get("logprobs") or None)
@@ -222,7 +229,7 @@ class Engine(LineProcess):
     the connector's, in tokens) and each prompt's time to first token in seconds;
     ``stats`` the connector's counters since start-up; ``kv_groups`` vLLM's KV cache
     groups (``groups``: each one's spec class) and whether its hybrid allocator is on
-    (``hybrid``).
+    (``hybrid``); ``model`` the connector's model identity (its key spaces' ``model``).
 
     ``connector`` is the connector's extra config (None: no connector), ``kv_role``
     vLLM's role for it (``kv_both``, ``kv_producer``, ``kv_consumer``).
@@ -232,6 +239,7 @@ class Engine(LineProcess):
     executor; ``stats`` then counts the scheduler side only). ``llm_options`` are
     further ``vllm.LLM`` arguments, applied last (``kv_cache_dtype``, ``block_size``,
     ``pipeline_parallel_size`` with ``distributed_executor_backend="mp"``, ...).
+    ``preamble`` is Python the process runs before it loads vLLM (:data:`HIDE_AMX`).
     ``wait=False`` returns
     once the process is started; :meth:`wait_ready` then waits for vLLM (so several
     engines load at once)."""
@@ -250,6 +258,7 @@ class Engine(LineProcess):
         prompt_embeds: bool = False,
         tensor_parallel_size: int = 1,
         llm_options: dict[str, Any] | None = None,
+        preamble: str = "",
         wait: bool = True,
     ) -> None:
         llm_options = llm_options or {}
@@ -266,6 +275,7 @@ class Engine(LineProcess):
             "prompt_embeds": prompt_embeds,
             "tensor_parallel_size": tensor_parallel_size,
             "llm_options": llm_options,
+            "preamble": preamble,
         }
         env = dict(os.environ)
         if "distributed_executor_backend" in llm_options or tensor_parallel_size > 1:
@@ -322,6 +332,9 @@ class Engine(LineProcess):
 
     def kv_groups(self) -> dict[str, Any]:
         return self.call(op="kv_groups")
+
+    def model(self) -> str:
+        return str(self.call(op="model")["model"])
 
 
 def settle(endpoint: str, timeout_s: float = 30.0) -> Stats:

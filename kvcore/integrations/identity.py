@@ -58,6 +58,15 @@ What enters, and why:
   the pool's layout does not separate ranks already. In vLLM every TP rank writes
   its own shard of one sharded pool under one key, so its ranks are ``None``; each
   SGLang rank is a client of its own on an unsharded pool, so its rank enters.
+* ``kv_format``: the byte format the engine's kernels write K/V in, where it is not
+  kvcore's page order element by element (spec/hashing.md, "Byte formats"): an
+  engine whose pages hold packed or permuted K/V names its writer, so that no
+  engine of another format reads them. "" for the plain format (the transformers
+  Cache and SGLang write K/V as the pool's layout says); vLLM's connector names
+  its attention backend and, for its CPU backend, the ISA path
+  (:func:`kvcore.integrations.vllm.backends.kv_format`).
+* ``kv_dtype`` spells each format once: vLLM's "fp8" is "fp8_e4m3"
+  (:data:`KV_DTYPE_ALIASES`), so engines that name one format two ways share.
 
 Equal inputs give equal strings in every process (msgpack of frozen structs, no
 built-in ``hash``), except a process nonce. Append fields only at the end, each
@@ -130,6 +139,9 @@ _VOLATILE = frozenset(
 )
 _TOP_VOLATILE = frozenset({"dtype", "torch_dtype"})  # the model's actual dtype is a field
 _NONCE = "nonce:" + secrets.token_hex(16)  # this process's (process_nonce)
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+"""Cache dtypes spelled two ways: vLLM's (and SGLang's) "fp8" is OCP e4m3 wherever
+kvcore maps the cache (kvcore/integrations/vllm/pages.py refuses ROCm's fnuz)."""
 
 
 class Source(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -163,6 +175,7 @@ class ModelIdentity(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     pp_size: int = 1
     tp_rank: int | None = None  # None: the pool's shards separate the ranks
     pp_rank: int | None = None
+    kv_format: str = ""  # the writer's byte format; "" plain (module docstring)
 
 
 def space_model(identity: ModelIdentity) -> str:
@@ -210,8 +223,9 @@ def source_of(
 
 def kv_dtype_of(cache_dtype: str, dtype: str) -> str:
     """The dtype a KV cache stores: an engine's ``"auto"`` cache dtype is the model's
-    ``dtype``; any other (``"fp8_e4m3"``, "" for unknown) is itself."""
-    return dtype if cache_dtype == "auto" else cache_dtype
+    ``dtype``; any other (``"fp8_e4m3"``, "" for unknown) is itself, spelled one way
+    (:data:`KV_DTYPE_ALIASES`)."""
+    return dtype if cache_dtype == "auto" else KV_DTYPE_ALIASES.get(cache_dtype, cache_dtype)
 
 
 def kv_scales_of(cache_dtype: str, *, computed: bool = False, setting: str = "") -> str:
@@ -370,8 +384,9 @@ def vllm_model(vllm_config: Any, model_id: str = "") -> str:
     ``model_config`` (``model``, ``revision``, ``code_revision``, ``hf_config``,
     ``dtype``, ``quantization``), ``load_config`` (``load_format``,
     ``download_dir``), ``cache_config.cache_dtype`` (and ``calculate_kv_scales``,
-    where a vLLM has it: :func:`kv_scales_of`) and ``parallel_config``'s TP and PP
-    sizes. Equal on every rank (the sharded pool separates them)."""
+    where a vLLM has it: :func:`kv_scales_of`), ``parallel_config``'s TP and PP
+    sizes, and the byte format its attention backend writes (``kv_format``). Equal
+    on every rank (the sharded pool separates them)."""
     return space_model(vllm_identity(vllm_config, model_id))
 
 
@@ -403,6 +418,8 @@ def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
                 "Set model_id in kv_connector_extra_config to declare which model it is",
                 name,
             )
+    from kvcore.integrations.vllm.backends import kv_format
+
     dtype = _name(mc.dtype)
     cache = vllm_config.cache_config
     computed = bool(getattr(cache, "calculate_kv_scales", False))  # not in vLLM 0.32
@@ -416,6 +433,7 @@ def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
         quantization=str(mc.quantization or ""),
         tp_size=int(parallel.tensor_parallel_size),
         pp_size=int(parallel.pipeline_parallel_size),
+        kv_format=kv_format(vllm_config),
     )
 
 

@@ -24,7 +24,10 @@ hit; the worker side (:mod:`.worker`) copies pages between the mapped pool and
 vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between them. vLLM's
 ``block_size`` must equal the pool's ``page_size``; layouts are checked once, at
 ``register_kv_caches`` (the layout of vLLM's blocks comes from the attention
-backend; an unknown one is refused). Tensor and pipeline parallelism shard the pool
+backend; an unknown one is refused). The byte format the backend writes is part of
+the model identity, and an engine whose vLLM refuses to reuse cached context on its
+backend (CPU MLA's reference backend) saves pages but loads none (:mod:`.backends`).
+Tensor and pipeline parallelism shard the pool
 by worker (:mod:`.ranks`); context parallelism is refused at start-up
 (:func:`~.ranks.check_parallelism`).
 
@@ -71,6 +74,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import LayoutMismatch
+from kvcore.integrations.vllm.backends import check_backend
 from kvcore.integrations.vllm.metadata import (
     ConnectorConfig,
     KvcoreStats,
@@ -147,17 +151,26 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvcore.integrations.identity import vllm_model
+            from kvcore.integrations.vllm.backends import refusal
             from kvcore.integrations.vllm.scheduler import SchedulerSide
 
             model = vllm_model(vllm_config, config.model_id)
             # what a router reads in this engine's events (docs/engines.md)
             log.info("kvcore: model identity %s in namespace %r", model, config.namespace)
+            refused = refusal(vllm_config, kv_cache_config=kv_cache_config)
+            if refused:
+                log.warning(
+                    "kvcore: %s; this engine saves its pages to kvcore for other engines "
+                    "and loads none",
+                    refused,
+                )
             self._scheduler = SchedulerSide(
                 config,
                 vllm_config.cache_config.block_size,
                 self._kv_transfer_config.kv_role,
                 model=model,
                 groups=groups,
+                loads=not refused,
             )
         else:
             from kvcore.integrations.vllm.worker import WorkerSide
@@ -244,6 +257,7 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 f"vLLM registered a KV cache for {name!r} but no attention layer of that "
                 f"name: kvcore cannot tell its attention backend, so not the cache's layout"
             )
+        check_backend(self._vllm_config, ctx)  # the format the scheduler side keys by
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         self._worker.register(kv_caches, head_layout(ctx[name].attn_backend), cache_dtype)
 
