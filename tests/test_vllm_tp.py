@@ -4,9 +4,11 @@ tensor_parallel_size=1 engine does.
 
 vLLM's CPU build runs TP=2 with the ``mp`` executor (two worker processes, gloo).
 Engine A computes and saves the prompts (every rank its own heads into its own
-shard; a page is committed once both ranks saved it); engine B, with an empty
-prefix cache of its own, loads them on both ranks (external hits of the whole
-prefix) and continues. Slow (three engines start, minutes on 2 cores)."""
+shard; a page is committed once both ranks saved it); engine B, with vLLM's own
+prefix cache off, loads them on both ranks (external hits of the whole prefix) and
+continues; with a page of the pool wrong in both shards (the negative
+control, vllm_helpers.overwrite_page), B's check fails. Slow (three engines start,
+minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import MODEL, PAGE_SIZE, Engine, vllm_available, write_model
+from vllm_helpers import (
+    MODEL,
+    OTHER_TOKENS,
+    PAGE_SIZE,
+    Engine,
+    overwrite_page,
+    same_tokens,
+    vllm_available,
+    write_model,
+)
+
+from kvcore import KeySpace
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
@@ -44,22 +57,52 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield d.endpoint
 
 
-def test_two_tp2_engines_share_a_prefix_through_a_sharded_pool(model: Path, daemon: str) -> None:
-    connector = {"endpoint": daemon}
+@pytest.fixture(scope="module")
+def expected(model: Path, daemon: str) -> dict[str, Any]:
+    """A plain tensor_parallel_size=1 engine's outputs of PROMPTS, which engine A
+    (tensor_parallel_size=2) decodes too, committing their pages; both closed after."""
     with (
         Engine(model, None, **SIZING) as plain,
-        Engine(model, connector, tensor_parallel_size=2, **SIZING) as a,
+        Engine(model, {"endpoint": daemon}, tensor_parallel_size=2, **SIZING) as a,
     ):
         expected = plain.generate(PROMPTS, max_tokens=6)
-        first = a.generate(PROMPTS, max_tokens=6)
-    with Engine(model, connector, tensor_parallel_size=2, **SIZING) as b:
-        second = b.generate(PROMPTS, max_tokens=6)
-        second["external_hit_tokens"] = b.stats()["external_hit_tokens"]
-    assert first["tokens"] == expected["tokens"]
-    assert second["tokens"] == expected["tokens"]  # both ranks loaded their own heads
+        same_tokens(a.generate(PROMPTS, max_tokens=6)["tokens"], expected["tokens"])
+    return expected
+
+
+@pytest.fixture(scope="module")
+def b(model: Path, daemon: str, expected: dict[str, Any]) -> Iterator[Engine]:
+    """Engine B (tensor_parallel_size=2), started once A is gone; vLLM's own prefix cache
+    off, so that it loads the prompts' pages from kvcore at each call."""
+    connector = {"endpoint": daemon}
+    with Engine(model, connector, tensor_parallel_size=2, prefix_caching=False, **SIZING) as b:
+        yield b
+
+
+def b_decodes(b: Engine, expected: dict[str, Any]) -> None:
+    """B loads the full pages of PROMPTS on both ranks and decodes ``expected``."""
+    before = b.stats()["external_hit_tokens"]
+    second = b.generate(PROMPTS, max_tokens=6)
     prefix = sum(len(p) // PAGE_SIZE * PAGE_SIZE for p in PROMPTS)
-    assert second["external_hit_tokens"] >= prefix
+    assert b.stats()["external_hit_tokens"] - before >= prefix
     assert sum(second["cached"]) >= prefix
+    same_tokens(second["tokens"], expected["tokens"])  # both ranks loaded their own heads
+
+
+def test_two_tp2_engines_share_a_prefix_through_a_sharded_pool(
+    b: Engine, expected: dict[str, Any]
+) -> None:
+    b_decodes(b, expected)
+
+
+def test_b_decodes_other_tokens_from_a_wrong_page_in_both_shards(
+    b: Engine, expected: dict[str, Any], daemon: str
+) -> None:
+    """The control of the test above: page 0 of the first prompt holds page 2's K/V,
+    both ranks' halves of it (each shard's)."""
+    overwrite_page(daemon, PROMPTS[0], KeySpace(model=b.model()), 0, 2)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        b_decodes(b, expected)
 
 
 def test_a_pool_of_other_shards_than_ranks_is_a_layout_mismatch(daemon: str) -> None:
