@@ -5,6 +5,7 @@ ways a third party runs the suite (``kvcore conformance`` and the pytest plugin)
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -21,11 +22,29 @@ from kvcore import backend as registry
 from kvcore.backend import FEATURES, Attention
 from kvcore.cli import main as kvcore_main
 from kvcore.errors import Unsupported
+from kvcore.testing import tolerance
 from kvcore.testing.kernel_features import FEATURE_PROPERTIES
 from kvcore.testing.kernels import PROPERTIES, Suite, dense_attention
 from kvcore.testing.pytest_plugin import KernelConformance
 
+pytestmark = pytest.mark.numeric  # rerun by CI as other CPUs (.ci/run)
 I32, I64 = torch.int32, torch.int64
+
+
+def assert_attention(
+    got: torch.Tensor,
+    want: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    keys: int,
+) -> None:
+    """``got`` (the backend) within tolerance.attention's bound of ``want`` (a formula
+    written out in fp32): two fp32 computations of ``query`` over the same ``key`` /
+    ``value``, ``keys`` per query, in other orders."""
+    bound = tolerance.attention(query, key, value, scale, keys=keys)
+    tolerance.assert_close(got, want, bound, "the torch backend vs its formula")
 
 
 class TestTorchConformance(KernelConformance):
@@ -70,16 +89,15 @@ def test_single_token_returns_its_value() -> None:
     out = _decode(q, cache, table, torch.ones(3, dtype=I32), 0.5)
     # query heads 0, 1 read kv head 0; heads 2, 3 read kv head 1
     expected = v[0].repeat_interleave(2, dim=0).expand(3, 4, 8)
-    torch.testing.assert_close(out, expected)
+    assert_attention(out, expected, q, k, v, 0.5, keys=1)
 
 
 def test_zero_scale_averages_values() -> None:
     k, v = torch.randn(5, 1, 4), torch.randn(5, 1, 4)
     cache = _one_page_cache(k, v, page_size=8)
-    out = _decode(
-        torch.randn(1, 2, 4), cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0
-    )
-    torch.testing.assert_close(out[0], v.mean(0).expand(2, 4))
+    q = torch.randn(1, 2, 4)
+    out = _decode(q, cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0)
+    assert_attention(out[0], v.mean(0).expand(2, 4), q, k, v, 0, keys=5)
 
 
 def test_one_plan_serves_layers_in_turn_and_other_threads() -> None:
@@ -93,6 +111,7 @@ def test_one_plan_serves_layers_in_turn_and_other_threads() -> None:
     backend = TorchBackend()
     plan = backend.plan_decode(layers[0], table, lens)
     outs = [backend.decode(plan, q, kv, 0.3) for kv in layers]
+    # the same operations on the same inputs: equal bit for bit, no rounding to bound
     for kv, out in zip(layers, outs, strict=True):  # each equals a fresh plan's run
         torch.testing.assert_close(out, _decode(q, kv, table, lens, 0.3), rtol=0, atol=0)
         torch.testing.assert_close(out, backend.decode(plan, q, kv, 0.3), rtol=0, atol=0)
@@ -121,7 +140,7 @@ def test_prefill_is_causal_bottom_right() -> None:
     for i in range(q_len):  # query i sits at token n - q_len + i
         m = n - q_len + i + 1
         w = torch.softmax((k[:m, 0] @ q[i, 0]) * 0.7, dim=0)
-        torch.testing.assert_close(out[i, 0], w @ v[:m, 0])
+        assert_attention(out[i, 0], w @ v[:m, 0], q[i : i + 1], k[:m], v[:m], 0.7, keys=m)
 
 
 def test_dense_attention_reference_matches_sdpa_is_causal() -> None:
@@ -132,7 +151,7 @@ def test_dense_attention_reference_matches_sdpa_is_causal() -> None:
         v.repeat_interleave(2, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
-    torch.testing.assert_close(dense_attention(q, k, v, 8**-0.5), ref)
+    assert_attention(dense_attention(q, k, v, 8**-0.5), ref, q, k, v, 8**-0.5, keys=5)
 
 
 def test_write_kv_skips_negative_slots_and_copy_pages_copies() -> None:
@@ -183,7 +202,7 @@ def test_window_soft_cap_and_sinks_follow_their_formulas() -> None:
         logits = cap * torch.tanh((k[n - 1 - w :, 0] @ q[0, h]) * 0.5 / cap)
         weights = torch.exp(logits)
         expected = weights @ v[n - 1 - w :, 0] / (weights.sum() + torch.exp(sinks[h]))
-        torch.testing.assert_close(out[0, h], expected)
+        assert_attention(out[0, h], expected, q, k, v, 0.5, keys=w + 1)
 
 
 def test_a_dominant_sink_silences_the_head_and_a_tiny_one_changes_nothing() -> None:
@@ -191,8 +210,17 @@ def test_a_dominant_sink_silences_the_head_and_a_tiny_one_changes_nothing() -> N
     cache, q = _one_page_cache(k, v, page_size=8), torch.randn(1, 2, 4)
     out = _features_decode(cache, q, 5, Attention(sinks=True), sinks=torch.tensor([80.0, -80.0]))
     plain = _decode(q, cache, torch.tensor([[1]], dtype=I32), torch.tensor([5], dtype=I32), 0.5)
-    torch.testing.assert_close(out[0, 0], torch.zeros(4))
-    torch.testing.assert_close(out[0, 1], plain[0, 1])
+    # exactly, head 0 returns sum_j e^(s_j - 80) v_j / (1 + sum_j e^(s_j - 80)), at most
+    # 5 e^(S - 80) max|v| (|s_j| <= S); head 1's sink moves its denominator by a relative
+    # e^-80 / sum_j e^(s_j) <= e^(S - 80), its output by at most that times 2 max|v|:
+    # the derived bound plus these
+    bound = tolerance.attention(q, k, v, 0.5, keys=5)
+    s_max = 0.5 * float(q.norm(dim=-1).max() * k.norm(dim=-1).max())
+    exact = 5 * math.exp(s_max - 80) * float(v.abs().max())
+    why = f"{bound.why}; + 5 e^(S - 80) max|v|"
+    near = tolerance.Tolerance(bound.atol + exact, bound.rtol, why)
+    tolerance.assert_close(out[0, 0], torch.zeros(4), near, "a silenced head")
+    tolerance.assert_close(out[0, 1], plain[0, 1], near, "a head with a tiny sink")
 
 
 def test_window_pages_before_it_are_neither_read_nor_validated() -> None:
@@ -209,7 +237,8 @@ def test_window_pages_before_it_are_neither_read_nor_validated() -> None:
     k = torch.cat([cache[1, 0], cache[3, 0]])[:, 0]  # tokens 4..7
     v = torch.cat([cache[1, 1], cache[3, 1]])[:, 0]
     for h in range(2):
-        torch.testing.assert_close(out[0, h], torch.softmax(k @ q[0, h] * 0.5, 0) @ v)
+        want = torch.softmax(k @ q[0, h] * 0.5, 0) @ v
+        assert_attention(out[0, h], want, q, k, v, 0.5, keys=4)
 
 
 def test_mla_attends_the_latent_and_reads_its_first_v_head_dim_elements() -> None:
@@ -225,7 +254,8 @@ def test_mla_attends_the_latent_and_reads_its_first_v_head_dim_elements() -> Non
     assert out.shape == (1, 3, dv)
     for h in range(3):
         weights = torch.softmax(latent[:, 0] @ q[0, h] * 0.5, dim=0)
-        torch.testing.assert_close(out[0, h], weights @ latent[:, 0, :dv])
+        want = weights @ latent[:, 0, :dv]
+        assert_attention(out[0, h], want, q, latent, latent[..., :dv], 0.5, keys=n)
 
 
 @pytest.mark.parametrize(("dtype", "limit"), [("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)])
@@ -244,7 +274,8 @@ def test_fp8_writes_saturate_and_attention_dequantizes(dtype: str, limit: float)
     q = torch.tensor([[[0.0, 0.0]]], dtype=torch.bfloat16)  # equal weights: the mean of V
     out = _features_decode(cache, q, 2, Attention(), k_scale=0.5, v_scale=2.0)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out[0, 0].float(), value.mean(0)[0])
+    k, v = tolerance.cache_parts(cache, k_scale=0.5, v_scale=2.0)  # as dequantized
+    assert_attention(out[0, 0], value.mean(0)[0], q, k, v, 0.5, keys=2)
 
 
 class Ignores(TorchBackend):
@@ -280,6 +311,35 @@ def test_the_suite_catches_a_feature_declared_but_ignored(
     monkeypatch.setenv("KVCORE_CONFORMANCE_EXAMPLES", "10")
     with pytest.raises(Exception):  # noqa: B017 - an AssertionError or an IndexError
         Suite(Ignores(option, off), "cpu", "quick").run(prop)
+
+
+class ReadsAWrongPage(TorchBackend):
+    """The reference with one wrong block-table entry: a sequence of two pages or more
+    reads its page 1 where its page 0 should be (a page of the pool holding other
+    tokens' K/V, as a stale or misrouted table entry would)."""
+
+    name = "wrong-page"
+
+    def _decode(self, plan: Any, query: Any, kv_cache: Any, scale: float, **kw: Any) -> Any:
+        table = plan.block_table.clone()
+        ps = plan.cache.page_size
+        rows = (plan.seq_lens.long() + ps - 1) // ps >= 2  # then the table has 2 columns
+        if bool(rows.any()):
+            table[rows, 0] = table[rows, 1]
+        wrong = super().plan_decode(kv_cache, table, plan.seq_lens)
+        return super()._decode(wrong, query, kv_cache, scale, **kw)
+
+
+def test_the_suite_catches_a_wrong_page_within_its_derived_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control of the derived tolerances (kvcore.testing.tolerance): they are
+    wide enough for any order of summation, and a page of other tokens still fails
+    them. (Swapping two pages of one sequence would not: attention over a prefix is a
+    sum over its tokens, whose order does not matter.)"""
+    monkeypatch.setenv("KVCORE_CONFORMANCE_EXAMPLES", "20")
+    with pytest.raises(AssertionError, match="differs beyond"):
+        Suite(ReadsAWrongPage(), "cpu", "quick").run("decode_matches_oracle")
 
 
 def test_torch_backend_declares_every_feature_and_fp8() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
@@ -105,10 +106,12 @@ def test_reader_process_sees_the_writer_process_bytes_through_a_prefix_hit(
     with Client.connect(daemon.endpoint, pool="kv") as observer:
         # a third mapping, in this process: same bytes again
         page = written["pages"][0]  # type: ignore[index]
-        assert observer.kv_caches[2][page, 0, 1, 1, 3].item() == pytest.approx(2000 + 10 + 1 + 0.03)
-        assert observer.kv_caches[2][page, 1, 1, 1, 3].item() == pytest.approx(
-            -(2000 + 10 + 1 + 0.03)
-        )
+        # the writer stored float32 roundings of layer * 1000 + pos * 10 + head + dim / 100,
+        # computed in float32 (1000.0 * 2, + 10.0 * 1, + 1, + 3 / 100): the same operations
+        # here give the same bits, and storage does no arithmetic
+        k = torch.tensor(2 * 1000.0) + torch.tensor(1) * 10.0 + 1 + torch.tensor(3) / 100.0
+        assert observer.kv_caches[2][page, 0, 1, 1, 3].item() == k.item()
+        assert observer.kv_caches[2][page, 1, 1, 1, 3].item() == -k.item()
         stats = observer.stats()
         assert stats.hit_tokens == 16 and stats.held_pages == 0 and stats.evictable_pages == 4
         observer.check_integrity()

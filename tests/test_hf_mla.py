@@ -16,14 +16,24 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_helpers import SMALL, engine_process, reference
+from hf_helpers import (
+    SMALL,
+    cache_space,
+    engine_process,
+    float32_runs,
+    reference,
+    served_pages,
+    wrong_page_fails,
+)
 
 from kvcore import Client, KVLayout
 from kvcore.daemon_process import DaemonProcess
 from kvcore.demo_model import TinyDeepseekV2
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.transformers import KVCoreCache
+from kvcore.testing import tolerance
 
+pytestmark = pytest.mark.numeric  # rerun by CI as other CPUs (.ci/run)
 PAGE = 16
 SPEC = TinyDeepseekV2(num_layers=2)  # latent of 64 + 32 = 96 elements per token and layer
 SYSTEM = SPEC.prompt(3 * PAGE, seed=11)  # 3 full pages
@@ -39,15 +49,11 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield d.endpoint
 
 
-def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(endpoint: str) -> None:
-    first = SYSTEM + SPEC.prompt(7, seed=1)
-    a = engine_process(SPEC, endpoint, first, NEW)
-    model = SPEC.build()
-    assert a["cached"] == 0
-    assert a["tokens"] == reference(model, [first], NEW)[0].tolist()
-    second = SYSTEM + SPEC.prompt(9, seed=2)
-    ids = torch.tensor([second])
-    with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache:
+def check_engine_b(client: Client, model: torch.nn.Module, prompt: list[int]) -> None:
+    """Engine B's generate of ``prompt``: served the system prompt's latent pages, every
+    layer, it decodes transformers' own tokens (AssertionError saying which fails)."""
+    ids = torch.tensor([prompt])
+    with KVCoreCache(client, model) as cache:
         with torch.no_grad():
             out = model.generate(
                 ids,
@@ -58,21 +64,42 @@ def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(endpoint: 
                 do_sample=False,
             )
         # while bound, a DynamicCache run is transformers' own (expanded K/V, no pages)
-        want = reference(model, [second], NEW)[0].tolist()
-    assert cache.num_cached_tokens == len(SYSTEM)  # A's latent pages, every layer
-    assert out[0, len(second) :].tolist() == want
-    assert reference(model, [second], NEW)[0].tolist() == want  # unbound: the same
+        want = reference(model, [prompt], NEW)[0].tolist()
+    assert cache.num_cached_tokens == len(SYSTEM), "engine B missed A's latent pages"
+    assert out[0, len(prompt) :].tolist() == want, "engine B's tokens are not transformers'"
+    assert reference(model, [prompt], NEW)[0].tolist() == want  # unbound: the same
+
+
+def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(endpoint: str) -> None:
+    first = SYSTEM + SPEC.prompt(7, seed=1)
+    a = engine_process(SPEC, endpoint, first, NEW)
+    model = SPEC.build()
+    assert a["cached"] == 0
+    assert a["tokens"] == reference(model, [first], NEW)[0].tolist()
+    second = SYSTEM + SPEC.prompt(9, seed=2)
+    with Client.connect(endpoint) as client:
+        check_engine_b(client, model, second)
+        # negative control: the first system page holding the third's latents (other
+        # tokens'): the same check fails, then passes again with the page restored
+        pages = served_pages(client, cache_space(client, model), SYSTEM)
+        with wrong_page_fails(client, pages[0], pages[2], "not transformers'"):
+            check_engine_b(client, model, second)
+        check_engine_b(client, model, second)
 
 
 def test_absorbed_logits_match_the_expanded_ones(endpoint: str) -> None:
-    """A prompt's logits over the latent pages equal transformers' (fp32 rounding)."""
+    """A prompt's logits over the latent pages equal transformers' within the bound of two
+    float32 runs that sum in other orders (absorbed against expanded attention; the bound
+    scaled from a bfloat16 run's distance, hf_helpers.float32_runs)."""
     model = SPEC.build()
     ids = torch.tensor([SPEC.prompt(2 * PAGE + 5, seed=3)])
     with torch.no_grad():
         want = model(ids).logits
+        coarse = SPEC.build("bfloat16")(ids).logits.float()
         with Client.connect(endpoint) as client, KVCoreCache(client, model) as cache:
             got = model(ids, cache=cache).logits
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    bound = float32_runs(SPEC, float((coarse - want).abs().max()), ids.shape[1])
+    tolerance.assert_close(got, want, bound, "absorbed MLA's logits")
 
 
 def _ephemeral(endpoint: str, layout: KVLayout) -> Client:

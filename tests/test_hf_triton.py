@@ -14,6 +14,7 @@ from kvcore.demo_model import TinyLlama, greedy
 from kvcore.errors import Unsupported
 from kvcore.integrations.transformers import KVCoreCache
 
+pytestmark = pytest.mark.numeric  # rerun by CI as other CPUs (.ci/run)
 # 1 layer, head dim 32, GQA 2:1; page size 4 so short prompts still span pages
 TINY = TinyLlama(
     num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=128

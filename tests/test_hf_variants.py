@@ -18,13 +18,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hf_helpers import engine_process, reference
+from hf_helpers import cache_space, engine_process, reference, served_pages, wrong_page_fails
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
 from kvcore.demo_model import TinyGemma2, TinyGemma3, TinyGptOss, TinyLlama
 from kvcore.integrations.transformers import KVCoreCache
 
+pytestmark = pytest.mark.numeric  # rerun by CI as other CPUs (.ci/run)
 PAGE = 16
 MODELS: dict[str, TinyLlama] = {
     "gemma2": TinyGemma2(num_layers=2, window=24),
@@ -57,6 +58,14 @@ def generate(client: Client, model: torch.nn.Module, prompt: list[int]) -> tuple
         return cache.num_cached_tokens, out[0, len(prompt) :].tolist()
 
 
+def check_engine_b(client: Client, model: torch.nn.Module, prompt: list[int]) -> None:
+    """Engine B's generate of ``prompt``: served A's pages of the system prompt, every
+    layer, it decodes transformers' own tokens (AssertionError saying which fails)."""
+    cached, tokens = generate(client, model, prompt)
+    assert cached == len(SYSTEM), "engine B missed A's pages"
+    assert tokens == reference(model, [prompt], NEW)[0].tolist(), "tokens not transformers'"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(
     endpoint: str, name: str
@@ -69,9 +78,13 @@ def test_engine_b_hits_engine_a_and_decodes_what_transformers_decodes(
     assert a["tokens"] == reference(model, [first], NEW)[0].tolist()
     second = SYSTEM + spec.prompt(9, seed=2)
     with Client.connect(endpoint) as client:
-        cached, tokens = generate(client, model, second)
-    assert cached == len(SYSTEM)  # A's pages of the system prompt, every layer
-    assert tokens == reference(model, [second], NEW)[0].tolist()
+        check_engine_b(client, model, second)
+        # negative control: the last system page (inside every query's window) holding
+        # the first's bytes, other tokens' K/V: the same check fails; restored, it passes
+        pages = served_pages(client, cache_space(client, model), SYSTEM)
+        with wrong_page_fails(client, pages[-1], pages[0], "not transformers'"):
+            check_engine_b(client, model, second)
+        check_engine_b(client, model, second)
 
 
 def test_each_variant_changes_the_tokens() -> None:

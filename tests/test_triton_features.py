@@ -25,14 +25,14 @@ from kvcore_triton import decode as triton_decode
 from kvcore_triton import prefill as triton_prefill
 
 from kvcore.layout import cdiv
+from kvcore.testing import tolerance
+from kvcore.testing.kernel_cases import operands
 
+pytestmark = pytest.mark.numeric  # rerun by CI as other CPUs (.ci/run)
 I32, I64 = torch.int32, torch.int64
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = DEVICE == "cpu"
 FP8 = {"float8_e4m3fn": (torch.float8_e4m3fn, 448.0), "float8_e5m2": (torch.float8_e5m2, 57344.0)}
-# (atol, rtol) by the output's dtype, against the reference over the same (dequantized)
-# cache and the same rounded query: accumulation order and the output's rounding differ.
-TOL = {"float32": (2e-5, 2e-5), "float16": (3e-3, 3e-3), "bfloat16": (2e-2, 2e-2)}
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -144,10 +144,22 @@ def build(
     )
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within the tolerance of the output's dtype (fp8 caches: the query's)."""
-    atol, rtol = TOL[str(actual.dtype).removeprefix("torch.")]
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol)
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> None:
+    """``actual`` (the kernel) within tolerance.attention's bound of ``expected`` (the fp32
+    reference over the same dequantized ``key``/``value`` [L, Hkv, D] and rounded
+    ``query``): only the order of the sums, the kernel's dot operands
+    (kernel_cases.operands) and the output's rounding differ."""
+    ops = operands("triton", DEVICE, tolerance.format_name(query.dtype))
+    keys = key.shape[0]
+    bound = tolerance.attention(query, key, value, scale, keys=keys, operands=ops)
+    tolerance.assert_close(actual, expected, bound, "the Triton kernel vs the fp32 reference")
 
 
 def query_dtype(dtype: str) -> torch.dtype:
@@ -269,16 +281,9 @@ def test_decode_features_match_reference(
     )
     assert out.dtype == query.dtype and out.shape == query.shape
     for b in range(2):
-        ref = reference(
-            query[b : b + 1],
-            paged.key[b],
-            paged.value[b],
-            0.3,
-            window_left=window,
-            soft_cap=cap,
-            sinks=sinks,
-        )
-        assert_close(out[b : b + 1], ref)
+        q, key, value = query[b : b + 1], paged.key[b], paged.value[b]
+        ref = reference(q, key, value, 0.3, window_left=window, soft_cap=cap, sinks=sinks)
+        assert_close(out[b : b + 1], ref, q, key, value, 0.3)
 
 
 @pytest.mark.parametrize(
@@ -318,8 +323,9 @@ def test_mla_decode_over_a_latent_cache_matches_reference(
     )
     assert out.shape == (2, heads, v_head_dim)
     for b in range(2):
-        ref = reference(query[b : b + 1], paged.key[b], paged.value[b], head_dim**-0.5)
-        assert_close(out[b : b + 1], ref)
+        q, key, value = query[b : b + 1], paged.key[b], paged.value[b]
+        ref = reference(q, key, value, head_dim**-0.5)
+        assert_close(out[b : b + 1], ref, q, key, value, head_dim**-0.5)
 
 
 # -- prefill -----------------------------------------------------------------------------
@@ -378,16 +384,9 @@ def test_prefill_features_match_reference(
     )
     for b in range(2):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        ref = reference(
-            query[rows],
-            paged.key[b],
-            paged.value[b],
-            0.25,
-            window_left=window,
-            soft_cap=cap,
-            sinks=sinks,
-        )
-        assert_close(out[rows], ref)
+        q, key, value = query[rows], paged.key[b], paged.value[b]
+        ref = reference(q, key, value, 0.25, window_left=window, soft_cap=cap, sinks=sinks)
+        assert_close(out[rows], ref, q, key, value, 0.25)
 
 
 @pytest.mark.parametrize(("dtype", "heads"), [("bfloat16", 20), ("float8_e5m2", 3)])
@@ -423,8 +422,9 @@ def test_mla_prefill_over_a_latent_cache_matches_reference(dtype: str, heads: in
     assert out.shape == (11, heads, 32)
     for b in range(2):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        ref = reference(query[rows], paged.key[b], paged.value[b], 40**-0.5)
-        assert_close(out[rows], ref)
+        q, key, value = query[rows], paged.key[b], paged.value[b]
+        ref = reference(q, key, value, 40**-0.5)
+        assert_close(out[rows], ref, q, key, value, 40**-0.5)
 
 
 def test_soft_cap_saturates_without_overflow() -> None:
@@ -441,9 +441,10 @@ def test_soft_cap_saturates_without_overflow() -> None:
         interpreted=INTERPRETED,
         soft_cap=5.0,
     )
-    ref = reference(query, paged.key[0], paged.value[0], 1.0, soft_cap=5.0)
+    key, value = paged.key[0], paged.value[0]
+    ref = reference(query, key, value, 1.0, soft_cap=5.0)
     assert out.isfinite().all()
-    assert_close(out, ref)
+    assert_close(out, ref, query, key, value, 1.0)
     assert math.isfinite(float(ref.sum()))
 
 
@@ -488,4 +489,4 @@ def test_backend_plans_every_feature_and_runs_them_on_a_latent_fp8_cache() -> No
             out = backend.prefill(prefill_plan, q, cache, 0.2, k_scale=k_scale, sinks=s_h)
         assert out.shape == (rows, heads, dv) and out.dtype == torch.bfloat16
         ref = reference(query, key, key[..., :dv], 0.2, window_left=6, soft_cap=3.0, sinks=sinks)
-        assert_close(out, ref)
+        assert_close(out, ref, query, key, key[..., :dv], 0.2)

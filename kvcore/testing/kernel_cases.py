@@ -21,31 +21,53 @@ from hypothesis import strategies as st
 
 from kvcore.backend import MAX_HEAD_DIM, MAX_PAGE_SIZE, Capabilities
 from kvcore.layout import cdiv
+from kvcore.testing.tolerance import Tolerance, attention, cache_parts
 
 DTYPES = ("float32", "float16", "bfloat16")
 
-# -- tolerances: the ONE place they are stated ------------------------------------
-# (atol, rtol) for outputs compared against the oracle, against dense SDPA, or
-# against the backend itself under a change of layout, by the query's dtype. Both
-# sides are rounded to the dtype once, so fp16/bf16 allow about one unit in the
-# last place at |x| ~ 2. On fp8 caches a backend is held to at least the bf16 one
-# (kernel_features.feature_tolerance); the oracle to dense attention over the
-# dequantized cache is held to the query dtype's.
-TOLERANCES: dict[str, tuple[float, float]] = {
-    "float32": (1e-4, 1e-4),
-    "float16": (3e-3, 3e-3),
-    "bfloat16": (2e-2, 2e-2),
-}
-# Per backend and device where the arithmetic is coarser than the dtype:
-# fp32 tl.dot runs on TF32 tensor cores on a GPU (10-bit mantissa).
-TOLERANCE_OVERRIDES: dict[tuple[str, str, str], tuple[float, float]] = {
-    ("triton", "cuda", "float32"): (1e-2, 1e-2),
-}
+# -- tolerances: derived (kvcore.testing.tolerance.attention) --------------------------
+# Outputs compared against the oracle, against dense attention, or against the backend
+# itself under a change of layout are held to tolerance.attention's bound, computed from
+# the case's own tensors (head dim, keys per query, |q|, |k|, |v|). What a kernel may
+# round besides fp32 arithmetic, by backend, device and query dtype: a 16-bit query's P
+# for P V (FlashAttention's tensor-core dots; granted to every backend), and fp32 tl.dot
+# operands on a GPU, which run on TF32 tensor cores.
+OPERANDS: dict[tuple[str, str, str], str] = {("triton", "cuda", "float32"): "tf32"}
 
 
-def tolerance(backend: str, device: str, dtype: str) -> tuple[float, float]:
-    """(atol, rtol) for ``backend`` on a ``device`` type at ``dtype``."""
-    return TOLERANCE_OVERRIDES.get((backend, device, dtype), TOLERANCES[dtype])
+def operands(backend: str, device: str, dtype: str) -> str | None:
+    """The format ``backend`` on a ``device`` type may round its dot operands to, for
+    queries of ``dtype`` (tolerance.attention's ``operands``)."""
+    if dtype in ("float16", "bfloat16"):
+        return dtype
+    return OPERANDS.get((backend, device, dtype))
+
+
+def tolerance(
+    backend: str,
+    device: str,
+    case: Case,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    itself: bool = False,
+    same_qk: bool = False,
+) -> Tolerance:
+    """tolerance.attention for ``backend`` against another fp32 computation of ``case``
+    with ``query`` over ``kv_cache``: the oracle or dense attention, or (``itself``) the
+    backend again, with the same Q and K rounded alike when ``same_qk`` (the same kernel
+    under another page order, page size or layout)."""
+    key, value = cache_parts(kv_cache)
+    return attention(
+        query,
+        key,
+        value,
+        case.scale,
+        keys=max(case.seq_lens),
+        operands=operands(backend, device, case.dtype),
+        sides=2 if itself else 1,
+        same_qk=same_qk,
+    )
 
 
 # -- profiles ---------------------------------------------------------------------

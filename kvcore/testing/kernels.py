@@ -9,7 +9,8 @@ Each property below is a hypothesis test over :mod:`kvcore.testing.kernel_cases`
 or one property at a time with ``Suite.run(name)``. ``kvcore conformance`` and
 the pytest plugin (:mod:`kvcore.testing.pytest_plugin`) are thin wrappers.
 
-Properties (all compare with the tolerance of ``kernel_cases.tolerance``):
+Properties (all compare with ``kernel_cases.tolerance``: the bound of
+:func:`kvcore.testing.tolerance.attention` on each case's own tensors):
 
 * decode / prefill equal the oracle, on NaN-poisoned caches (unused slots of
   referenced pages, spare pages, padding of strided layouts) with distinct,
@@ -55,6 +56,7 @@ from kvcore.errors import BadRequest, KVCoreError, Unsupported
 from kvcore.testing import kernel_cases as kc
 from kvcore.testing.kernel_cases import Built, Case
 from kvcore.testing.kernel_features import FEATURE_PROPERTIES, run_feature
+from kvcore.testing.tolerance import assert_close
 
 PROPERTIES: tuple[str, ...] = (
     "decode_matches_oracle",
@@ -164,29 +166,42 @@ class Suite:
     def _cases(self, **kwargs: Any) -> st.SearchStrategy[Case]:
         return kc.case_st(self.profile, self.backend.capabilities, **kwargs)
 
-    def _close(self, actual: torch.Tensor, expected: torch.Tensor, case: Case, what: str) -> None:
-        atol, rtol = kc.tolerance(self.backend.name, self.device.type, case.dtype)
-        torch.testing.assert_close(
-            actual.float(),
-            expected.float(),
-            atol=atol,
-            rtol=rtol,
-            msg=lambda m: f"{self.backend.name}: {what} differs for {case}\n{m}",
+    def _close(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        case: Case,
+        what: str,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        *,
+        itself: bool = False,
+        same_qk: bool = False,
+    ) -> None:
+        """``actual`` within the derived bound of ``expected``: two fp32 computations of
+        ``query`` over ``kv_cache``, the second by the oracle or densely, or (``itself``)
+        by this backend again (kernel_cases.tolerance)."""
+        dev = self.device.type
+        bound = kc.tolerance(
+            self.backend.name, dev, case, query, kv_cache, itself=itself, same_qk=same_qk
         )
+        assert_close(actual, expected, bound, f"{self.backend.name}: {what} for {case}")
 
     # -- properties against the oracle ---------------------------------------------
 
     def decode_matches_oracle(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
-            self._close(decode_of(self.backend, t), decode_of(self.oracle, t), case, "decode")
+            got, want = decode_of(self.backend, t), decode_of(self.oracle, t)
+            self._close(got, want, case, "decode", t.decode_query, t.kv_cache)
 
         self.given(self._cases(), check)
 
     def prefill_matches_oracle(self) -> None:
         def check(case: Case) -> None:
             t = kc.build(case, self.device)
-            self._close(prefill_of(self.backend, t), prefill_of(self.oracle, t), case, "prefill")
+            got, want = prefill_of(self.backend, t), prefill_of(self.oracle, t)
+            self._close(got, want, case, "prefill", t.prefill_query, t.kv_cache)
 
         self.given(self._cases(), check)
 
@@ -196,7 +211,8 @@ class Suite:
             prefill = prefill_of(self.backend, t)
             last = t.cu_seqlens_q[1:].long() - 1
             decode = decode_of(self.backend, t, t.prefill_query[last])
-            self._close(prefill[last], decode, case, "prefill's last token vs decode")
+            what, query = "prefill's last token vs decode", t.prefill_query[last]
+            self._close(prefill[last], decode, case, what, query, t.kv_cache, itself=True)
 
         self.given(self._cases(), check)
 
@@ -219,7 +235,10 @@ class Suite:
                 **{**_fields(t), "kv_cache": moved, "block_table": table.to(torch.int32)}
             )
             after = decode_of(self.backend, moved_t)
-            self._close(after, before, case, "decode after a page permutation")
+            what = "decode after a page permutation"
+            self._close(
+                after, before, case, what, t.decode_query, t.kv_cache, itself=True, same_qk=True
+            )
 
         self.given(self._cases(), check)
 
@@ -239,7 +258,7 @@ class Suite:
             kvs = [torch.randn(n, 2, h, d, generator=gen).to(dtype) for n in case.seq_lens]
             query = torch.randn(len(kvs), case.num_q_heads, d, generator=gen).to(dtype)
             seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32, device=self.device)
-            outs = []
+            outs, caches = [], []
             for ps in (case.page_size, other):
                 paged = Case(**{**_fields(case), "page_size": ps})
                 table, num_pages = kc.block_table(paged, gen)
@@ -249,7 +268,9 @@ class Suite:
                     cache[slots // ps, :, slots % ps] = kv.to(self.device)
                 plan = self.backend.plan_decode(cache, table.to(self.device), seq_lens)
                 outs.append(self.backend.decode(plan, query.to(self.device), cache, case.scale))
-            self._close(outs[1], outs[0], case, f"decode at page size {other}")
+                caches.append(cache)
+            what = f"decode at page size {other}"
+            self._close(outs[1], outs[0], case, what, query, caches[0], itself=True, same_qk=True)
 
         self.given(pair(), check)
 
@@ -268,11 +289,12 @@ class Suite:
             table_d = table.to(self.device)
             plan = self.backend.plan_prefill(cache, table_d, cu_t, seq_lens)
             out = self.backend.prefill(plan, query, cache, case.scale)
-            self._close(out.cpu(), expected, case, "prefill vs dense SDPA")
+            self._close(out.cpu(), expected, case, "prefill vs dense SDPA", query, cache)
             last = cu_t[1:].long() - 1
             dec_plan = self.backend.plan_decode(cache, table_d, seq_lens)
             dec = self.backend.decode(dec_plan, query[last], cache, case.scale)
-            self._close(dec.cpu(), expected[last.cpu()], case, "decode vs dense SDPA")
+            want = expected[last.cpu()]
+            self._close(dec.cpu(), want, case, "decode vs dense SDPA", query[last], cache)
 
         # distinct pages: shared pages would make two sequences write one slot
         self.given(self._cases(table_modes=("distinct",)), check)
@@ -350,10 +372,14 @@ class Suite:
             layer = Built(**{**_fields(t), "kv_cache": other})
             plan = self.backend.plan_decode(t.kv_cache, t.block_table, t.seq_lens)
             got = self.backend.decode(plan, t.decode_query, other, t.scale)
-            self._close(got, decode_of(self.backend, layer), case, f"decode on a {layout} layer")
+            want = decode_of(self.backend, layer)
+            what = f"decode on a {layout} layer"
+            self._close(got, want, case, what, t.decode_query, other, itself=True, same_qk=True)
             pplan = self.backend.plan_prefill(t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens)
             got = self.backend.prefill(pplan, t.prefill_query, other, t.scale)
-            self._close(got, prefill_of(self.backend, layer), case, f"prefill on a {layout} layer")
+            want = prefill_of(self.backend, layer)
+            what = f"prefill on a {layout} layer"
+            self._close(got, want, case, what, t.prefill_query, other, itself=True, same_qk=True)
 
         self.given(pair(), check)
 
