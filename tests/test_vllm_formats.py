@@ -127,6 +127,21 @@ def test_a_user_who_turns_vllms_cache_off_still_loads(llama: Path) -> None:
     assert refusal(config(llama, enable_prefix_caching=False)) == ""
 
 
+def test_which_mla_backends_load(tmp_path: Path) -> None:
+    """vLLM's reference CPU_MLA refuses cached context (so kvcore loads nothing there);
+    AMX_MLA, vLLM's choice where the CPU has AMX, reuses it. Each is its own format."""
+    from test_vllm_shapes import MAX_LEN, MLA_BLOCK, write_deepseek
+
+    deepseek = write_deepseek(tmp_path / "deepseek")
+    reference = config(deepseek, attention_backend="CPU_MLA", max_model_len=MAX_LEN)
+    assert "CPU_MLA" in refusal(reference)
+    assert not reference.cache_config.enable_prefix_caching  # vLLM's own, for this cause
+    assert kv_format(reference) == "vllm/CPU_MLA"
+    if AMX:
+        amx = config(deepseek, block_size=MLA_BLOCK, max_model_len=MAX_LEN)
+        assert (refusal(amx), kv_format(amx)) == ("", "vllm/AMX_MLA")
+
+
 # -- real engines ------------------------------------------------------------------------
 
 
