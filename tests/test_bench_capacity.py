@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.bench import capacity
+from kvcore.bench.chat_trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.bench.simulate import ContiguousPool, PagedPool, simulate
-from kvcore.bench.trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.errors import BadRequest
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager

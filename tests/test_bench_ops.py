@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from kvcore.bench import ops
+from kvcore.bench.chat_trace import TraceConfig, make_trace
 from kvcore.bench.minimal_cache import MinimalCache
 from kvcore.bench.simulate import PagedPool, simulate
-from kvcore.bench.trace import TraceConfig, make_trace
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 

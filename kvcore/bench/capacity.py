@@ -1,6 +1,6 @@
 """``kvcore bench capacity``: how many sequences one memory budget serves.
 
-The trace (kvcore.bench.trace) is replayed by the step simulator
+The trace (kvcore.bench.chat_trace) is replayed by the step simulator
 (kvcore.bench.simulate: FCFS admission, preemption of the newest sequence) against
 one fixed pool under three policies:
 
@@ -33,9 +33,9 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from kvcore.bench.chat_trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.bench.report import Figure, Target
 from kvcore.bench.simulate import ContiguousPool, PagedPool, Pool, RunStats, simulate
-from kvcore.bench.trace import Trace, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.errors import BadRequest
 from kvcore.layout import FP8_DTYPES, KVLayout
 from kvcore.manager import Manager

@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvcore.bench import capacity
+from kvcore.bench.chat_trace import Trace
 from kvcore.bench.minimal_cache import MinimalCache
 from kvcore.bench.report import Figure
 from kvcore.bench.simulate import PageCache, PagedPool, RunStats, simulate
-from kvcore.bench.trace import Trace
 from kvcore.errors import BadRequest, KVCoreError
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats

@@ -1,6 +1,6 @@
 """The step simulator behind ``kvcore bench capacity`` and ``kvcore bench ops``.
 
-A trace (kvcore.bench.trace) is replayed, step by step, against one fixed pool,
+A trace (kvcore.bench.chat_trace) is replayed, step by step, against one fixed pool,
 as a vLLM-style scheduler runs it (docs/benchmarks.md states it too). The pool
 is a policy's memory side (:class:`Pool`): :class:`ContiguousPool` reserves
 prompt + max_new_tokens token slots per sequence on admission; :class:`PagedPool`
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvcore.bench.trace import Request, Trace
+from kvcore.bench.chat_trace import Request, Trace
 from kvcore.errors import BadRequest, OutOfPages
 from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Allocation, PrefixHit, Stats

@@ -1,6 +1,6 @@
 """``kvcore bench tiers``: hit rates with lower tiers, and the cost of bringing pages back.
 
-* hit rates: the shared-prefix trace (kvcore.bench.trace) replayed one request
+* hit rates: the shared-prefix trace (kvcore.bench.chat_trace) replayed one request
   at a time (allocate, commit its full pages, free) against the daemon's own
   code: a :class:`~kvcore.Manager` alone (``hit_rate_pool_only``), then a
   :class:`~kvcore.daemon.tiering.TieredManager` over a real pool tensor with a
@@ -9,7 +9,7 @@
   promoted into adopted pages inside allocate. The pool holds about
   1 / ``--working-set`` of the trace's distinct prompt pages; the host tier
   ``--host-factor`` x the pool; the disk tier the whole working set.
-  ``hit_rate_optimal`` is :func:`~kvcore.bench.trace.optimal_hit_tokens` for the
+  ``hit_rate_optimal`` is :func:`~kvcore.bench.chat_trace.optimal_hit_tokens` for the
   same order (an unbounded cache). Rates are hit tokens / prompt tokens.
 * ``promote_bandwidth_ratio``: bytes/s of bringing ``--promote-pages`` pages
   from the host tier into scattered pool pages (``HostTier.promote``, what the
@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvcore.bench.chat_trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.bench.report import Figure, Target
-from kvcore.bench.trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.daemon.tiering import TieredManager
 from kvcore.layout import KVLayout, cdiv
 from kvcore.manager import Manager, PageManager

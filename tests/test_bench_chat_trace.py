@@ -1,4 +1,4 @@
-"""The benchmark trace and the page-granular hit optimum (kvcore.bench.trace)."""
+"""The benchmark trace and the page-granular hit optimum (kvcore.bench.chat_trace)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.bench.trace import Request, TraceConfig, make_trace, optimal_hit_tokens
+from kvcore.bench.chat_trace import Request, TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.errors import BadRequest
 
 
