@@ -1,24 +1,28 @@
-"""Page bookkeeping: refcounts, the free queue and the LRU of evictable pages.
+"""Page bookkeeping: refcounts, the free queue and the evictable pages' policy.
 
 Every page of a pool is in exactly one of three states::
 
     state       refcount  indexed (prefix.py)  kept in
     free        0         no                   _free       FIFO queue
-    evictable   0         yes                  _evictable  LRU order, least recent first
+    evictable   0         yes                  _evictable  the eviction policy's order
     held        > 0       either               (block tables of live sequences)
 
     free + evictable + held == num_pages       (the conservation law)
 
-:meth:`take` serves free pages first and evicts the least recently released
-evictable page only when the free queue is empty. Every operation is O(1) per
-page; nothing scans the pool (``check_integrity`` does, and is for tests).
+:meth:`take` serves free pages first and evicts evictable pages, in the order of
+the pool's eviction policy (kvcore.eviction), only when the free queue is empty.
+Every operation is O(1) per page; nothing scans the pool (``check_integrity``
+does, and is for tests).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Container, Iterable, Mapping
-from typing import NewType
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, NewType
+
+if TYPE_CHECKING:
+    from kvcore.eviction import EvictionPolicy
 
 PageId = NewType("PageId", int)
 
@@ -32,12 +36,12 @@ class PageAllocator:
 
     __slots__ = ("_evictable", "_free", "num_held", "num_pages", "refcounts")
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, evictable: EvictionPolicy[PageId]) -> None:
         self.num_pages = num_pages
         self.num_held = 0  # pages with refcount > 0
         self.refcounts = [0] * num_pages
         self._free: deque[PageId] = deque(PageId(p) for p in range(num_pages))
-        self._evictable: OrderedDict[PageId, None] = OrderedDict()
+        self._evictable = evictable  # empty; only this class adds to it or takes from it
 
     @property
     def num_free(self) -> int:
@@ -53,10 +57,10 @@ class PageAllocator:
         return len(self._free) + len(self._evictable)
 
     def take(self, num: int, evict: Callable[[PageId], None]) -> list[PageId]:
-        """``num`` pages at refcount 1: free pages first (FIFO), then LRU evictions.
+        """``num`` pages at refcount 1: free pages first (FIFO), then evictions.
 
-        ``evict(page)`` is called for each evicted page, least recently released
-        first (to drop it from the index). The caller has checked
+        ``evict(page)`` is called for each evicted page, in the policy's order (to
+        drop it from the index). The caller has checked
         ``num <= num_available``.
         """
         free, refcounts = self._free, self.refcounts
@@ -66,9 +70,9 @@ class PageAllocator:
             assert num <= len(free) + len(self._evictable), "take() beyond capacity"
             pages = list(free)
             free.clear()
-            evictable = self._evictable
+            victim = self._evictable.pop
             for _ in range(num - len(pages)):
-                page, _ = evictable.popitem(last=False)
+                page = victim()
                 evict(page)
                 pages.append(page)
         for page in pages:
@@ -77,30 +81,44 @@ class PageAllocator:
         return pages
 
     def retain(self, pages: Iterable[PageId]) -> None:
-        """One more reference each; an evictable page becomes held (a prefix hit)."""
+        """One more reference each; an evictable page becomes held."""
         refcounts, evictable = self.refcounts, self._evictable
         for page in pages:
             count = refcounts[page]
             if count == 0:
                 assert page in evictable, f"retain() of free page {page}"
-                del evictable[page]
+                evictable.remove(page)
                 self.num_held += 1
             refcounts[page] = count + 1
 
-    def release(self, pages: Iterable[PageId], cached: Container[PageId]) -> None:
-        """One reference less each, in order; a page at zero becomes evictable (most
-        recently released) if it is in ``cached`` (the index), else free."""
-        refcounts, evictable, free = self.refcounts, self._evictable, self._free
+    def release(self, pages: Iterable[PageId], cached: Mapping[PageId, bytes]) -> None:
+        """One reference less each, in order (a chain's pages: tail first); a page at
+        zero becomes evictable if ``cached`` (the index: page -> prefix key) has it, else
+        free. The policy learns whether the pages that became evictable run unbroken
+        to the end of ``pages`` (the chain's head)."""
+        refcounts, free, key_of = self.refcounts, self._free, cached.get
+        released: list[tuple[PageId, bytes]] = []
+        whole = True  # no page after the first released one stays held or goes free
         for page in pages:
             count = refcounts[page]
             assert count > 0, f"release() of unreferenced page {page}"
             refcounts[page] = count - 1
             if count == 1:
                 self.num_held -= 1
-                if page in cached:
-                    evictable[page] = None
-                else:
-                    free.append(page)
+                key = key_of(page)
+                if key is not None:
+                    released.append((page, key))
+                    continue
+                free.append(page)
+            if released:
+                whole = False
+        if released:
+            self._evictable.add(released, whole)
+
+    def hit(self, pages: list[PageId]) -> None:
+        """Tell the eviction policy that a request was served ``pages`` (indexed)."""
+        if pages:
+            self._evictable.hit(pages)
 
     def check_integrity(self, references: Mapping[PageId, int], indexed: Iterable[PageId]) -> None:
         """Assert the conservation law and that refcounts equal ``references``.

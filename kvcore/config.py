@@ -12,6 +12,7 @@ setting is its field below, whose comment gives its meaning and unit::
     dtype = "bfloat16"
     kind = "kv"
     size = "256MiB"
+    eviction = "adaptive-slru"  # or "lru" (kvcore.eviction)
 
     [pools.tiers]           # TierConfig: the lower tiers below that pool, all off by default
     host = "4GiB"
@@ -60,6 +61,8 @@ from typing import Annotated, Any
 import msgspec
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import POLICIES as EVICTION_POLICIES
 from kvcore.layout import KVLayout
 from kvcore.sizes import parse_size
 
@@ -155,6 +158,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     size: int | str = "256MiB"  # bytes (an int or "512MiB"), or give num_pages instead
     num_pages: int | None = None
     shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
+    # Which evictable page goes first when the pool is full (kvcore.eviction; docs/concepts.md,
+    # "Eviction"). Not part of any key or of the wire: it changes what stays, never what a key means.
+    eviction: str = DEFAULT_EVICTION
     # Quotas, 0 = none. Pages count page references: a page shared by n of the
     # session's sequences (forks) counts n times, so the quota bounds daemon memory too.
     session_max_pages: int = 0
@@ -189,6 +195,11 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "shards has none yet (drop shards or the tiers)"
             )
         self.layout()
+        if self.eviction not in EVICTION_POLICIES:
+            raise BadRequest(
+                f"pool {self.name!r}: eviction is one of {', '.join(EVICTION_POLICIES)}, "
+                f"not {self.eviction!r}"
+            )
         quotas = (
             self.session_max_pages,
             self.session_max_sequences,

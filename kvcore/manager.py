@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 
 from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import make_policy
 from kvcore.layout import KVLayout
 from kvcore.prefix import (
     DEFAULT_NAMESPACE,
@@ -107,10 +109,19 @@ class Manager:
     is touched) and one ``commit`` per filled page (hashes only the new page).
     """
 
-    def __init__(self, layout: KVLayout, *, record_evictions: bool = False) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        eviction: str = DEFAULT_EVICTION,
+        record_evictions: bool = False,
+    ) -> None:
+        """A Manager of an empty pool of ``layout``, evicting by the policy named
+        ``eviction`` (kvcore.eviction; BadRequest for an unknown name)."""
         self.layout = layout
+        self.eviction = eviction  # the policy's name: it labels the eviction metrics
         self._page_size = layout.page_size
-        self._pages = PageAllocator(layout.num_pages)
+        self._pages = PageAllocator(layout.num_pages, make_policy(eviction, layout.num_pages))
         self._refcounts = self._pages.refcounts  # read only: the allocator writes it
         self._index = PrefixIndex()
         self._entries = self._index.entries  # read only: the index writes them
@@ -162,6 +173,7 @@ class Manager:
         num_new = self.layout.pages_for(num_tokens) - len(hit_pages)
         self._check_room(num_new, self._room(hit_pages))
         self._pages.retain(hit_pages)
+        self._pages.hit(hit_pages)
         pages = hit_pages + self._pages.take(num_new, self._evict)
         self._seqs[seq_id] = _Sequence(space, root, pages, num_tokens, keys)
         num_cached = len(hit_pages) * self._page_size
@@ -596,6 +608,7 @@ class Manager:
         num_new = len(found) - len(hit_pages)
         self._check_room(num_new, self._room(list(dict.fromkeys(hit_pages))))  # a page once
         self._pages.retain(hit_pages)  # pinned first, so the take below cannot evict them
+        self._pages.hit(hit_pages)
         fresh = iter(self._pages.take(num_new, self._evict))
         pages = [next(fresh) if entry is None else entry.page for entry in found]
         num_tokens = len(token_bytes) // 4

@@ -106,6 +106,7 @@ class PageManager(Protocol):
     the daemon call only these."""
 
     layout: KVLayout
+    eviction: str  # the pool's eviction policy (kvcore.eviction): labels its metrics
 
     def allocate(
         self,

@@ -81,7 +81,7 @@ TRACE = TraceConfig(
 def test_timed_manager_behaves_like_the_manager() -> None:
     trace = make_trace(TRACE)
     layout = KVLayout(2, 2, 64, 8, "float16", 120)
-    plain, timed = Manager(layout), ops.Timed(Manager(layout))
+    plain, timed = Manager(layout, eviction="lru"), ops.Timed(Manager(layout, eviction="lru"))
     a = simulate(trace, PagedPool(plain, True, 1), fork_every=3)
     b = simulate(trace, PagedPool(timed, True, 1), fork_every=3)
     assert a == b and plain.stats() == timed.stats()
@@ -94,7 +94,7 @@ def test_minimal_baseline_replays_like_the_manager() -> None:
     """Same admissions, hits, preemptions and page counts: the ratio compares equal work."""
     trace = make_trace(TRACE)
     layout = KVLayout(2, 2, 64, 8, "float16", 120)
-    manager, minimal = Manager(layout), MinimalCache(layout)
+    manager, minimal = Manager(layout, eviction="lru"), MinimalCache(layout)
     a = simulate(trace, PagedPool(manager, True, 1), fork_every=3)
     b = simulate(trace, PagedPool(minimal, True, 1), fork_every=3)
     assert a == b and a.preemptions > 0
@@ -119,6 +119,6 @@ def test_lockstep_refuses_a_baseline_that_answers_otherwise() -> None:
             return 0  # publishes nothing: its lookups would never hit
 
     layout = KVLayout(2, 2, 64, 8, "float16", 120)
-    pair = ops.Lockstep(ops.Timed(Manager(layout)), ops.Timed(Forgetful(layout)))
+    pair = ops.Lockstep(ops.Timed(Manager(layout, eviction="lru")), ops.Timed(Forgetful(layout)))
     with pytest.raises(AssertionError, match="minimal"):
         simulate(make_trace(TRACE), PagedPool(pair, True, 1))

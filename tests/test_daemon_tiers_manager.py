@@ -1,7 +1,7 @@
 """TieredManager in-process: random engine traffic (allocate, write, extend, commit, fork,
-lookup, free) over a tiny pool with host and disk tiers below it. Every page a hit hands
-out holds exactly the bytes its first writer wrote, the Manager's and every tier's
-invariants hold after each step, and events name the medium."""
+lookup, free) over a tiny pool with host and disk tiers below it, under every eviction
+policy. Every page a hit hands out holds exactly the bytes its first writer wrote, the
+Manager's and every tier's invariants hold after each step, and events name the medium."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.daemon.tiering import TieredManager
 from kvcore.errors import OutOfPages
+from kvcore.eviction import POLICIES
 from kvcore.layout import KVLayout
 from kvcore.prefix import PageRemoved, PageStored
 from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages
@@ -30,18 +31,20 @@ def pattern(tokens: list[int], page: int, layer: int) -> float:
     return float(hash((tuple(tokens[: (page + 1) * PAGE]), layer)) % 1_000_003)
 
 
+@pytest.mark.parametrize("eviction", list(POLICIES))
 @pytest.mark.parametrize("host_pages", [0, 3])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_hits_below_the_pool_return_the_written_bytes(
-    host_pages: int, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+    host_pages: int, eviction: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     directory = tmp_path_factory.mktemp("disk") / "tier"
     memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
     views = LAYOUT.layer_views(memory)
-    host = HostTier(LAYOUT, host_pages) if host_pages else None
-    stack = TierStack(host, DiskTier(LAYOUT, directory, 8 * (LAYOUT.page_bytes + 80)))
-    manager = TieredManager(LAYOUT, views, stack)
+    host = HostTier(LAYOUT, host_pages, eviction=eviction) if host_pages else None
+    disk = DiskTier(LAYOUT, directory, 8 * (LAYOUT.page_bytes + 80), eviction=eviction)
+    stack = TierStack(host, disk)
+    manager = TieredManager(LAYOUT, views, stack, eviction=eviction)
     prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
     live: dict[int, list[int]] = {}
     try:
@@ -163,13 +166,17 @@ def test_metrics_name_each_tier_of_each_pool() -> None:
         num_sessions=0,
         tiers=[
             msg.TierStats(medium="host", pages=3, hits=5, corrupt=0),
-            msg.TierStats(medium="disk", pages=7, corrupt=2),
+            msg.TierStats(medium="disk", pages=7, corrupt=2, evicted=4),
         ],
     )
-    samples = {
-        (s.name, s.labels["medium"]): s.value
-        for family in tier_metric_families([pool])
-        for s in family.samples
+    families = list(tier_metric_families([pool], {"p": "lru"}))
+    samples = {(s.name, s.labels["medium"]): s.value for f in families for s in f.samples}
+    evicted = [
+        s for f in families for s in f.samples if s.name == "kvcore_tier_evicted_pages_total"
+    ]
+    assert {(s.labels["medium"], s.labels["policy"], s.value) for s in evicted} == {
+        ("host", "lru", 0),
+        ("disk", "lru", 4),
     }
     assert samples[("kvcore_tier_pages", "host")] == 3
     assert samples[("kvcore_tier_pages", "disk")] == 7

@@ -42,6 +42,7 @@ from kvcore.daemon.metrics_server import MetricsServer
 from kvcore.daemon.serve import Daemon
 from kvcore.daemon_process import DaemonProcess
 from kvcore.errors import BadRequest, QuotaExceeded, UnknownSequence
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 
 POOL = (
     "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=4,num_pages=64,"
@@ -102,7 +103,8 @@ def test_scrape_matches_stats(daemon: DaemonProcess) -> None:
     assert m["kvcore_pool_usage_ratio", lab] == pytest.approx(pool.held_pages / 64)
     assert m["kvcore_prefix_cache_queries_tokens_total", lab] == pool.query_tokens == 80
     assert m["kvcore_prefix_cache_hits_tokens_total", lab] == pool.hit_tokens == 36
-    assert m["kvcore_evictions_pages_total", lab] == pool.evictions
+    policy = (("policy", DEFAULT_EVICTION), ("pool", "default"))  # which policy evicted them
+    assert m["kvcore_evictions_pages_total", policy] == pool.evictions
     assert m["kvcore_errors_total", (("code", "unknown_sequence"),)] == 2
     assert stats.counters.errors == 2  # the failed op inside the batch counts too
     assert m["kvcore_lease_expiries_total", ()] == stats.counters.expired_sessions

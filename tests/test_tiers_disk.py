@@ -17,8 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import POLICIES
 from kvcore.layout import KVLayout
 from kvcore.prefix import PrefixKey
+from kvcore.testing.eviction_model import MODELS
 from kvcore.tiers import DiskTier, TierKey, layout_fingerprint, tier_key
 from kvcore.tiers.codec import HEADER_BYTES
 
@@ -49,18 +52,34 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 class DiskModel(RuleBasedStateMachine):
+    """The tier against a dict of its pages, their recency and the plain model of its
+    eviction policy (kvcore/testing/eviction_model.py); a restart keeps the recency
+    (mtimes) and starts the policy afresh from it."""
+
+    eviction = DEFAULT_EVICTION
+
     def __init__(self) -> None:
         super().__init__()
         self.directory = Path(tempfile.mkdtemp()) / "tier"
         self.capacity = 4
-        self.tier = DiskTier(LAYOUT, self.directory, self.capacity * ENTRY + ENTRY // 2)
-        self.model: OrderedDict[TierKey, torch.Tensor] = OrderedDict()  # LRU first
+        self.tier = self.open(self.capacity * ENTRY + ENTRY // 2)
+        self.pages: OrderedDict[TierKey, torch.Tensor] = OrderedDict()  # least recent first
+        self.policy = MODELS[self.eviction](self.capacity)
         self.corrupt: set[TierKey] = set()  # held, but their payload was damaged
         self.version = 0
+
+    def open(self, size: int) -> DiskTier:
+        return DiskTier(LAYOUT, self.directory, size, eviction=self.eviction)
 
     def teardown(self) -> None:
         self.tier.close()
         shutil.rmtree(self.directory.parent)
+
+    def touch(self, key: TierKey) -> None:
+        self.pages.move_to_end(key)
+        self.policy.pin([key])
+        self.policy.hit([key])
+        self.policy.release([(key, key)], True)
 
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=6))
     def put(self, picks: list[TierKey]) -> None:
@@ -73,14 +92,16 @@ class DiskModel(RuleBasedStateMachine):
         evicted = self.tier.put_many(picks, pages)
         expected: list[TierKey] = []
         for key, page in zip(picks, pages, strict=True):
-            if key in self.model:
-                self.model.move_to_end(key)
+            if key in self.pages:
+                self.touch(key)
                 continue
-            while len(self.model) >= self.capacity:
-                old, _ = self.model.popitem(last=False)
+            while len(self.pages) >= self.capacity:
+                old = self.policy.evict()
+                del self.pages[old]
                 self.corrupt.discard(old)
                 expected.append(old)
-            self.model[key] = page
+            self.pages[key] = page
+            self.policy.release([(key, key)], True)
         assert evicted == expected
 
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=5))
@@ -89,26 +110,27 @@ class DiskModel(RuleBasedStateMachine):
         got = self.tier.get_many(picks)
         count = 0
         while (
-            count < len(picks) and picks[count] in self.model and picks[count] not in self.corrupt
+            count < len(picks) and picks[count] in self.pages and picks[count] not in self.corrupt
         ):
             count += 1
         assert got.shape == (count, *PAGE)
         for row, key in enumerate(picks[:count]):
-            assert torch.equal(got[row], self.model[key])
-            self.model.move_to_end(key)
+            assert torch.equal(got[row], self.pages[key])
+            self.touch(key)
         broken = count < len(picks) and picks[count] in self.corrupt
         if broken:
-            del self.model[picks[count]]
+            del self.pages[picks[count]]
+            self.policy.drop(picks[count])
             self.corrupt.discard(picks[count])
         after = self.tier.stats()
         assert after.hits - before.hits == count
         assert after.misses - before.misses == len(picks) - count
         assert after.corrupt - before.corrupt == int(broken)
 
-    @precondition(lambda self: bool(self.model))
+    @precondition(lambda self: bool(self.pages))
     @rule(data=st.data())
     def corrupt_payload(self, data: st.DataObject) -> None:
-        key = data.draw(st.sampled_from(sorted(self.model)))
+        key = data.draw(st.sampled_from(sorted(self.pages)))
         offset = data.draw(st.integers(HEADER_BYTES, ENTRY - 1))
         flip_byte(path_of(self.directory, key), offset)
         self.corrupt.add(key)
@@ -116,17 +138,22 @@ class DiskModel(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         self.tier.close()
-        self.tier = DiskTier(LAYOUT, self.directory, self.capacity * ENTRY)
+        self.tier = self.open(self.capacity * ENTRY)
+        self.policy = MODELS[self.eviction](self.capacity)
+        for key in self.pages:  # least recent first, as the files' mtimes say
+            self.policy.release([(key, key)], True)
 
     @invariant()
     def agrees(self) -> None:
         self.tier.check_integrity()
-        assert self.tier.keys() == list(self.model)
-        assert self.tier.match(list(self.model)) == len(self.model)
+        assert set(self.tier.keys()) == set(self.pages) == set(self.policy.evictable())
+        assert self.tier.match(list(self.pages)) == len(self.pages)
 
 
-TestDiskModel = DiskModel.TestCase
-TestDiskModel.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+for _name in POLICIES:  # one machine per eviction policy
+    _machine = type(f"DiskModel_{_name}", (DiskModel,), {"eviction": _name})
+    _machine.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+    globals()[f"TestDiskModel_{_name.replace('-', '_')}"] = _machine.TestCase
 
 
 @pytest.fixture

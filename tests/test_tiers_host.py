@@ -1,8 +1,6 @@
-"""HostTier against a dict model: capacity, LRU order, spills, exact bytes."""
+"""HostTier against a dict model: capacity, eviction order (every policy), spills, exact bytes."""
 
 from __future__ import annotations
-
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -12,8 +10,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import POLICIES
 from kvcore.layout import KVLayout
 from kvcore.prefix import PrefixKey
+from kvcore.testing.eviction_model import MODELS
 from kvcore.tiers import HostTier, TierKey, layout_fingerprint, tier_key
 
 LAYOUT = KVLayout(
@@ -30,12 +31,23 @@ def page_of(key: TierKey, version: int) -> torch.Tensor:
 
 
 class HostModel(RuleBasedStateMachine):
+    """The tier against a dict of its pages and the plain model of its eviction policy
+    (kvcore/testing/eviction_model.py): what it spills, in order, and the bytes."""
+
+    eviction = DEFAULT_EVICTION
+
     def __init__(self) -> None:
         super().__init__()
         self.capacity = 4
-        self.tier = HostTier(LAYOUT, self.capacity)
-        self.model: OrderedDict[TierKey, torch.Tensor] = OrderedDict()  # LRU first
+        self.tier = HostTier(LAYOUT, self.capacity, eviction=self.eviction)
+        self.pages: dict[TierKey, torch.Tensor] = {}
+        self.policy = MODELS[self.eviction](self.capacity)
         self.version = 0
+
+    def touch(self, key: TierKey) -> None:
+        self.policy.pin([key])
+        self.policy.hit([key])
+        self.policy.release([(key, key)], True)
 
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=7))
     def put(self, picks: list[TierKey]) -> None:
@@ -47,19 +59,22 @@ class HostModel(RuleBasedStateMachine):
         )
         spilled = self.tier.put_spill(picks, pages)
         # the model: touch held keys, then store the new ones (first occurrence)
-        new: OrderedDict[TierKey, torch.Tensor] = OrderedDict()
+        new: dict[TierKey, torch.Tensor] = {}
         for key, page in zip(picks, pages, strict=True):
-            if key in self.model:
-                self.model.move_to_end(key)
+            if key in self.pages:
+                self.touch(key)
             elif key not in new:
                 new[key] = page
         overflow = max(len(new) - self.capacity, 0)
         expected = list(new.items())[:overflow]
         stored = list(new.items())[overflow:]
-        free = self.capacity - len(self.model)
+        free = self.capacity - len(self.pages)
         for _ in range(max(len(stored) - free, 0)):
-            expected.append(self.model.popitem(last=False))
-        self.model.update(stored)
+            key = self.policy.evict()
+            expected.append((key, self.pages.pop(key)))
+        for key, page in stored:
+            self.pages[key] = page
+            self.policy.release([(key, key)], True)
         assert spilled.keys == [k for k, _ in expected]
         for row, (_, page) in enumerate(expected):
             assert torch.equal(spilled.pages[row], page)
@@ -70,32 +85,36 @@ class HostModel(RuleBasedStateMachine):
         assert self.tier.match(picks) == self.tier.match(picks)  # read-only
         got = self.tier.get_many(picks)
         count = 0
-        while count < len(picks) and picks[count] in self.model:
+        while count < len(picks) and picks[count] in self.pages:
             count += 1
         assert got.shape == (count, *PAGE)
         for row, key in enumerate(picks[:count]):
-            assert torch.equal(got[row], self.model[key])
-            self.model.move_to_end(key)
+            assert torch.equal(got[row], self.pages[key])
+            self.touch(key)
         after = self.tier.stats()
         assert after.hits - before.hits == count
         assert after.misses - before.misses == len(picks) - count
 
     @rule(picks=st.lists(st.sampled_from(KEYS), max_size=3))
     def discard(self, picks: list[TierKey]) -> None:
-        expected = len({k for k in picks if k in self.model})
+        expected = len({k for k in picks if k in self.pages})
         assert self.tier.discard(picks) == expected
         for key in picks:
-            self.model.pop(key, None)
+            if self.pages.pop(key, None) is not None:
+                self.policy.drop(key)
 
     @invariant()
     def agrees(self) -> None:
         self.tier.check_integrity()
-        assert self.tier.keys() == list(self.model)
-        assert self.tier.stats().pages == len(self.model)
+        assert set(self.tier.keys()) == set(self.pages) == set(self.policy.evictable())
+        assert self.tier.stats().pages == len(self.pages)
+        assert self.tier.eviction == self.eviction
 
 
-TestHostModel = HostModel.TestCase
-TestHostModel.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+for _name in POLICIES:  # one machine per eviction policy
+    _machine = type(f"HostModel_{_name}", (HostModel,), {"eviction": _name})
+    _machine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+    globals()[f"TestHostModel_{_name.replace('-', '_')}"] = _machine.TestCase
 
 
 def test_host_rejects_foreign_keys_and_bad_pages() -> None:

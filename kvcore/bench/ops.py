@@ -278,7 +278,8 @@ def replay(
 ) -> tuple[Timed, Timed, RunStats, float]:
     """One replay of ``trace`` driving a Manager and the baseline in lockstep:
     (Manager timings, baseline timings, run stats, wall seconds)."""
-    manager, minimal = Timed(Manager(layout)), Timed(MinimalCache(layout))
+    # LRU: the minimal baseline evicts least recently used first, and both must agree
+    manager, minimal = Timed(Manager(layout, eviction="lru")), Timed(MinimalCache(layout))
     pool = PagedPool(Lockstep(manager, minimal), True, int(args.watermark * layout.num_pages))
     target = manager.target
     assert isinstance(target, Manager)

@@ -159,6 +159,7 @@ class Daemon:
                 group=pool.group,
                 tiers=pool.tiers,
                 shards=pool.shards,
+                eviction=pool.eviction,
             )
             self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
             log.info(

@@ -379,7 +379,8 @@ class Handler:
             NamespaceUsage(pool, ns, pages, seqs)
             for (pool, ns), (pages, seqs) in sorted(usage.items())
         ]
-        return Snapshot(self._stats(None), dict(self.errors_by_code), namespaces)
+        eviction = {name: pool.manager.eviction for name, pool in self.pools.pools.items()}
+        return Snapshot(self._stats(None), dict(self.errors_by_code), namespaces, eviction)
 
     def _stats(self, raw: zmq.Frame | None) -> msg.StatsOk:
         """What the peer's grant may see: its pools, and the sessions of its namespaces."""

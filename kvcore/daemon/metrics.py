@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcore_ipc import messages as msg
@@ -64,6 +64,7 @@ class Snapshot:
     stats: msg.StatsOk  # what ``stats`` answers the operator
     errors: dict[str, int]  # error code -> requests answered with it
     namespaces: list[NamespaceUsage]
+    eviction: dict[str, str] = field(default_factory=dict)  # pool -> its eviction policy
 
 
 class Exchange:

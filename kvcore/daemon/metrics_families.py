@@ -23,8 +23,8 @@ def snapshot_families(snap: Snapshot, *, namespace_labels: bool = True) -> Itera
     """Every family of one snapshot. Without ``namespace_labels`` no sample names a
     namespace: sessions are counted by pool, and the per-namespace families are left out."""
     yield from _daemon_families(snap)
-    yield from _pool_families(snap.stats.pools)
-    yield from tier_metric_families(snap.stats.pools)  # the pools' lower tiers
+    yield from _pool_families(snap.stats.pools, snap.eviction)
+    yield from tier_metric_families(snap.stats.pools, snap.eviction)  # the pools' lower tiers
     yield from _session_families(snap, namespace_labels)
 
 
@@ -94,7 +94,7 @@ def _session_families(snap: Snapshot, namespace_labels: bool) -> Iterator[Metric
     yield ns_seqs
 
 
-def _pool_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
+def _pool_families(pools: list[msg.PoolStats], eviction: dict[str, str]) -> Iterator[Metric]:
     labels = ["pool"]
     pages = GaugeMetricFamily(
         "kvcore_pool_pages",
@@ -123,7 +123,9 @@ def _pool_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
         labels=labels,
     )
     evictions = CounterMetricFamily(
-        "kvcore_evictions_pages", "Cached pages evicted to make room", labels=labels
+        "kvcore_evictions_pages",
+        "Cached pages evicted to make room, by the pool's eviction policy",
+        labels=["pool", "policy"],
     )
     for p in pools:
         for state, count in (
@@ -138,5 +140,5 @@ def _pool_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
         seqs.add_metric([p.name], p.num_sequences)
         queries.add_metric([p.name], p.query_tokens)
         hits.add_metric([p.name], p.hit_tokens)
-        evictions.add_metric([p.name], p.evictions)
+        evictions.add_metric([p.name, eviction.get(p.name, "")], p.evictions)
     yield from (pages, capacity, cached, usage, seqs, queries, hits, evictions)

@@ -38,6 +38,7 @@ from kvcore_ipc.memory import CudaRegion, HostRegion
 
 from kvcore.config import MAX_SHARDS, TierConfig
 from kvcore.errors import BadRequest, UnknownPool
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PageEvent, PageStored
@@ -136,6 +137,7 @@ class PoolTable:
         group: str = "",
         tiers: TierConfig | None = None,
         shards: int = 1,
+        eviction: str = DEFAULT_EVICTION,
     ) -> Pool:
         """Create the pool's memory (``shards`` regions of ``layout``) and Manager.
         BadRequest if the name is taken or a CUDA shard has no GPU. A host segment is mode
@@ -155,15 +157,16 @@ class PoolTable:
         if tiered and shards > 1:
             raise BadRequest(f"pool {name!r}: lower tiers serve pools of one shard only")
         regions = self._create_regions(device, layout.total_bytes, shards, group)
-        manager: PageManager = Manager(layout)
+        manager: PageManager = Manager(layout, eviction=eviction)
         if tiered:
             assert tiers is not None
             try:
-                stack = open_stack(layout, tiers, name)
+                stack = open_stack(layout, tiers, name, eviction)
             except BaseException:
                 _close_all(regions)
                 raise
-            manager = TieredManager(layout, layout.layer_views(regions[0].as_tensor()), stack)
+            views = layout.layer_views(regions[0].as_tensor())
+            manager = TieredManager(layout, views, stack, eviction=eviction)
         pool = Pool(name, device, manager, regions, ephemeral)
         self.pools[name] = pool
         return pool

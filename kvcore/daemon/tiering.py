@@ -47,6 +47,7 @@ from kvcore_ipc import messages as msg
 from kvcore.allocator import PageId
 from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
@@ -60,14 +61,19 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 
-def open_stack(layout: KVLayout, config: TierConfig, pool: str) -> TierStack:
-    """The tiers ``config`` declares for a pool of ``layout``. BadRequest if misdeclared."""
+def open_stack(
+    layout: KVLayout, config: TierConfig, pool: str, eviction: str = DEFAULT_EVICTION
+) -> TierStack:
+    """The tiers ``config`` declares for a pool of ``layout``, the host and disk tiers
+    evicting by the pool's policy ``eviction``. BadRequest if misdeclared."""
     config.validate(pool, layout.page_bytes)
     keyring = keyring_of(config)  # None: no secret (entries checksummed, names unkeyed)
     host_pages = config.host_bytes() // layout.page_bytes
-    host = HostTier(layout, host_pages) if host_pages else None
+    host = HostTier(layout, host_pages, eviction=eviction) if host_pages else None
     disk = (
-        DiskTier(layout, config.disk, config.disk_bytes(), keyring=keyring) if config.disk else None
+        DiskTier(layout, config.disk, config.disk_bytes(), keyring=keyring, eviction=eviction)
+        if config.disk
+        else None
     )
     remote = None
     if config.remote_master:
@@ -91,9 +97,17 @@ class TieredManager:
     daemon's thread. ``manager`` is driven by this class alone. Not thread-safe.
     """
 
-    def __init__(self, layout: KVLayout, views: Sequence[torch.Tensor], tiers: TierStack) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        views: Sequence[torch.Tensor],
+        tiers: TierStack,
+        *,
+        eviction: str = DEFAULT_EVICTION,
+    ) -> None:
         self.layout = layout
-        self.manager = Manager(layout, record_evictions=True)
+        self.manager = Manager(layout, eviction=eviction, record_evictions=True)
+        self.eviction = eviction
         self.tiers = tiers
         self._views = list(views)
         self._fingerprint = layout_fingerprint(layout)
@@ -307,10 +321,13 @@ class TieredManager:
             self._moved[key] = self._spill_medium
 
 
-def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
+def tier_metric_families(
+    pools: list[msg.PoolStats], eviction: dict[str, str] | None = None
+) -> Iterator[Metric]:
     """Prometheus families of the pools' lower tiers (kvcore.daemon.metrics), labelled
     by pool and medium: pages held (gauge), pages hit, missed, corrupt, stored and
-    evicted, bytes in and out (counters)."""
+    evicted (also by ``eviction[pool]``, the policy that chose them), bytes in and out
+    (counters)."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     labels = ["pool", "medium"]
@@ -323,12 +340,16 @@ def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
             ("misses_pages", "Pages asked of a lower tier and not returned (corrupt included)"),
             ("corrupt_pages", "Entries of a lower tier that failed verification"),
             ("stored_pages", "Pages written into a lower tier"),
-            ("evicted_pages", "Entries a lower tier pushed out to make room"),
             ("in_bytes", "Payload bytes written into a lower tier"),
             ("out_bytes", "Payload bytes read back out of a lower tier"),
             ("timeouts", "Store calls abandoned at their bound (remote)"),
         )
     }
+    evicted = CounterMetricFamily(
+        "kvcore_tier_evicted_pages",
+        "Entries a lower tier pushed out to make room, by the pool's eviction policy",
+        labels=[*labels, "policy"],
+    )
     for pool in pools:
         for t in pool.tiers:
             key = [pool.name, t.medium]
@@ -344,6 +365,9 @@ def tier_metric_families(pools: list[msg.PoolStats]) -> Iterator[Metric]:
                 "timeouts": t.timeouts,
             }
             for name, value in values.items():
-                counters[name].add_metric(key, value)
+                if name != "evicted_pages":
+                    counters[name].add_metric(key, value)
+            evicted.add_metric([*key, (eviction or {}).get(pool.name, "")], t.evicted)
     yield held
     yield from counters.values()
+    yield evicted

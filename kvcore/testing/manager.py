@@ -60,6 +60,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcore.errors import BadRequest, KVCoreError, OutOfPages, SequenceExists, UnknownSequence
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, PrefixHit, Stats
 from kvcore.prefix import KeySpace, PageRemoved, PageStored, PrefixKey
@@ -149,7 +150,8 @@ class ManagerConformance(RuleBasedStateMachine):
     def start(self, page_size: int, num_pages: int) -> None:
         # one layer, one kv head of 8 elements: the books do not depend on the geometry
         self.subject = self.make_subject(KVLayout(1, 1, 8, page_size, "float16", num_pages))
-        self.model = Model(page_size, num_pages)
+        eviction = getattr(self.subject, "eviction", DEFAULT_EVICTION)  # a Client: the default
+        self.model = Model(page_size, num_pages, eviction)
 
     def teardown(self) -> None:
         close = getattr(getattr(self, "subject", None), "close", None)
@@ -183,8 +185,9 @@ class ManagerConformance(RuleBasedStateMachine):
             f"hit {result.num_cached_tokens} tokens, model says {len(hits) * m.page_size}"
         )
         assert result.pages[: len(hits)] == hits, f"hit pages {result.pages} != {hits}"
-        # The hit pages are pinned (held, off the LRU) before the new pages are taken.
-        m.lru = [page for page in m.lru if page not in hits]
+        # The hit pages are pinned (held, off the policy) before the new pages are taken.
+        m.policy.pin(hits)
+        m.policy.hit(hits)
         m.seqs[seq_id] = ModelSeq(space, list(tokens), list(hits), len(hits))
         m.take(result.pages[len(hits) :])
         m.seqs[seq_id].pages = list(result.pages)
@@ -323,7 +326,8 @@ class ManagerConformance(RuleBasedStateMachine):
         m = self.model
         hits = m.hit_pages(space, tokens, compute_last)
         got = self.subject.lookup(tokens, **_space_args(space, compute_last))
-        expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in m.lru))
+        evictable = m.policy.evictable()
+        expected = PrefixHit(len(hits) * m.page_size, sum(1 for p in hits if p in evictable))
         assert got == expected, f"lookup {got}, model says {expected}"
 
     @precondition(lambda self: bool(self.model.seqs))
@@ -366,15 +370,14 @@ class ManagerConformance(RuleBasedStateMachine):
         assert len(got) == len(prefixes), f"adopted {got}, model says {len(prefixes)} pages"
         if not got:
             return
-        held = m.refcounts()
-        m.lru = [page for page in m.lru if page not in hits]
+        m.policy.pin(hits)
         m.seqs[-1] = ModelSeq(space, [], list(hits))  # the hits, pinned while it takes
         m.take(got)
         del m.seqs[-1]
         for prefix, page in zip(prefixes, got, strict=True):
             m.index[prefix] = page
             m.events.append((True, prefix, page))
-        m.lru += [page for page in reversed(hits + got) if page not in held]
+        m.release_pages(list(reversed(hits + got)), m.refcounts())
 
     @rule(
         seq_id=SEQ_IDS,
@@ -412,7 +415,8 @@ class ManagerConformance(RuleBasedStateMachine):
         assert stats.total_pages == m.num_pages
         assert stats.free_pages + stats.evictable_pages + stats.held_pages == m.num_pages, stats
         assert stats.held_pages == len(held), f"{stats} but {len(held)} pages referenced"
-        assert stats.evictable_pages == len(m.lru), f"{stats} but model LRU {m.lru}"
+        evictable = m.policy.evictable()
+        assert stats.evictable_pages == len(evictable), f"{stats} but model's {evictable}"
         assert stats.free_pages == len(m.free_pages()), stats
         assert stats.cached_pages == len(m.index), f"{stats} but model index {len(m.index)}"
         assert stats.num_sequences == len(m.seqs)

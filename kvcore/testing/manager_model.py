@@ -9,9 +9,10 @@ written for obviousness rather than speed.
   events and snapshots (:meth:`Model.key`, :meth:`Model.event`).
 * Pages are the ids the subject hands out; the model never picks one, it checks
   that the subject's pick is one the policy allows (:meth:`Model.take`).
-* The eviction policy is a plain list, least recently released first
-  (:attr:`Model.lru`); a page is free iff no sequence references it and it is
-  not on that list.
+* The eviction policy is the plain model of the subject's policy
+  (kvcore/testing/eviction_model.py, :attr:`Model.policy`); a page is free iff no
+  sequence references it and the policy does not hold it. Every eviction is
+  checked to take no head before a tail it released with (:meth:`Model.take`).
 * Every index change is appended to :attr:`Model.events` in order; the machine
   drains the list after each step and compares it with the subject's events.
 
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcore.allocator import PageId
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.prefix import (
     KeySpace,
     PageEvent,
@@ -35,6 +37,7 @@ from kvcore.prefix import (
     page_key,
     root_key,
 )
+from kvcore.testing.eviction_model import MODELS, PolicyModel
 
 Space = KeySpace  # with its namespace resolved: a key space (spec/hashing.md)
 PrefixId = tuple[Space, tuple[int, ...]]  # (key space, tokens from 0 to the end of a full page)
@@ -57,16 +60,22 @@ class Model:
 
     page_size: int
     num_pages: int
+    eviction: str = DEFAULT_EVICTION  # the subject's policy: kvcore.eviction's name
     seqs: dict[int, ModelSeq] = field(default_factory=dict)
     index: dict[PrefixId, int] = field(default_factory=dict)  # first committer wins
-    lru: list[int] = field(default_factory=list)  # evictable pages, least recent first
     events: list[ModelEvent] = field(default_factory=list)  # index changes not yet checked
+    policy: PolicyModel[int] = field(init=False)  # the evictable pages, in the policy's order
+    released_at: dict[int, int] = field(default_factory=dict)  # page -> its last release
+    releases: int = 0  # releases so far (the clock of released_at)
+
+    def __post_init__(self) -> None:
+        self.policy = MODELS[self.eviction](self.num_pages)
 
     def refcounts(self) -> Counter[int]:
         return Counter(page for seq in self.seqs.values() for page in seq.pages)
 
     def free_pages(self) -> set[int]:
-        return set(range(self.num_pages)) - set(self.refcounts()) - set(self.lru)
+        return set(range(self.num_pages)) - set(self.refcounts()) - set(self.policy.evictable())
 
     def indexed_pages(self) -> set[int]:
         return set(self.index.values())
@@ -91,25 +100,44 @@ class Model:
         return -(-num_tokens // self.page_size)
 
     def fits(self, num_pages: int, pinned: Sequence[int] = ()) -> bool:
-        pinned_evictable = sum(1 for page in pinned if page in self.lru)
-        return num_pages <= len(self.free_pages()) + len(self.lru) - pinned_evictable
+        evictable = self.policy.evictable()
+        pinned_evictable = sum(1 for page in pinned if page in evictable)
+        return num_pages <= len(self.free_pages()) + len(evictable) - pinned_evictable
 
     def take(self, got: Sequence[int]) -> None:
-        """Check that the subject took exactly what the policy allows; apply evictions."""
+        """Check that the subject took exactly what the policy allows; apply evictions,
+        each checked to leave no tail it released with (or before) cached and evictable."""
         free = self.free_pages()
         assert len(set(got)) == len(got), f"a page handed out twice: {got}"
         if len(got) <= len(free):
             assert set(got) <= free, f"took {got}, but free pages were {sorted(free)}"
             return
-        evicted = self.lru[: len(got) - len(free)]
+        evicted = [self.policy.evict() for _ in range(len(got) - len(free))]
         assert set(got) == free | set(evicted), (
-            f"took {sorted(got)}; policy says free {sorted(free)} + LRU head {evicted}"
+            f"took {sorted(got)}; the {self.eviction} policy says free {sorted(free)} "
+            f"+ evicted {evicted}"
         )
-        self.lru = self.lru[len(evicted) :]
         prefix_of = {p: k for k, p in self.index.items()}
-        for page in evicted:  # in LRU order, as they are taken
+        for page in evicted:  # in the policy's order, as they are taken
+            self.check_tails_first(prefix_of[page], page)
             self.events.append((False, prefix_of[page], page))
             del self.index[prefix_of[page]]
+
+    def check_tails_first(self, prefix: PrefixId, page: int) -> None:
+        """A page is evicted only after every evictable child page (its prefix and one
+        page more) released with it or before it: a chain's tail goes before its head."""
+        space, tokens = prefix
+        evictable = set(self.policy.evictable())
+        for (child_space, child_tokens), child in self.index.items():
+            if (
+                child_space == space
+                and len(child_tokens) == len(tokens) + self.page_size
+                and child_tokens[: len(tokens)] == tokens
+                and child in evictable
+            ):
+                assert self.released_at[child] > self.released_at[page], (
+                    f"evicted head page {page} before its tail {child}, released no later"
+                )
 
     def publish(self, seq: ModelSeq, start: int, tokens: Sequence[int]) -> None:
         """Index the full pages of ``tokens`` (the sequence's from ``start``) not yet
@@ -148,9 +176,26 @@ class Model:
         return PageRemoved(self.key((space, tokens)), PageId(page))
 
     def release(self, pages: Sequence[int]) -> None:
+        """One reference less on each of ``pages`` (a block table: released tail first)."""
         counts = self.refcounts()
-        indexed = self.indexed_pages()
-        for page in reversed(pages):
+        for page in pages:
             counts[page] -= 1
-            if counts[page] == 0 and page in indexed:
-                self.lru.append(page)
+        self.release_pages(list(reversed(pages)), counts)
+
+    def release_pages(self, order: Sequence[int], counts: Counter[int]) -> None:
+        """Pages of ``order`` (tail first) at zero ``counts`` become evictable if indexed,
+        in one release, as the allocator tells the policy: ``whole`` unless a page after
+        the first released one stays held or goes free."""
+        prefix_of = {page: prefix for prefix, page in self.index.items()}
+        released: list[tuple[int, PrefixId]] = []
+        whole = True
+        for page in order:
+            if counts[page] == 0 and page in prefix_of:
+                released.append((page, prefix_of[page]))
+            elif released:
+                whole = False
+        self.releases += 1
+        for page, _ in released:
+            self.released_at[page] = self.releases
+        if released:
+            self.policy.release(released, whole)

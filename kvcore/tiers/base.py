@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import EvictionPolicy
 from kvcore.layout import KVLayout
 from kvcore.prefix import KEY_BYTES, PrefixKey
 
@@ -127,21 +127,43 @@ class TierStats:
 
 
 class LocalKeys:
-    """The key view the local tiers (host, disk) share: ``_lru`` maps each held key
-    to where it lives, least recently used first; ``_stats`` are the tier's counters."""
+    """The key view the local tiers (host, disk) share: ``_where`` maps each held key to
+    where it lives; ``_order`` holds the same keys in the order of the tier's eviction
+    policy (kvcore.eviction: the pool's); ``_stats`` are the tier's counters."""
 
-    _lru: OrderedDict[TierKey, Any]
+    _where: dict[TierKey, Any]
+    _order: EvictionPolicy[TierKey]
     _stats: TierStats
 
     def __contains__(self, key: object) -> bool:
-        return key in self._lru
+        return key in self._where
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._where)
+
+    @property
+    def eviction(self) -> str:
+        """The name of the tier's eviction policy."""
+        return self._order.name
 
     def keys(self) -> list[TierKey]:
-        """Held keys, least recently used first."""
-        return list(self._lru)
+        """Held keys (in the policy's iteration order: LRU's is least recent first)."""
+        return list(self._order)
+
+    def _store(self, key: TierKey, where: Any) -> None:
+        """Hold ``key`` (not held) at ``where``, newest in the policy."""
+        self._where[key] = where
+        self._order.add(((key, key),))
+
+    def _evict(self) -> tuple[TierKey, Any]:
+        """The policy's victim and where it lived, no longer held."""
+        key = self._order.pop()
+        return key, self._where.pop(key)
+
+    def _forget(self, key: TierKey) -> Any:
+        """Stop holding ``key`` (held), not as an eviction; where it lived."""
+        self._order.drop(key)
+        return self._where.pop(key)
 
     def stats(self) -> TierStats:
         return self._stats.copy()

@@ -18,7 +18,9 @@ One file per entry, named by its key, holding the framed page (kvcore.tiers.code
   fit is indexed (recency = its mtime), everything else of this layout is
   deleted; files of other layouts are left to their own tier. So a new daemon
   on the same directory serves the old entries, each verified when read.
-* LRU by access time, persisted as mtime (a hit touches the file); at most
+* Evicted by the pool's policy (kvcore.eviction); recency persisted as mtime (a
+  hit touches the file), so a restart rebuilds the recency order (a policy's other
+  state, such as which entries were hit, starts afresh); at most
   ``capacity_bytes // entry_bytes`` entries of this layout.
 * The directory is the user's alone: opened once by descriptor, its parents
   walked and checked on their descriptors (kvcore.tiers.directory: created
@@ -39,11 +41,12 @@ import re
 import secrets
 import stat
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import make_policy
 from kvcore.layout import KVLayout
 from kvcore.tiers.base import (
     FINGERPRINT_BYTES,
@@ -69,7 +72,8 @@ _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class DiskTier(LocalKeys):
-    """LRU of pages in files. Not thread-safe (the daemon's thread). :meth:`close` it."""
+    """Pages in files, evicted by the policy ``eviction`` names (kvcore.eviction). Not
+    thread-safe (the daemon's thread). :meth:`close` it."""
 
     medium = "disk"
 
@@ -80,6 +84,7 @@ class DiskTier(LocalKeys):
         capacity_bytes: int,
         *,
         keyring: Keyring | None = None,
+        eviction: str = DEFAULT_EVICTION,
     ) -> None:
         self.layout = layout
         self.fingerprint = layout_fingerprint(layout)
@@ -95,7 +100,8 @@ class DiskTier(LocalKeys):
         self._dir = open_private_dir(self.directory)
         self._fp_hex = self.fingerprint.hex()
         self._lock = self._take_lock()
-        self._lru: OrderedDict[TierKey, None] = OrderedDict()
+        self._where: dict[TierKey, None] = {}  # held keys (each its own file)
+        self._order = make_policy(eviction, self.capacity_pages)
         self._stats = TierStats()
         self._clock = 0  # ns; the newest mtime stamped (see _touch)
         self._scan()
@@ -103,9 +109,9 @@ class DiskTier(LocalKeys):
     # -- the tier ---------------------------------------------------------------
 
     def match(self, keys: Sequence[TierKey]) -> int:
-        lru = self._lru
+        where = self._where
         for i, key in enumerate(keys):
-            if key not in lru:
+            if key not in where:
                 return i
         return len(keys)
 
@@ -119,7 +125,7 @@ class DiskTier(LocalKeys):
         while count < held and self._read(
             keys[count], view[count * page_bytes : (count + 1) * page_bytes]
         ):
-            self._lru.move_to_end(keys[count])
+            self._order.touch(keys[count])
             self._touch(keys[count])
             count += 1
         stats = self._stats
@@ -137,16 +143,16 @@ class DiskTier(LocalKeys):
         pages = pages.contiguous()
         evicted: list[TierKey] = []
         for row, key in enumerate(keys):
-            if key in self._lru:
-                self._lru.move_to_end(key)
+            if key in self._where:
+                self._order.touch(key)
                 self._touch(key)
                 continue
-            while len(self._lru) >= self.capacity_pages:
-                old, _ = self._lru.popitem(last=False)
+            while len(self._where) >= self.capacity_pages:
+                old, _ = self._evict()
                 self._unlink(self._name(old))
                 evicted.append(old)
             if self._write(key, byte_view(pages[row])):
-                self._lru[key] = None
+                self._store(key, None)
                 self._touch(key)
                 self._stats.stored += 1
                 self._stats.bytes_in += self._page_bytes
@@ -173,9 +179,10 @@ class DiskTier(LocalKeys):
         names = {
             entry.name for entry in os.scandir(self._dir) if entry.name.startswith(self._fp_hex)
         }
-        assert names == {self._name(key) for key in self._lru}, "index and directory disagree"
-        assert len(self._lru) <= self.capacity_pages, "more entries than capacity"
-        assert self._stats.pages == len(self._lru), "stats.pages drifted"
+        assert names == {self._name(key) for key in self._where}, "index and directory disagree"
+        assert set(self._order) == set(self._where), "the policy and the files hold other keys"
+        assert len(self._where) <= self.capacity_pages, "more entries than capacity"
+        assert self._stats.pages == len(self._where), "stats.pages drifted"
 
     # -- files ------------------------------------------------------------------
 
@@ -224,7 +231,7 @@ class DiskTier(LocalKeys):
         found.sort()
         self._clock = found[-1][0] if found else 0
         for _, key in found[max(len(found) - self.capacity_pages, 0) :]:
-            self._lru[key] = None
+            self._store(key, None)  # oldest first: the policy starts from recency alone
         for _, key in found[: max(len(found) - self.capacity_pages, 0)]:
             self._unlink(self._name(key))
         self._gauges()
@@ -256,7 +263,7 @@ class DiskTier(LocalKeys):
             ok = False
         if not ok:
             self._stats.corrupt += 1
-            del self._lru[key]
+            self._forget(key)
             self._unlink(name)
         return ok
 
@@ -292,8 +299,8 @@ class DiskTier(LocalKeys):
             os.unlink(name, dir_fd=self._dir)
 
     def _gauges(self) -> None:
-        self._stats.pages = len(self._lru)
-        self._stats.bytes_used = len(self._lru) * self.entry_bytes
+        self._stats.pages = len(self._where)
+        self._stats.bytes_used = len(self._where) * self.entry_bytes
 
 
 def _read_full(file: io.FileIO, into: memoryview) -> bool:

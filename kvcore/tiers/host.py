@@ -9,9 +9,9 @@ bytes, as kvcore.tiers.transfer copies); a get is one memmove per page
 
 Invariants (:meth:`HostTier.check_integrity`):
 
-* ``_lru`` (key -> slot, least recently used first) and ``_free`` (slots) are
-  disjoint and together name every slot exactly once;
-* ``stats.pages == len(_lru)``, ``stats.bytes_used == pages * page_bytes``.
+* ``_where`` (key -> slot) and ``_free`` (slots) are disjoint and together name
+  every slot exactly once; the eviction policy ``_order`` holds ``_where``'s keys;
+* ``stats.pages == len(_where)``, ``stats.bytes_used == pages * page_bytes``.
 
 Inclusive caching: a get leaves the entry in place (a page promoted to the
 pool and evicted again costs no second copy: its put only refreshes it).
@@ -19,12 +19,13 @@ pool and evicted again costs no second copy: its put only refreshes it).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
+from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.eviction import make_policy
 from kvcore.layout import KVLayout
 from kvcore.tiers.base import (
     LocalKeys,
@@ -51,11 +52,19 @@ class Spilled:
 
 
 class HostTier(LocalKeys):
-    """LRU of pages in preallocated host memory. Not thread-safe (the daemon's thread)."""
+    """Pages in preallocated host memory, evicted by the policy ``eviction`` names
+    (kvcore.eviction). Not thread-safe (the daemon's thread)."""
 
     medium = "host"
 
-    def __init__(self, layout: KVLayout, capacity_pages: int, *, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        capacity_pages: int,
+        *,
+        pin_memory: bool = False,
+        eviction: str = DEFAULT_EVICTION,
+    ) -> None:
         import torch
 
         if (
@@ -73,14 +82,15 @@ class HostTier(LocalKeys):
             dtype=layout.torch_dtype(),
             pin_memory=pin_memory,
         )
-        self._lru: OrderedDict[TierKey, int] = OrderedDict()
+        self._where: dict[TierKey, int] = {}  # key -> its slot
+        self._order = make_policy(eviction, capacity_pages)
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))  # pop() takes slot 0 first
         self._stats = TierStats()
 
     def match(self, keys: Sequence[TierKey]) -> int:
-        lru = self._lru
+        where = self._where
         for i, key in enumerate(keys):
-            if key not in lru:
+            if key not in where:
                 return i
         return len(keys)
 
@@ -117,13 +127,13 @@ class HostTier(LocalKeys):
         return len(slots)
 
     def _take(self, keys: Sequence[TierKey]) -> list[int]:
-        """Slots of the leading run of ``keys`` held, refreshed in the LRU and counted."""
+        """Slots of the leading run of ``keys`` held, touched in the policy and counted."""
         check_keys(self.fingerprint, keys)
         count = self.match(keys)
-        lru = self._lru
-        slots = [lru[key] for key in keys[:count]]
+        where, touch = self._where, self._order.touch
+        slots = [where[key] for key in keys[:count]]
         for key in keys[:count]:
-            lru.move_to_end(key)
+            touch(key)
         stats = self._stats
         stats.hits += count
         stats.misses += len(keys) - count
@@ -143,11 +153,11 @@ class HostTier(LocalKeys):
 
         check_keys(self.fingerprint, keys)
         check_pages(self.layout, keys, pages)
-        lru = self._lru
+        where = self._where
         new: dict[TierKey, int] = {}  # key -> its row in ``pages``
         for row, key in enumerate(keys):
-            if key in lru:
-                lru.move_to_end(key)
+            if key in where:
+                self._order.touch(key)
             elif key not in new:
                 new[key] = row
         overflow = max(len(new) - self.capacity_pages, 0)
@@ -155,7 +165,7 @@ class HostTier(LocalKeys):
         passed_keys, passed_rows = list(new)[:overflow], rows[:overflow]
         store_keys, store_rows = list(new)[overflow:], rows[overflow:]
         evict = max(len(store_keys) - len(self._free), 0)
-        evicted_keys = [lru.popitem(last=False) for _ in range(evict)]
+        evicted_keys = [self._evict() for _ in range(evict)]
         self._free.extend(slot for _, slot in reversed(evicted_keys))
         spilled = (
             torch.cat(
@@ -176,29 +186,30 @@ class HostTier(LocalKeys):
                 torch.tensor(targets, dtype=torch.int64),
                 raw(pages[torch.tensor(store_rows, dtype=torch.int64)]),
             )
-        lru.update(zip(store_keys, targets, strict=True))
+        for key, slot in zip(store_keys, targets, strict=True):
+            self._store(key, slot)
         stats = self._stats
         stats.stored += len(store_keys)
         stats.evicted += evict
         stats.bytes_in += len(store_keys) * self._page_bytes
-        stats.pages = len(lru)
-        stats.bytes_used = len(lru) * self._page_bytes
+        stats.pages = len(where)
+        stats.bytes_used = len(where) * self._page_bytes
         return Spilled(passed_keys + [key for key, _ in evicted_keys], spilled)
 
     def discard(self, keys: Sequence[TierKey]) -> int:
         """Drop the entries of ``keys`` that are held; returns how many."""
         dropped = 0
         for key in keys:
-            slot = self._lru.pop(key, None)
-            if slot is not None:
-                self._free.append(slot)
+            if key in self._where:
+                self._free.append(self._forget(key))
                 dropped += 1
-        self._stats.pages = len(self._lru)
-        self._stats.bytes_used = len(self._lru) * self._page_bytes
+        self._stats.pages = len(self._where)
+        self._stats.bytes_used = len(self._where) * self._page_bytes
         return dropped
 
     def check_integrity(self) -> None:
-        used = list(self._lru.values())
+        used = list(self._where.values())
+        assert set(self._order) == set(self._where), "the policy and the slots hold other keys"
         assert len(set(used)) == len(used), "two keys share a host slot"
         assert not set(used) & set(self._free), "a slot is both used and free"
         assert len(used) + len(self._free) == self.capacity_pages, "a slot is lost"
