@@ -70,9 +70,7 @@ class PageAllocator:
             assert num <= len(free) + len(self._evictable), "take() beyond capacity"
             pages = list(free)
             free.clear()
-            victim = self._evictable.pop
-            for _ in range(num - len(pages)):
-                page = victim()
+            for page in self._evictable.evict(num - len(pages)):
                 evict(page)
                 pages.append(page)
         for page in pages:

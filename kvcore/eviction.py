@@ -12,14 +12,15 @@ tier) so its room can be reused. A policy sees, each O(1) amortised per entry:
 * ``remove(item)``: an evictable entry was pinned again (it comes back through
   ``add``), ``drop(item)``: it left for good (a tier discards it);
 * ``touch(item)``: an evictable entry was read where it lies (a tier's hit);
-* ``pop()``: room is needed; the policy gives up the entry it values least.
+* ``evict(n)``: room is needed; the policy gives up the ``n`` entries it values
+  least, in order (one call per allocation: the per-entry cost is one loop step).
 
 Pages a sequence holds are never in a policy, so they are never evicted. Tails
 go before their heads: a request that hits a tail also hits its head, and a
 release lists the tail first, so every policy here keeps a chain's head more
 recent and at least as protected as its cached tails, and evicts the oldest of
-its least protected entries (tests/test_eviction.py checks this under every
-policy, on every step of the Manager's state machine).
+its least protected entries (the Manager's state machine checks this at every
+eviction, once per policy: kvcore/testing/manager_model.py, tests/test_manager_conformance.py).
 
 The choice is a pool setting (``eviction=`` in ``--pool``, TOML or
 ``KVCORE_POOL_EVICTION``; the pool's tiers use it too). It enters neither the
@@ -30,6 +31,7 @@ chose the default.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Generic, Protocol, TypeVar
@@ -42,7 +44,7 @@ T = TypeVar("T", bound=Hashable)  # an entry: a PageId in a pool, a TierKey in a
 class EvictionPolicy(Protocol[T]):
     """The evictable entries of one pool or tier, ordered by a policy (module docstring).
     Callers keep the contract: ``add`` only entries not in the policy, ``remove``,
-    ``drop`` and ``touch`` only entries in it, ``pop`` only when it is not empty."""
+    ``drop`` and ``touch`` only entries in it, ``evict(n)`` only with n <= its length."""
 
     name: str
 
@@ -64,7 +66,7 @@ class EvictionPolicy(Protocol[T]):
 
     def touch(self, item: T) -> None: ...
 
-    def pop(self) -> T: ...
+    def evict(self, n: int) -> list[T]: ...
 
 
 class LRU(Generic[T]):
@@ -103,8 +105,9 @@ class LRU(Generic[T]):
     def touch(self, item: T) -> None:
         self._order.move_to_end(item)
 
-    def pop(self) -> T:
-        return self._order.popitem(last=False)[0]
+    def evict(self, n: int) -> list[T]:
+        popitem = self._order.popitem
+        return [popitem(last=False)[0] for _ in range(n)]
 
 
 class AdaptiveSLRU(Generic[T]):
@@ -136,8 +139,8 @@ class AdaptiveSLRU(Generic[T]):
     than the shared trace (kvcore/bench/block_workloads.py; docs/concepts.md,
     "Eviction", has the figures and the policies tried).
 
-    Memory: per evictable entry one ordered-dict entry and one key reference (the
-    key object is the index's); per hit entry a set slot; ghosts at most 2 x GHOST
+    Memory: per evictable entry one ordered-dict entry holding its key (the key
+    object is the index's); per hit entry a set slot; ghosts at most 2 x GHOST
     keys per page of capacity, which they keep alive (docs/concepts.md, "Eviction",
     has the measured bytes)."""
 
@@ -146,7 +149,6 @@ class AdaptiveSLRU(Generic[T]):
         "_ghost_max",
         "_ghost_new",
         "_hi",
-        "_keys",
         "_lo",
         "_marked",
         "_probation",
@@ -159,9 +161,9 @@ class AdaptiveSLRU(Generic[T]):
     LO, HI = 0.1, 0.9  # the bounds of the protected target, x capacity
 
     def __init__(self, capacity: int) -> None:
-        self._probation: OrderedDict[T, None] = OrderedDict()
-        self._protected: OrderedDict[T, None] = OrderedDict()
-        self._keys: dict[T, bytes] = {}  # evictable entry -> its key (for its ghost)
+        # entry -> its key (for its ghost), least recent first; an entry is in one of them
+        self._probation: OrderedDict[T, bytes] = OrderedDict()
+        self._protected: OrderedDict[T, bytes] = OrderedDict()
         self._marked: set[T] = set()  # entries hit since admitted (held or evictable)
         self._ghost_new: OrderedDict[bytes, None] = OrderedDict()  # G1
         self._ghost_hit: OrderedDict[bytes, None] = OrderedDict()  # G2
@@ -170,13 +172,13 @@ class AdaptiveSLRU(Generic[T]):
         self.target = self.INIT * capacity  # entries Q may hold before it demotes
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._probation) + len(self._protected)
 
     def __contains__(self, item: object) -> bool:
-        return item in self._keys
+        return item in self._probation or item in self._protected
 
     def __iter__(self) -> Iterator[T]:
-        return iter(self._keys)
+        return itertools.chain(self._probation, self._protected)
 
     @property
     def num_ghosts(self) -> int:
@@ -184,18 +186,21 @@ class AdaptiveSLRU(Generic[T]):
         return len(self._ghost_new) + len(self._ghost_hit)
 
     def add(self, released: Sequence[tuple[T, bytes]], whole: bool = True) -> None:
-        marked, keys = self._marked, self._keys
+        marked, new, hit = self._marked, self._ghost_new, self._ghost_hit
         chain = whole  # every entry so far, from the head, was hit or a ghost's
         for item, key in reversed(released):  # head first: decide where each goes
-            if item not in marked:
-                chain = self._readmitted(key) and chain
-                if chain:
+            if item in marked:
+                continue
+            if key in new or key in hit:  # (rare: tested first, so no call in most cases)
+                if self._readmitted(key) and chain:
                     marked.add(item)
+            else:
+                chain = False
         probation, protected = self._probation, self._protected
         for item, key in released:  # tail first: the head ends the most recent
-            keys[item] = key
-            (protected if item in marked else probation)[item] = None
-        self._demote()
+            (protected if item in marked else probation)[item] = key
+        if len(protected) > self.target:
+            self._demote()
 
     def _readmitted(self, key: bytes) -> bool:
         """Whether ``key`` was in a ghost (it leaves it), adapting ``target``."""
@@ -214,10 +219,7 @@ class AdaptiveSLRU(Generic[T]):
         self._marked.update(items)
 
     def remove(self, item: T) -> None:
-        del self._keys[item]
-        if item in self._protected:
-            del self._protected[item]
-        else:
+        if self._protected.pop(item, None) is None:
             del self._probation[item]
 
     def drop(self, item: T) -> None:
@@ -225,25 +227,36 @@ class AdaptiveSLRU(Generic[T]):
         self._marked.discard(item)
 
     def touch(self, item: T) -> None:
-        key = self._keys[item]
-        self.remove(item)
+        key = self._protected.pop(item, None)
+        if key is None:
+            key = self._probation.pop(item)
         self._marked.add(item)
         self.add(((item, key),), True)
 
-    def pop(self) -> T:
-        self._demote()
-        item = (self._probation or self._protected).popitem(last=False)[0]
-        ghost = self._ghost_hit if item in self._marked else self._ghost_new
-        self._marked.discard(item)
-        ghost[self._keys.pop(item)] = None
-        if len(ghost) > self._ghost_max:
-            ghost.popitem(last=False)
-        return item
+    def evict(self, n: int) -> list[T]:
+        if len(self._protected) > self.target:
+            self._demote()
+        probation, protected, marked = self._probation, self._protected, self._marked
+        new, hit, most = self._ghost_new, self._ghost_hit, self._ghost_max
+        victims: list[T] = []
+        for _ in range(n):
+            item, key = (probation or protected).popitem(last=False)
+            if item in marked:
+                marked.discard(item)
+                ghost = hit
+            else:
+                ghost = new
+            ghost[key] = None
+            if len(ghost) > most:
+                ghost.popitem(last=False)
+            victims.append(item)
+        return victims
 
     def _demote(self) -> None:
         protected, probation = self._protected, self._probation
         while len(protected) > self.target:
-            probation[protected.popitem(last=False)[0]] = None
+            item, key = protected.popitem(last=False)
+            probation[item] = key
 
 
 POLICIES: dict[str, Callable[[int], EvictionPolicy[Hashable]]] = {

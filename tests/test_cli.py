@@ -80,3 +80,5 @@ def test_report_formats_numbers_for_people() -> None:
     assert rows(record, [Figure("worse", target=Target(">=", 2.5))])[0][4] == "NOT MET"
     scaled = Target(">=", "best", factor=0.5)
     assert rows(record, [Figure("worse", target=scaled)])[0][3:] == (">= 0.5 x best (1.5)", "met")
+    listed = {"rows": [{"x": 1.5}, {"x": 2.5}]}  # "rows.1.x" indexes the list
+    assert [r[2] for r in rows(listed, [Figure("rows.1.x"), Figure("rows.2.x")])] == ["2.5"]

@@ -8,7 +8,8 @@ Either way, a required target missed (correctness: the outputs it compares
 differ) makes the command exit 1, naming it on stderr.
 Ratios are measured against a baseline run in the same process, never against a
 number recorded elsewhere. Modules not named in :data:`BENCHMARKS` are helpers
-(report, simulate, trace, minimal_cache, generation).
+(report, simulate, chat_trace, block_trace, block_workloads, minimal_cache,
+generation, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "load": "N client processes of random operations with page markers (clobbers, p99, RSS)",
     "vllm": "two vLLM instances sharing kvcore: shared prefix, no hit, RAG, chat; vLLM's prefix cache on and off",
     "tiers": "hit rates with host/disk tiers below the pool; promotion bandwidth; remote fetch",
+    "trace": "hit rates on a request trace per eviction policy, beside LRU and the offline optimum",
     "sglang": "SGLang's HiCache storage calls on kvcore vs a plain host store, pages/s (needs SGLang)",
     "serve": "vLLM's OpenAI servers driven by `vllm bench serve` and a chat client, with/without kvcore",
 }

@@ -67,12 +67,16 @@ class Figure:
 
 
 def lookup(record: dict[str, Any], key: str) -> Any:
-    """``record["a"]["b"]`` for ``"a.b"``; None if any part is missing."""
+    """``record["a"]["b"]`` for ``"a.b"`` (``"a.0"`` indexes a list); None if any part
+    is missing."""
     value: Any = record
     for part in key.split("."):
-        if not isinstance(value, dict) or part not in value:
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
             return None
-        value = value[part]
     return value
 
 

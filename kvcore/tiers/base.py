@@ -157,7 +157,7 @@ class LocalKeys:
 
     def _evict(self) -> tuple[TierKey, Any]:
         """The policy's victim and where it lived, no longer held."""
-        key = self._order.pop()
+        (key,) = self._order.evict(1)
         return key, self._where.pop(key)
 
     def _forget(self, key: TierKey) -> Any:
