@@ -131,6 +131,8 @@ class DiskModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def corrupt_payload(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(self.pages)))
+        if key in self.corrupt:
+            return  # a second flip could undo the first
         offset = data.draw(st.integers(HEADER_BYTES, ENTRY - 1))
         flip_byte(path_of(self.directory, key), offset)
         self.corrupt.add(key)
