@@ -106,7 +106,11 @@ class PageManager(Protocol):
     the daemon call only these."""
 
     layout: KVLayout
-    eviction: str  # the pool's eviction policy (kvcore.eviction): labels its metrics
+
+    @property
+    def eviction(self) -> str:
+        """The name of the pool's eviction policy (kvcore.eviction): labels its metrics."""
+        ...
 
     def allocate(
         self,

@@ -42,6 +42,7 @@ from typing import Any
 from kvcore.bench import block_trace, block_workloads
 from kvcore.bench.block_trace import BlockRequest
 from kvcore.bench.report import Figure
+from kvcore.bench.tiers import SIM_LAYOUT  # the smallest page: a replay never reads bytes
 from kvcore.errors import BadRequest
 from kvcore.eviction import DEFAULT, POLICIES, EvictionPolicy, make_policy
 from kvcore.layout import KVLayout
@@ -49,7 +50,6 @@ from kvcore.manager import Manager
 from kvcore.results import PageManager
 
 CAPACITIES = (0.05, 0.10, 0.25, 1.0)
-SIM_LAYOUT = dict(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16")  # bytes unused
 
 
 def headline(result: dict[str, Any]) -> tuple[Figure, ...]:

@@ -107,7 +107,6 @@ class TieredManager:
     ) -> None:
         self.layout = layout
         self.manager = Manager(layout, eviction=eviction, record_evictions=True)
-        self.eviction = eviction
         self.tiers = tiers
         self._views = list(views)
         self._fingerprint = layout_fingerprint(layout)
@@ -116,6 +115,11 @@ class TieredManager:
         )
         self._moved: dict[PrefixKey, str] = {}  # spilled since the last take_events: medium
         self._events: list[PageEvent] = []  # taken from the Manager by commit, not yet handed on
+
+    @property
+    def eviction(self) -> str:
+        """The name of the pool's eviction policy (the Manager's; its tiers use it too)."""
+        return self.manager.eviction
 
     # -- operations that may promote or evict -------------------------------------------
 
