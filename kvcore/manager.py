@@ -54,6 +54,7 @@ from kvcore.allocator import PageAllocator, PageId
 from kvcore.errors import BadRequest, OutOfPages, SequenceExists, UnknownSequence
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.eviction import make_policy
+from kvcore.hits import HitBook
 from kvcore.layout import KVLayout
 from kvcore.prefix import (
     DEFAULT_NAMESPACE,
@@ -128,8 +129,9 @@ class Manager:
         self._key_by_page = self._index.key_by_page  # read only, likewise
         self._by_content = self._index.by_content  # read only, likewise
         self._seqs: dict[int, _Sequence] = {}
-        self._query_tokens = 0
-        self._hit_tokens = 0
+        # Queries and hits per namespace, and the busiest prefixes; a holder of lower
+        # tiers adds what they brought up (kvcore.hits). Written by allocations.
+        self.hits = HitBook()
         self._evictions = 0
         # (key, page) of each eviction since the last take_evicted(), if recording: what
         # a caller that keeps evicted bytes (kvcore.daemon.tiering) must copy out of the
@@ -177,8 +179,7 @@ class Manager:
         pages = hit_pages + self._pages.take(num_new, self._evict)
         self._seqs[seq_id] = _Sequence(space, root, pages, num_tokens, keys)
         num_cached = len(hit_pages) * self._page_size
-        self._query_tokens += num_tokens
-        self._hit_tokens += num_cached
+        self.hits.record(space.namespace, num_tokens, num_cached, keys[0] if keys else None)
         return Allocation(list(pages), num_cached)
 
     def extend(self, seq_id: int, num_tokens: int) -> Extension:
@@ -456,13 +457,14 @@ class Manager:
             held_pages=self._pages.num_held,
             cached_pages=len(self._index),
             num_sequences=len(self._seqs),
-            query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens,
+            query_tokens=self.hits.query_tokens,
+            hit_tokens=self.hits.hit_tokens,
             evictions=self._evictions,
         )
 
     def check_integrity(self) -> None:
         """Assert every invariant of the module docstring. O(pool): for tests."""
+        self.hits.check_integrity()
         references: Counter[PageId] = Counter()
         for seq_id, seq in self._seqs.items():
             assert len(seq.pages) == self.layout.pages_for(seq.num_tokens), (
@@ -613,8 +615,7 @@ class Manager:
         pages = [next(fresh) if entry is None else entry.page for entry in found]
         num_tokens = len(token_bytes) // 4
         self._seqs[seq_id] = _Sequence(space, root, pages, num_tokens)
-        self._query_tokens += num_tokens
-        self._hit_tokens += len(hit_pages) * self._page_size
+        self.hits.record(space.namespace, num_tokens, len(hit_pages) * self._page_size, None)
         return PagesAllocation(list(pages), [entry is not None for entry in found])
 
     def commit_pages(self, seq_id: int, tokens: Sequence[int]) -> int:

@@ -315,7 +315,7 @@ allocate = Operation(
     serve=lambda m, r, ns: msg.AllocateOk(
         *_allocation(m.allocate(r.seq, r.tokens, _space(r, ns), compute_last=r.compute_last))
     ),
-    decode=lambda r: Allocation(r.pages, r.num_cached_tokens),
+    decode=lambda r: Allocation(r.pages, r.num_cached_tokens, r.sources),
     creates="seq",
     work=lambda r, b: len(r.tokens),
     grows=lambda r, b: (r.seq, len(r.tokens)),
@@ -430,8 +430,8 @@ def _pages_allocation(a: PagesAllocation) -> tuple[list[int], list[bool]]:
     return a.pages, a.hits
 
 
-def _allocation(a: Allocation) -> tuple[list[int], int]:
-    return a.pages, a.num_cached_tokens
+def _allocation(a: Allocation) -> tuple[list[int], int, list[tuple[str, int]]]:
+    return a.pages, a.num_cached_tokens, a.sources
 
 
 def _extension(e: Extension) -> tuple[list[int], list[tuple[int, int]]]:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 import msgspec
 
+from kvcore.hits import HitBook
 from kvcore.layout import KVLayout
 from kvcore.prefix import KeySpace, PageEvent, PageStored, PrefixKey
 
@@ -27,10 +28,15 @@ class Allocation(msgspec.Struct):
 
     ``pages`` is the new block table; its first ``num_cached_tokens // page_size``
     pages already hold the prompt's K/V (a prefix hit) and must not be written.
+    ``sources`` says where the hit's pages were when asked, as runs ``(medium,
+    tokens)`` in chain order that add up to ``num_cached_tokens``: "pool", or the
+    lower tier that brought them up ("host", "disk", "remote"; kvcore.hits.MEDIA).
+    Empty: every hit token was in the pool (a pool without tiers never fills it).
     """
 
     pages: list[int]
     num_cached_tokens: int
+    sources: list[tuple[str, int]] = []
 
 
 class Extension(msgspec.Struct):
@@ -110,6 +116,11 @@ class PageManager(Protocol):
     @property
     def eviction(self) -> str:
         """The name of the pool's eviction policy (kvcore.eviction): labels its metrics."""
+        ...
+
+    @property
+    def hits(self) -> HitBook:
+        """The pool's hits per namespace and medium, and its busiest prefixes."""
         ...
 
     def allocate(

@@ -66,6 +66,10 @@ def test_hits_below_the_pool_return_the_written_bytes(
                 except OutOfPages:
                     continue
                 cached = got.num_cached_tokens // PAGE
+                if got.sources:  # the pool's run first, then the tiers' runs, adding up
+                    assert got.sources[0][0] == "pool"
+                    assert {m for m, _ in got.sources[1:]} <= {"host", "disk"}
+                    assert sum(n for _, n in got.sources) == got.num_cached_tokens
                 for n, page in enumerate(got.pages):
                     for layer, view in enumerate(views):
                         if n < cached:

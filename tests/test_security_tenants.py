@@ -70,6 +70,7 @@ def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -
         prompt = list(range(9))
         bob.allocate(1, prompt)
         bob.commit(1, prompt)
+        bob.allocate(3, prompt)  # a hit: bob's row and busiest prefix in the stats
         with _as(curve, "alice", pool="a", namespace="alice") as alice:
             assert alice.lookup(prompt).num_cached_tokens == 0
             with pytest.raises(Forbidden):
@@ -83,9 +84,15 @@ def test_a_tenant_gets_only_its_pools_and_namespaces(curve: dict[str, object]) -
             seen = alice.daemon_stats()
             assert [p.name for p in seen.pools] == ["a"]
             assert {s.namespace for s in seen.sessions} == {"alice"}
+            (a,) = seen.pools  # neither bob's hit figures nor his busiest prefix
+            assert not a.namespaces and not a.busiest
             everything = bob.daemon_stats()
             assert {p.name for p in everything.pools} == {"a", "b"}
             assert {s.namespace for s in everything.sessions} == {"alice", "bob"}
+            (a,) = [p for p in everything.pools if p.name == "a"]
+            assert [r.namespace for r in a.namespaces] == ["bob"] and a.busiest[
+                0
+            ].namespace == "bob"
             assert bob.lookup(prompt, KeySpace(namespace="alice")).num_cached_tokens == 0  # ops may
             bob.check_integrity()
 

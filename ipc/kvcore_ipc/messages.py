@@ -154,6 +154,10 @@ class Empty(_Message):
 class AllocateOk(_Message):
     pages: list[int]  # the new block table
     num_cached_tokens: int  # its first num_cached_tokens // page_size pages are a prefix hit
+    # Where the hit's pages were when asked: runs (medium, tokens) in chain order adding
+    # up to num_cached_tokens; medium "pool", or the lower tier that brought them up
+    # ("host", "disk", "remote"). Empty: all in the pool.
+    sources: list[tuple[str, int]] = []
 
 
 class ExtendOk(_Message):
@@ -217,6 +221,28 @@ class PoolStats(_Message):
     event_seq_no: int = 0  # seq_no of the pool's last published event
     tiers: list[TierStats] = []  # the pool's lower tiers, top down (docs/concepts.md, "Tiers")
     shards: int = 1  # regions of ``layout`` (one per tensor-parallel rank), pages shared
+    namespaces: list[NamespaceHits] = []  # those the requester's grant sees
+    busiest: list[PrefixHeat] = []  # of those namespaces, hit tokens first
+
+
+class NamespaceHits(_Message):
+    """One namespace's prompt tokens in a pool since the daemon started: asked by
+    allocations, and hit, by where the hit's pages were ("pool", "host", "disk",
+    "remote"; media with none left out)."""
+
+    namespace: str  # "(other)": the namespaces past the daemon's bound (64 a pool), together
+    query_tokens: int = 0
+    hit_tokens: dict[str, int] = {}
+
+
+class PrefixHeat(_Message):
+    """One of a pool's busiest prefixes: the hits that began with the page keyed ``key``
+    (counts are upper bounds: a prefix that displaced another inherits its counts)."""
+
+    namespace: str
+    key: bytes  # the prefix's first page key (spec/hashing.md)
+    hit_tokens: int = 0
+    hits: int = 0  # allocations that hit it
 
 
 class TierStats(_Message):
@@ -235,6 +261,12 @@ class TierStats(_Message):
     bytes_out: int = 0  # payload bytes read back out
     dropped: int = 0  # pages a full publish queue (remote) discarded
     timeouts: int = 0  # store calls abandoned at their bound, or missed while it was down
+    # Requests' promotions from this tier (read, verify, copy), in seconds: a histogram,
+    # promote_counts[i] over the bound before promote_bounds_s[i] and at most it (the last
+    # count above every bound), and their total.
+    promote_bounds_s: list[float] = []
+    promote_counts: list[int] = []
+    promote_s: float = 0.0
 
 
 class SessionStats(_Message):

@@ -21,6 +21,7 @@ lines): each is a few lines of the same checks the path above runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -394,6 +395,7 @@ class Handler:
             if not grant.sees(pool.name):
                 continue
             s = pool.manager.stats()
+            namespaces, busiest = pool.hit_stats(functools.partial(grant.sees, pool.name))
             pools.append(
                 msg.PoolStats(
                     name=pool.name,
@@ -413,6 +415,8 @@ class Handler:
                     event_seq_no=self.pools.last_seq_no(pool.name),
                     tiers=pool.tier_stats(),
                     shards=pool.shards,
+                    namespaces=namespaces,
+                    busiest=busiest,
                 )
             )
         sessions = [

@@ -26,6 +26,7 @@ def snapshot_families(snap: Snapshot, *, namespace_labels: bool = True) -> Itera
     yield from _pool_families(snap.stats.pools, snap.eviction)
     yield from tier_metric_families(snap.stats.pools, snap.eviction)  # the pools' lower tiers
     yield from _session_families(snap, namespace_labels)
+    yield from _hit_families(snap.stats.pools, namespace_labels)
 
 
 def _daemon_families(snap: Snapshot) -> Iterator[Metric]:
@@ -142,3 +143,34 @@ def _pool_families(pools: list[msg.PoolStats], eviction: dict[str, str]) -> Iter
         hits.add_metric([p.name], p.hit_tokens)
         evictions.add_metric([p.name, eviction.get(p.name, "")], p.evictions)
     yield from (pages, capacity, cached, usage, seqs, queries, hits, evictions)
+
+
+def _hit_families(pools: list[msg.PoolStats], namespace_labels: bool) -> Iterator[Metric]:
+    """Prompt tokens asked per namespace, and hit tokens by where their pages were
+    (medium: pool, host, disk, remote); without ``namespace_labels`` summed per pool."""
+    ns = ["namespace"] if namespace_labels else []
+    queries = CounterMetricFamily(
+        "kvcore_namespace_queries_tokens",
+        "Prompt tokens looked up by successful allocations, by namespace",
+        labels=["pool", *ns],
+    )
+    hits = CounterMetricFamily(
+        "kvcore_hits_tokens",
+        "Prompt tokens served from the cache, by where their pages were when asked: "
+        "the pool, or the lower tier that brought them up (host, disk, remote)",
+        labels=["pool", *ns, "medium"],
+    )
+    for pool in pools:
+        asked: dict[tuple[str, ...], int] = {}
+        served: dict[tuple[str, ...], int] = {}
+        for row in pool.namespaces:
+            key = (pool.name, row.namespace) if namespace_labels else (pool.name,)
+            asked[key] = asked.get(key, 0) + row.query_tokens
+            for medium, tokens in row.hit_tokens.items():
+                served[(*key, medium)] = served.get((*key, medium), 0) + tokens
+        for labels, tokens in asked.items():
+            queries.add_metric(list(labels), tokens)
+        for labels, tokens in sorted(served.items()):
+            hits.add_metric(list(labels), tokens)
+    yield queries
+    yield hits

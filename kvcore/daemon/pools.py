@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvcore_ipc import messages as msg
@@ -39,6 +40,7 @@ from kvcore_ipc.memory import CudaRegion, HostRegion
 from kvcore.config import MAX_SHARDS, TierConfig
 from kvcore.errors import BadRequest, UnknownPool
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.hits import Histogram
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PageEvent, PageStored
@@ -96,15 +98,44 @@ class Pool:
     def layout_message(self) -> msg.PoolLayout:
         return msg.PoolLayout(**self.layout.to_dict())
 
+    def hit_stats(
+        self, sees: Callable[[str], bool]
+    ) -> tuple[list[msg.NamespaceHits], list[msg.PrefixHeat]]:
+        """The pool's hits per namespace and its busiest prefixes (hit tokens first), of
+        the namespaces ``sees`` (a requester's grant) only; the "(other)" row needs a
+        grant of every namespace."""
+        book = self.manager.hits
+        namespaces = [
+            msg.NamespaceHits(ns, count.query_tokens, count.by_medium())
+            for ns, count in sorted(book.namespaces.items())
+            if sees(ns)
+        ]
+        ranked = sorted(book.busiest.items(), key=lambda item: -item[1].hit_tokens)
+        busiest = [
+            msg.PrefixHeat(count.namespace, key, count.hit_tokens, count.hits)
+            for key, count in ranked
+            if sees(count.namespace)
+        ]
+        return namespaces, busiest
+
     def tier_stats(self) -> list[msg.TierStats]:
         """Counters of the pool's lower tiers, top down ([] without tiers)."""
         manager = self.manager
         if not isinstance(manager, TieredManager):
             return []
-        return [
-            msg.TierStats(medium=medium, **dataclasses.asdict(counters))
-            for medium, counters in manager.tier_stats().items()
-        ]
+        stats = []
+        for medium, counters in manager.tier_stats().items():
+            took = manager.promotions.get(medium) or Histogram()
+            stats.append(
+                msg.TierStats(
+                    medium=medium,
+                    **dataclasses.asdict(counters),
+                    promote_bounds_s=list(took.bounds),
+                    promote_counts=list(took.counts),
+                    promote_s=took.sum_s,
+                )
+            )
+        return stats
 
 
 class PoolTable:

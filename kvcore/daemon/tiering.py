@@ -39,6 +39,7 @@ the removed event of a spilled page carries the medium now holding it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,7 @@ from kvcore.allocator import PageId
 from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
+from kvcore.hits import Histogram, HitBook
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
 from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
@@ -115,6 +117,13 @@ class TieredManager:
         )
         self._moved: dict[PrefixKey, str] = {}  # spilled since the last take_events: medium
         self._events: list[PageEvent] = []  # taken from the Manager by commit, not yet handed on
+        # medium -> seconds each request took to bring pages up from it (read, copy)
+        self.promotions: dict[str, Histogram] = {}
+
+    @property
+    def hits(self) -> HitBook:
+        """The Manager's book; this class adds what the tiers brought up."""
+        return self.manager.hits
 
     @property
     def eviction(self) -> str:
@@ -134,11 +143,32 @@ class TieredManager:
         """:meth:`Manager.allocate`, after promoting what the tiers hold of the rest of
         the chain; OutOfPages before any I/O if the tokens cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
-        self._promote(tokens, space, for_allocate=True, compute_last=compute_last)
+        num_hit, runs = self._promote(tokens, space, for_allocate=True, compute_last=compute_last)
         try:
-            return self.manager.allocate(seq_id, tokens, space, compute_last=compute_last)
+            allocation = self.manager.allocate(seq_id, tokens, space, compute_last=compute_last)
         finally:
             self._spill()
+        if runs:
+            allocation.sources = self._sources(allocation.num_cached_tokens, num_hit, runs)
+            for medium, num_tokens in allocation.sources[1:]:
+                self.manager.hits.lower(space.namespace, medium, num_tokens)
+        return allocation
+
+    def _sources(
+        self, num_cached: int, num_hit: int, runs: list[tuple[str, int]]
+    ) -> list[tuple[str, int]]:
+        """The allocation's hit as runs (medium, tokens) in chain order (kvcore.results.
+        Allocation.sources): the pool's ``num_hit`` pages, then the promoted ``runs``
+        (medium, pages), cut at ``num_cached`` tokens; "pool" first even if 0 tokens."""
+        page_size = self.layout.page_size
+        left = num_cached - num_hit * page_size
+        sources = [("pool", min(num_cached, num_hit * page_size))]
+        for medium, pages in runs:
+            if left <= 0:
+                break
+            sources.append((medium, min(left, pages * page_size)))
+            left -= pages * page_size
+        return sources
 
     def lookup(
         self,
@@ -238,13 +268,15 @@ class TieredManager:
 
     def _promote(
         self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool, compute_last: bool
-    ) -> None:
+    ) -> tuple[int, list[tuple[str, int]]]:
         """Bring the pages of ``tokens``' chain in key space ``space`` that the tiers
         hold, after the pool's own hits, into adopted pool pages, as many as the room
         beside the hits allows. Tier keys derive from prefix keys, which hash the key
         space, so pages of another model, salt or adapter are never found below either.
         OutOfPages (for an allocate that cannot fit anyway) before any I/O; otherwise
-        never raises for a tier's miss."""
+        never raises for a tier's miss. Returns the pool's own hit (pages) and the runs
+        promoted after it, (medium, pages) in chain order; the time each medium took
+        (read, verify, copy) goes to its promotion histogram."""
         num_new = self.manager.layout.pages_for(len(tokens))  # before the hits
         if not compute_last:  # a hit may cover the last token: plan as if one followed
             tokens = [*tokens, 0]
@@ -254,38 +286,46 @@ class TieredManager:
             raise OutOfPages(f"need {num_new} pages, {plan.room} free or evictable")
         rest = plan.keys[plan.num_hit : plan.num_hit + plan.room]
         if not rest:
-            return
+            return plan.num_hit, []
         tkeys = tier_keys(self._fingerprint, rest)
         runs = self.tiers.locate(tkeys)
         if not runs:
-            return
-        fetched: list[tuple[list[int], torch.Tensor | None, int]] = []  # pages, data, start
+            return plan.num_hit, []
+        took: dict[str, float] = {}  # medium -> seconds spent bringing its pages up
+        fetched: list[tuple[str, list[int], torch.Tensor | None, int]] = []  # + data, start
         done = 0
         for run in runs:  # read disk and remote runs now: what they cannot give ends it
             count = run.count
             data = None
+            medium = run.tier.medium
             if not isinstance(run.tier, HostTier):
+                start = time.perf_counter()
                 data = run.tier.get_many(tkeys[run.start : run.start + run.count])
+                took[medium] = took.get(medium, 0.0) + time.perf_counter() - start
                 count = len(data)
             if count:
-                medium = run.tier.medium
                 pages = self.manager.adopt(tokens, count, space, medium=medium)
-                fetched.append((pages, data, done))
+                fetched.append((medium, pages, data, done))
                 count = len(pages)
             done += count
             if count < run.count:
                 break
         evicted = self.manager.take_evicted()  # adopt took them from the LRU: copy out first
         spilled = self._gather(evicted)
-        for pages, data, start in fetched:
+        for medium, pages, data, at in fetched:
+            start = time.perf_counter()
             if data is None:
                 host = self.tiers.host
                 assert host is not None
-                got = host.promote(tkeys[start : start + len(pages)], self._views, pages)
+                got = host.promote(tkeys[at : at + len(pages)], self._views, pages)
                 assert got == len(pages), "the host tier lost entries inside one request"
             else:
                 scatter_pages(self._views, pages, data[: len(pages)])
+            took[medium] = took.get(medium, 0.0) + time.perf_counter() - start
         self._put_down(evicted, spilled)
+        for medium, seconds in took.items():
+            self.promotions.setdefault(medium, Histogram()).observe(seconds)
+        return plan.num_hit, [(medium, len(pages)) for medium, pages, _, _ in fetched]
 
     def _write_back(self, chunk: int = 256) -> None:
         """Host entries, then the pool's cached pages (most recent last), to the disk
@@ -375,3 +415,27 @@ def tier_metric_families(
     yield held
     yield from counters.values()
     yield evicted
+    yield _promotion_family(pools)
+
+
+def _promotion_family(pools: list[msg.PoolStats]) -> Metric:
+    """``kvcore_tier_promotion_seconds{pool,medium}``: a histogram of the seconds one
+    request took to bring pages up from a tier (TierStats.promote_*)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(
+        "kvcore_tier_promotion_seconds",
+        "Seconds one request took to bring pages up from a lower tier (read, verify, copy)",
+        labels=["pool", "medium"],
+    )
+    for pool in pools:
+        for t in pool.tiers:
+            if len(t.promote_counts) != len(t.promote_bounds_s) + 1:
+                continue  # no histogram (a TierStats built without one)
+            buckets, total = [], 0
+            bounds = [*map(repr, t.promote_bounds_s), "+Inf"]
+            for bound, count in zip(bounds, t.promote_counts, strict=True):
+                total += count
+                buckets.append((bound, total))
+            family.add_metric([pool.name, t.medium], buckets, t.promote_s)
+    return family
