@@ -55,6 +55,12 @@ plain signatures: ``k_scale=``/``v_scale=`` (floats) on fp8 caches (backends wit
 Backends are found through the entry-point group ``kvcore.backends``
 (``name = "module:Class"``); :func:`get` instantiates one by name.
 
+Plugins import this module (with kvcore.layout and kvcore.errors), never
+kvcore.backend_checks: what they share with the checks is re-exported here
+(:data:`HOST_LIST_MAX`, up to which a step's CPU index tensors are read as Python
+lists; a backend's own host path takes the same bound). docs/architecture.md
+states the rule; tests/test_imports.py checks it.
+
 The file runs past ~400 lines on purpose: it is the whole contract a backend
 author reads (the plans, and the base class that validates before every hook);
 the value checks it runs live in kvcore.backend_checks.
@@ -67,6 +73,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvcore.backend_checks import HOST_LIST_MAX as HOST_LIST_MAX  # for plugins' host paths
 from kvcore.backend_checks import (
     ValueChecks,
     check_cache,

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import Client
 from kvcore.config import PoolConfig, ServiceConfig
-from kvcore.daemon import metrics
+from kvcore.daemon import metrics_server
 from kvcore.daemon.metrics import (
     SCRAPE_WAIT_S,
     SNAPSHOT_MIN_INTERVAL_S,
@@ -202,7 +202,7 @@ def _served(tmp_path: Path, **options: Any) -> Iterator[tuple[Daemon, MetricsSer
         endpoint=f"ipc://{tmp_path}/k.sock", pools=[PoolConfig(num_layers=1, num_pages=64)]
     )
     daemon = Daemon(config)
-    exchange, daemon.handler.timer, server = metrics.start(**options)
+    exchange, daemon.handler.timer, server = metrics_server.start(**options)
     daemon.metrics = exchange
     loop = threading.Thread(target=daemon.serve, daemon=True)
     loop.start()
@@ -356,7 +356,7 @@ def test_a_unix_socket_is_private_and_replaces_a_dead_ones(tmp_path: Path) -> No
         assert reply.startswith(b"HTTP/1.0 200") and b"kvcore_pool_pages" in reply
         assert _unix_get(path, "/health").startswith(b"HTTP/1.0 200")
         with pytest.raises(BadRequest, match="in use"):
-            metrics.start(unix_path=path)
+            metrics_server.start(unix_path=path)
     assert not os.path.exists(path)  # removed on close
 
 
@@ -421,7 +421,7 @@ def test_the_flags_serve_metrics_on_a_private_socket_with_a_token_and_no_namespa
 
 def test_the_request_path_never_imports_prometheus() -> None:
     """The handler and the daemon load prometheus_client only when metrics are on
-    (kvcore.daemon.metrics.start)."""
+    (kvcore.daemon.metrics_server.start)."""
     code = (
         "import sys, kvcore.daemon.handler, kvcore.daemon.daemon; "
         "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))"

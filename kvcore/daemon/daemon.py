@@ -137,8 +137,10 @@ class Daemon:
         the latency timer the handler records into."""
         if config.metrics_port is None and not config.metrics_socket:
             return None
+        from .metrics_server import start  # prometheus_client: only when metrics are on
+
         token = read_token(config.metrics_token_file) if config.metrics_token_file else None
-        self.metrics, timer, self.metrics_server = metrics.start(
+        self.metrics, timer, self.metrics_server = start(
             port=config.metrics_port or 0,
             addr=config.metrics_addr,
             unix_path=config.metrics_socket or None,

@@ -14,12 +14,15 @@ Two kinds of figures, so that the request path pays (almost) nothing:
 
 ``GET /health`` answers 200 while the loop turns (its last tick less than
 ``stale_after_s`` ago) and 503 when it is stuck; every other path is the
-Prometheus exposition (its families: kvcore.daemon.metrics_families; the collector
-and the server: kvcore.daemon.metrics_server). This module holds the plain types the
-handler and the loop use (:class:`Snapshot`, :class:`Exchange`, :class:`RequestTimer`)
-and loads prometheus_client only in :func:`start`, so the request path never imports
-it (tests/test_metrics.py checks). The registry is this module's own, never
-prometheus_client's global one. The server
+Prometheus exposition (its families: kvcore.daemon.metrics_families; the collector,
+the server and :func:`~kvcore.daemon.metrics_server.start`, which builds them:
+kvcore.daemon.metrics_server). This module holds the plain types the handler and the
+loop use (:class:`Snapshot`, :class:`Exchange`, :class:`RequestTimer`). Importing it
+loads no prometheus_client (only building a :class:`RequestTimer` does, which only
+``start`` does), so the request path never imports it (tests/test_metrics.py checks);
+it imports nothing of the server side at run time, so the server's modules import it
+without a circle (tests/test_imports.py checks). The registry is ``start``'s own,
+never prometheus_client's global one. The server
 thread binds loopback unless told otherwise, or a unix socket instead; it may
 require a bearer token and drop the namespace labels (the HTTP side and its
 bounds: kvcore.daemon.metrics_http). Not yet exported (docs/deploy.md): event
@@ -35,8 +38,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvcore_ipc import messages as msg
-
-from .metrics_http import DEFAULT_LIMITS, HttpLimits
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -127,38 +128,3 @@ class RequestTimer:
             op = op or body_type.__name__
             child = self._children[body_type] = self._histogram.labels(op=str(op))
         child.observe(seconds)
-
-
-def start(
-    *,
-    port: int = 0,
-    addr: str = "127.0.0.1",
-    unix_path: str | None = None,
-    token: str | None = None,
-    namespace_labels: bool = True,
-    stale_after_s: float = 5.0,
-    limits: HttpLimits = DEFAULT_LIMITS,
-) -> tuple[Exchange, RequestTimer, MetricsServer]:
-    """A registry of its own with the snapshot collector and the latency histogram,
-    served on ``addr:port`` or ``unix_path`` (see :class:`~.metrics_server.MetricsServer`;
-    prometheus_client is loaded here, never on the request path)."""
-    from prometheus_client import CollectorRegistry, disable_created_metrics
-
-    from .metrics_server import MetricsServer, SnapshotCollector
-
-    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created: see uptime
-    registry = CollectorRegistry(auto_describe=False)
-    exchange = Exchange()
-    registry.register(SnapshotCollector(exchange, namespace_labels=namespace_labels))
-    timer = RequestTimer(registry)
-    server = MetricsServer(
-        exchange,
-        registry,
-        port=port,
-        addr=addr,
-        unix_path=unix_path,
-        token=token,
-        stale_after_s=stale_after_s,
-        limits=limits,
-    )
-    return exchange, timer, server

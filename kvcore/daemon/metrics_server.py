@@ -1,9 +1,11 @@
-"""The Prometheus side of the metrics endpoint: the collector and the HTTP server.
+"""The Prometheus side of the metrics endpoint: the collector, the HTTP server and
+:func:`start`, which builds them.
 
-Imported only when metrics are on (:func:`kvcore.daemon.metrics.start`), so that the
-request path never loads prometheus_client. The snapshot and latency types it renders
-live in :mod:`kvcore.daemon.metrics`; the families in :mod:`.metrics_families`; the
-bounded HTTP server in :mod:`.metrics_http`.
+Imported only when metrics are on (the daemon imports :func:`start` when it builds
+the endpoint), so that the request path never loads prometheus_client. The snapshot
+and latency types it renders live in :mod:`kvcore.daemon.metrics`, which imports
+nothing of this module at run time (no import circle); the families in
+:mod:`.metrics_families`; the bounded HTTP server in :mod:`.metrics_http`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import metrics_http
-from .metrics import SCRAPE_WAIT_S, Exchange
+from .metrics import SCRAPE_WAIT_S, Exchange, RequestTimer
 from .metrics_families import snapshot_families
 from .metrics_http import DEFAULT_LIMITS, HttpLimits
 
@@ -121,3 +123,34 @@ class MetricsServer:
         if self.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.unix_path)
+
+
+def start(
+    *,
+    port: int = 0,
+    addr: str = "127.0.0.1",
+    unix_path: str | None = None,
+    token: str | None = None,
+    namespace_labels: bool = True,
+    stale_after_s: float = 5.0,
+    limits: HttpLimits = DEFAULT_LIMITS,
+) -> tuple[Exchange, RequestTimer, MetricsServer]:
+    """A registry of its own with the snapshot collector and the latency histogram,
+    served on ``addr:port`` or ``unix_path`` (see :class:`MetricsServer`): the exchange
+    the loop turns, the timer the handler records into, and the running server."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created: see uptime
+    registry = CollectorRegistry(auto_describe=False)
+    exchange = Exchange()
+    registry.register(SnapshotCollector(exchange, namespace_labels=namespace_labels))
+    timer = RequestTimer(registry)
+    server = MetricsServer(
+        exchange,
+        registry,
+        port=port,
+        addr=addr,
+        unix_path=unix_path,
+        token=token,
+        stale_after_s=stale_after_s,
+        limits=limits,
+    )
+    return exchange, timer, server

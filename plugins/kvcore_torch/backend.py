@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from kvcore.backend import (
     FEATURES,
+    HOST_LIST_MAX,
     AttentionPlan,
     Backend,
     Capabilities,
@@ -54,7 +55,6 @@ from kvcore.backend import (
     PrefillPlan,
     WritePlan,
 )
-from kvcore.backend_checks import HOST_LIST_MAX
 from kvcore.layout import cdiv
 from kvcore_torch.reference import PLAIN, attend, gather_kv, quantize
 from kvcore_torch.rows import RowLayout, Rows, page_offsets, row_layout, token_rows
