@@ -110,6 +110,13 @@ def test_a_prompt_committed_on_one_daemon_is_a_hit_on_the_other(
             for layer, (va, vb) in enumerate(zip(a.kv_caches, b.kv_caches, strict=True)):
                 assert bool((vb[page] == va[got.pages[n]]).all()), f"page {n} layer {layer}"
         assert remote(b).hits >= 4 and remote(b).corrupt == 0
+        # b's allocate itself brings a second prompt up: its reply names the store
+        second = [t + 10_000 for t in tokens]
+        a.allocate(2, second)
+        a.commit(2, second)
+        wait_for(lambda: remote(a).stored >= 8)
+        hit = b.allocate(2, second)
+        assert hit.sources == [("pool", 0), ("remote", 4 * PAGE_SIZE)]
         b.check_integrity()
 
     engine_a = finish_engine(start_engine(one.endpoint, "default", "A", 8))
