@@ -1,7 +1,9 @@
 """Daemon configuration: pools, endpoints, leases and limits, from TOML, environment and flags.
 
 A TOML file (``kvcore serve --config FILE``) mirrors :class:`ServiceConfig`; each
-setting is its field below, whose comment gives its meaning and unit::
+setting is its field below, declared once: a scalar setting of ServiceConfig with its
+help text and ``--help`` group (:func:`_setting`), the others with a comment giving
+their meaning and unit::
 
     endpoint = "ipc:///run/kvcore/kvcore.sock"
     lease_timeout_s = 10.0
@@ -24,6 +26,12 @@ setting is its field below, whose comment gives its meaning and unit::
 
 The other sources name the same fields and convert to the same types:
 
+* ``--field-name`` sets a scalar field of ServiceConfig: its flag is derived from the
+  field (:data:`SETTINGS`, by :mod:`kvcore.daemon.flags`): ``--`` and the name with ``-``
+  for ``_`` (``--lease-timeout-s``), and the earlier spellings the field declares as
+  aliases (``--lease-timeout``). A switch off by default is a flag that turns it on
+  (``--insecure``); one on by default has a ``--no-`` form too. A new setting is one
+  field: its flag, variable and TOML key follow.
 * ``--pool k=v,k=v`` gives one pool. Its keys (:data:`POOL_KEYS`) are PoolConfig's field
   names (``-`` may stand for ``_``: ``num-layers=2``) and TierConfig's flag names: a tier
   field's flag is declared beside it (``host`` is ``host_tier``, ``disk_size``
@@ -38,25 +46,28 @@ Flags override the environment, which overrides the file. A flag's or variable's
 converts to its field's type one way (:func:`_convert`): ints, floats and bools
 (``true``/``false``/``1``/``0``) from their text, strings as given; sizes (``int |
 str``: bytes, or "512MiB") stay the text, which :func:`~kvcore.sizes.parse_size` reads.
-Invalid configuration raises :class:`~kvcore.errors.BadRequest`, naming the flag or
-variable and its value.
+A setting whose text msgspec would misread declares its own :class:`TextForm`:
+``socket_mode`` reads "0660", "0o660" and "660" alike, as octal. Invalid configuration
+raises :class:`~kvcore.errors.BadRequest`, naming the flag or variable and its value.
 
 This module is the schema alone: it imports neither the tiers (kvcore.tiers)
 nor anything that opens a socket. The trust checks of the runtime directory
 and of ipc:// socket paths are :mod:`kvcore.paths` (docs/security.md); sizes
-are parsed by :mod:`kvcore.sizes`. It is one file over ~400 lines because the
-schema is read as one: every setting, its sources, and the checks that hold
-between them.
+are parsed by :mod:`kvcore.sizes`; the flags are built by :mod:`kvcore.daemon.flags`.
+It is one long file because the schema is read as one: every setting, its help, its
+sources, and the checks that hold between them.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
@@ -71,6 +82,8 @@ MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is p
 MAX_BATCH = 1 << 20  # operations
 MAX_SHARDS = 64  # regions of one pool (tensor-parallel ranks)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")  # json: one object per line, for log shippers
+EVENTS_FORMATS = ("kvcore", "vllm")  # spec/protocol.md, spec/vllm-events.md
 ENV_PREFIX = "KVCORE_"
 
 
@@ -78,6 +91,61 @@ def _flag(name: str) -> msgspec.Meta:
     """A TierConfig field's ``--pool`` key (and ``KVCORE_POOL_<KEY>``), where the field's
     own name would not say it is a tier's: read by :func:`_pool_keys`."""
     return msgspec.Meta(extra={"flag": name})
+
+
+class Group(enum.Enum):
+    """Where ``kvcore serve --help`` lists a setting's flag: under the group's name (in
+    lower case) and what it holds (the value); the groups are listed in this order."""
+
+    WHERE = "the configuration, the endpoint, the pools, the event stream"
+    LIMITS = "leases, and the bounds on frames, batches, sessions and queues"
+    ACCESS = "who may connect, and what they may do"
+    OBSERVING = "metrics and logs"
+
+
+class TextForm(NamedTuple):
+    """How a setting's value reads from and shows as text, where msgspec's conversion
+    would misread it (a file mode's "0660" is octal)."""
+
+    parse: Callable[[str], Any]  # ValueError, saying what the text should be, if not one
+    show: Callable[[Any], str]
+
+
+def _octal_mode(text: str) -> int:
+    """A file mode, octal however written: "0660", "0o660" and "660" are all 0o660."""
+    if not re.fullmatch(r"(0[oO])?[0-7]{1,4}", text):
+        raise ValueError("not an octal file mode such as 0660")
+    return int(text, 8)
+
+
+OCTAL_MODE = TextForm(_octal_mode, lambda mode: f"{mode:04o}")
+
+
+@dataclass(frozen=True, slots=True)
+class FlagSpec:
+    """What a ServiceConfig setting's flag needs beyond the field's name, type, default and
+    help (:func:`_setting`); ``kvcore.daemon.flags`` builds the flag from it."""
+
+    group: Group
+    aliases: tuple[str, ...] = ()  # earlier spellings of the flag, still accepted
+    choices: tuple[str, ...] = ()  # the values validate() allows; () = any
+    metavar: str | None = None  # None: from the field's unit suffix, else its name
+    text: TextForm | None = None  # None: msgspec converts the text (:func:`_convert`)
+
+
+def _setting(
+    group: Group,
+    help_text: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    choices: tuple[str, ...] = (),
+    metavar: str | None = None,
+    text: TextForm | None = None,
+) -> msgspec.Meta:
+    """A scalar ServiceConfig setting's declaration, beside its type and default: its help
+    (``--help`` adds the default unless ``help_text`` says it) and its :class:`FlagSpec`."""
+    spec = FlagSpec(group, aliases, choices, metavar, text)
+    return msgspec.Meta(description=help_text, extra={"setting": spec})
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -254,38 +322,200 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    endpoint: str = ""  # "" = default_endpoint()
-    events: str = ""  # "" = no event stream; "auto" = an ipc socket next to the endpoint
-    events_format: str = "kvcore"  # "kvcore" (spec/protocol.md) or "vllm" (spec/vllm-events.md)
-    events_replay: str = ""  # vllm format: ROUTER endpoint replaying buffered batches; "" = off
-    lease_timeout_s: float = 10.0
-    # A session that expired while its process lives is fenced (its pages kept, not reused)
-    # until the process exits, the client acknowledges, or this many seconds pass, whether
-    # or not the process can be watched.
-    fence_timeout_s: float = 300.0
-    max_frame_bytes: int = 8 << 20
-    max_batch: int = 4096
-    max_request_tokens: int = 1 << 20  # tokens one request may carry, summed over a batch
-    max_sessions: int = 1024
-    # Sessions one ipc:// client process may hold; None: min(64, max_sessions_per_tenant).
-    max_sessions_per_process: int | None = None
-    # Sessions one [[tenants]] entry may hold; None: max_sessions less an eighth of it.
-    max_sessions_per_tenant: int | None = None
-    max_queued_bytes: int = 64 << 20  # bytes queued per connection before ZeroMQ pushes back
-    events_buffer_bytes: int = 16 << 20  # bytes buffered per event subscriber, then dropped
-    insecure: bool = False  # allow tcp:// without CURVE
-    insecure_remote_tier: bool = False  # allow a remote tier without a tier secret_file
-    curve_secret_key_file: str = ""  # z85 secret key (40 chars) or a `kvcore keys` secret file
-    authorized_keys_dir: str = ""  # tcp://: only clients whose public key is here may connect
-    socket_mode: int = 0o600  # of ipc:// sockets; 0o660/0o666 only with [[tenants]]
-    allow_ephemeral: bool = False  # attach may create private pools (tests, development)
-    metrics_port: int | None = None  # HTTP port of /metrics and /health; None = off, 0 = any free
-    metrics_addr: str = "127.0.0.1"  # the address it binds (loopback unless told otherwise)
-    metrics_socket: str = ""  # serve metrics on this unix socket (0600) instead of a port
-    metrics_token_file: str = ""  # a bearer token (mode 0600 file) every scrape must send
-    metrics_namespace_labels: bool = True  # False: no per-namespace series (names stay private)
-    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
-    log_format: str = "text"  # "text" or "json" (one object per line, for log shippers)
+    """The daemon's settings. Each scalar one is declared here once, with its help and its
+    group in ``--help`` (:func:`_setting`); its TOML key, ``KVCORE_<NAME>`` variable and
+    ``--name`` flag derive from the field (:data:`SETTINGS`). Sizes in bytes, times in
+    seconds; a default of "" or None means what the help says (off, none, a bound
+    computed from others)."""
+
+    endpoint: Annotated[
+        str,
+        _setting(
+            Group.WHERE,
+            "the ipc:// or tcp:// endpoint of requests "
+            "(default: ipc://$XDG_RUNTIME_DIR/kvcore/kvcore.sock)",
+            metavar="ENDPOINT",
+        ),
+    ] = ""
+    events: Annotated[
+        str,
+        _setting(
+            Group.WHERE,
+            "PUB endpoint for page events "
+            "('auto': an ipc:// socket beside the request socket, one per daemon; default: off)",
+            metavar="ENDPOINT",
+        ),
+    ] = ""
+    events_format: Annotated[
+        str,
+        _setting(
+            Group.WHERE,
+            "the event stream's format: kvcore's own, spec/protocol.md, or vLLM's KV events "
+            "as KV-aware routers read them, spec/vllm-events.md",
+            choices=EVENTS_FORMATS,
+        ),
+    ] = "kvcore"
+    events_replay: Annotated[
+        str,
+        _setting(
+            Group.WHERE,
+            "vllm format: ROUTER endpoint that replays buffered event batches "
+            "(vLLM's replay_endpoint; default: off)",
+            metavar="ENDPOINT",
+        ),
+    ] = ""
+    lease_timeout_s: Annotated[
+        float,
+        _setting(
+            Group.LIMITS,
+            "seconds without a request before a session's sequences are freed",
+            aliases=("--lease-timeout",),
+        ),
+    ] = 10.0
+    fence_timeout_s: Annotated[
+        float,
+        _setting(
+            Group.LIMITS,
+            "seconds a session that expired while its process lives stays fenced (its pages "
+            "kept, not reused) unless the process exits or the client acknowledges first, "
+            "whether or not the process can be watched",
+            aliases=("--fence-timeout",),
+        ),
+    ] = 300.0
+    max_frame_bytes: Annotated[int, _setting(Group.LIMITS, "largest request or reply")] = 8 << 20
+    max_batch: Annotated[int, _setting(Group.LIMITS, "operations per batch")] = 4096
+    max_request_tokens: Annotated[
+        int,
+        _setting(Group.LIMITS, "tokens of work one request may carry, summed over a batch"),
+    ] = 1 << 20
+    max_sessions: Annotated[int, _setting(Group.LIMITS, "sessions at once")] = 1024
+    max_sessions_per_process: Annotated[
+        int | None,
+        _setting(
+            Group.LIMITS,
+            "sessions one ipc:// client process may hold (default: min(64, the tenant bound))",
+        ),
+    ] = None
+    max_sessions_per_tenant: Annotated[
+        int | None,
+        _setting(
+            Group.LIMITS,
+            "sessions one [[tenants]] entry may hold (default: max_sessions less an eighth)",
+        ),
+    ] = None
+    max_queued_bytes: Annotated[
+        int,
+        _setting(
+            Group.LIMITS,
+            "bytes of requests queued per connection before the daemon stops reading it "
+            "and ZeroMQ pushes back",
+        ),
+    ] = 64 << 20
+    events_buffer_bytes: Annotated[
+        int,
+        _setting(
+            Group.LIMITS,
+            "bytes of events buffered per event subscriber; a slower one loses the rest",
+        ),
+    ] = 16 << 20
+    insecure: Annotated[
+        bool,
+        _setting(
+            Group.ACCESS,
+            "allow tcp:// without CURVE "
+            "(anyone who reaches the port can read and write every pool)",
+        ),
+    ] = False
+    insecure_remote_tier: Annotated[
+        bool,
+        _setting(
+            Group.ACCESS,
+            "allow a remote (Mooncake) tier without tier_secret_file "
+            "(any client of the master can plant the K/V every daemon on it serves)",
+        ),
+    ] = False
+    curve_secret_key_file: Annotated[
+        str,
+        _setting(
+            Group.ACCESS,
+            "CURVE secret key (tcp://): z85 (40 chars), or a `kvcore keys` .key_secret file; "
+            "must be mode 0600",
+        ),
+    ] = ""
+    authorized_keys_dir: Annotated[
+        str,
+        _setting(
+            Group.ACCESS,
+            "directory of client public keys (*.key, `kvcore keys`): "
+            "on tcp:// only they may connect",
+            aliases=("--authorized-keys",),
+        ),
+    ] = ""
+    socket_mode: Annotated[
+        int,
+        _setting(
+            Group.ACCESS,
+            "mode of ipc:// sockets, octal (0660, 0o660 or 660); "
+            "wider than 0600 (0660, 0666) only with [[tenants]]",
+            metavar="MODE",
+            text=OCTAL_MODE,
+        ),
+    ] = 0o600
+    allow_ephemeral: Annotated[
+        bool, _setting(Group.ACCESS, "let attach create private pools (tests and development)")
+    ] = False
+    metrics_port: Annotated[
+        int | None,
+        _setting(
+            Group.OBSERVING,
+            "serve Prometheus metrics and /health over HTTP on this port "
+            "(0: any free port; default: off)",
+            metavar="PORT",
+        ),
+    ] = None
+    metrics_addr: Annotated[
+        str,
+        _setting(
+            Group.OBSERVING,
+            "the address the metrics port binds; loopback unless told otherwise",
+            metavar="ADDR",
+        ),
+    ] = "127.0.0.1"
+    metrics_socket: Annotated[
+        str,
+        _setting(
+            Group.OBSERVING,
+            "serve metrics on this unix socket (mode 0600: the daemon's user and root only) "
+            "instead of a port (default: off)",
+            metavar="PATH",
+        ),
+    ] = ""
+    metrics_token_file: Annotated[
+        str,
+        _setting(
+            Group.OBSERVING,
+            "a file (mode 0600) of the bearer token that every scrape but /health must send",
+        ),
+    ] = ""
+    metrics_namespace_labels: Annotated[
+        bool,
+        _setting(
+            Group.OBSERVING,
+            "per-namespace series, which name every namespace; "
+            "off: no namespace's name leaves the daemon",
+        ),
+    ] = True
+    log_level: Annotated[
+        str, _setting(Group.OBSERVING, "the least severe records logged", choices=LOG_LEVELS)
+    ] = "INFO"
+    log_format: Annotated[
+        str,
+        _setting(
+            Group.OBSERVING,
+            "text lines, or one JSON object per line for log shippers",
+            choices=LOG_FORMATS,
+        ),
+    ] = "text"
     pools: list[PoolConfig] = msgspec.field(default_factory=lambda: [PoolConfig()])
     tenants: list[TenantConfig] = msgspec.field(default_factory=list)
 
@@ -355,11 +585,13 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def validate(self) -> None:
         if not self.pools:
             raise BadRequest("no pools configured")
-        if self.events_format not in ("kvcore", "vllm"):
-            raise BadRequest(f"events_format is 'kvcore' or 'vllm', not {self.events_format!r}")
-        if self.log_format not in ("text", "json") or self.log_level not in LOG_LEVELS:
+        if self.events_format not in EVENTS_FORMATS:
             raise BadRequest(
-                f"log_format is 'text' or 'json' and log_level one of {LOG_LEVELS}; "
+                f"events_format is one of {EVENTS_FORMATS}, not {self.events_format!r}"
+            )
+        if self.log_format not in LOG_FORMATS or self.log_level not in LOG_LEVELS:
+            raise BadRequest(
+                f"log_format is one of {LOG_FORMATS} and log_level one of {LOG_LEVELS}; "
                 f"got {self.log_format!r}, {self.log_level!r}"
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -410,6 +642,58 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
 
 
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One scalar setting of ServiceConfig as its field declares it: the TOML key is
+    ``name``, the variable :attr:`env`, the flag :attr:`flag` (and ``spec.aliases``)."""
+
+    name: str
+    type: Any  # the field's annotation, as msgspec converts to it
+    default: Any
+    help: str
+    spec: FlagSpec
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        """The flag: ``--`` and the name, ``_`` as ``-``."""
+        return "--" + self.name.replace("_", "-")
+
+    def convert(self, label: str, raw: str) -> Any:
+        """``raw``, the text of the flag or variable ``label``, as this setting's value (by
+        its :class:`TextForm` if it has one, else :func:`_convert`); BadRequest naming
+        ``label`` and ``raw`` if it is not one."""
+        if self.spec.text is None:
+            return _convert(label, raw, self.type)
+        try:
+            return self.spec.text.parse(raw)
+        except ValueError as exc:
+            raise BadRequest(f"{label}={raw!r}: {exc}") from None
+
+
+def _settings() -> tuple[Setting, ...]:
+    """Every field of ServiceConfig but the tables (``pools``, ``tenants``), in declaration
+    order: each must be declared with :func:`_setting`, so that a setting is one field."""
+    settings = []
+    for f in msgspec.structs.fields(ServiceConfig):
+        if f.name in ("pools", "tenants"):
+            continue
+        metas = getattr(f.type, "__metadata__", ())
+        meta = next((m for m in metas if isinstance(m, msgspec.Meta) and m.extra), None)
+        spec = meta.extra.get("setting") if meta and meta.extra else None
+        assert meta and meta.description and isinstance(spec, FlagSpec), (
+            f"ServiceConfig.{f.name}: declare it with _setting()"
+        )
+        settings.append(Setting(f.name, f.type, f.default, meta.description, spec))
+    return tuple(settings)
+
+
+SETTINGS = _settings()
+
+
 def load_toml(path: str | Path) -> ServiceConfig:
     try:
         return msgspec.toml.decode(Path(path).read_bytes(), type=ServiceConfig)
@@ -424,11 +708,7 @@ def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -
     naming the variable; variables that name no setting are left alone (other parts of
     kvcore read some)."""
     environ = os.environ if environ is None else environ
-    changes = {
-        f.name: _convert(var, environ[var], f.type)
-        for f in msgspec.structs.fields(ServiceConfig)
-        if f.name not in ("pools", "tenants") and (var := ENV_PREFIX + f.name.upper()) in environ
-    }
+    changes = {s.name: s.convert(s.env, environ[s.env]) for s in SETTINGS if s.env in environ}
     config = msgspec.structs.replace(config, **changes)
     if environ.get(ENV_PREFIX + "POOLS"):
         specs = environ[ENV_PREFIX + "POOLS"].split(";")
@@ -448,8 +728,9 @@ def apply_env(config: ServiceConfig, environ: Mapping[str, str] | None = None) -
 def _convert(label: str, raw: str, field_type: Any) -> Any:
     """``raw``, the text of the flag or variable ``label``, as ``field_type``: ints, floats
     and bools (true/false/1/0) from their text, strings (and sizes, ``int | str``) as
-    given. The one conversion of every flag and variable; BadRequest naming ``label`` and
-    ``raw`` if it does not convert."""
+    given. The one conversion of every flag and variable (but a setting's own
+    :class:`TextForm`, :meth:`Setting.convert`); BadRequest naming ``label`` and ``raw``
+    if it does not convert."""
     try:
         return msgspec.convert(raw, field_type, strict=False)
     except msgspec.ValidationError as exc:

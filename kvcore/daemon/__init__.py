@@ -8,7 +8,8 @@ Parts, one job each (docs/architecture.md, "The daemon"):
 * :mod:`.pools` — a pool's memory region, its Manager, its event numbering;
 * :mod:`.handler` — one frame in, one frame out, through :mod:`kvcore.ops`;
 * :mod:`.daemon` — the Daemon: its parts built in order, the loop's tick;
-* :mod:`.serve` — the command line: configuration, locks, signals, banner, logs.
+* :mod:`.serve` — the command line: configuration, locks, signals, banner, logs;
+* :mod:`.flags` — serve's setting flags, derived from the configuration's fields.
 """
 
 from kvcore.daemon.daemon import Daemon
