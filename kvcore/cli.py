@@ -1,4 +1,4 @@
-"""The kvcore command: serve | stats | keys | demo | bench | conformance.
+"""The kvcore command: serve | stats | top | keys | demo | bench | conformance.
 
 Each subcommand lives in its own module, which defines
 ``add_arguments(parser)`` and ``main(args) -> int`` and keeps heavy imports
@@ -19,6 +19,7 @@ from types import ModuleType
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kvcore.daemon.serve", "run the manager daemon"),
     "stats": ("kvcore.statsview", "print a running daemon's pools, sessions and cache figures"),
+    "top": ("kvcore.top", "a live view of one daemon: pools, tiers, sessions, busiest prefixes"),
     "keys": ("kvcore.keys", "write a CURVE key pair (tcp:// daemons and their clients)"),
     "demo": ("kvcore.demo", "two engine processes sharing one prefix cache"),
     "bench": ("kvcore.bench", "benchmarks: capacity, ops, rpc, kernels, e2e, load, vllm, ..."),

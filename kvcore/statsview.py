@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvcore_ipc.messages import StatsOk
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,47 +22,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
 
 
-def fetch(endpoint: str, timeout_s: float) -> Any:
-    """The daemon's StatsOk (kvcore_ipc.messages), over a channel of its own."""
-    import msgspec
+class StatsUnavailable(Exception):
+    """No stats reply came, for a reason the message gives in one line for a user: no
+    daemon answers, the endpoint is not a ZeroMQ address, or the daemon refused (its
+    error code first, e.g. ``forbidden: ...``)."""
+
+
+def fetch_reply(endpoint: str, timeout_s: float) -> StatsOk:
+    """The daemon's StatsOk, over a channel of its own (one request, no session);
+    StatsUnavailable if none comes within ``timeout_s`` seconds."""
+    import zmq
     from kvcore_ipc import messages as msg
-    from kvcore_ipc.channel import DealerChannel
+    from kvcore_ipc.channel import ChannelTimeout, DealerChannel
     from kvcore_ipc.codec import ClientCodec
 
+    from kvcore.client import no_daemon
     from kvcore.errors import error_from_code
 
     codec = ClientCodec()
-    channel = DealerChannel(endpoint, timeout_s=timeout_s)
     try:
-        channel.send(codec.encode(msg.Request(id=1, body=msg.GetStats())))
-        reply = codec.decode_reply(channel.recv(), msg.StatsOk)
-    finally:
-        channel.close()
+        channel = DealerChannel(endpoint, timeout_s=timeout_s)
+        try:
+            channel.send(codec.encode(msg.Request(id=1, body=msg.GetStats())))
+            reply = codec.decode_reply(channel.recv(), msg.StatsOk)
+        finally:
+            channel.close()
+    except ChannelTimeout:
+        raise StatsUnavailable(no_daemon(endpoint)) from None
+    except zmq.ZMQError as exc:  # e.g. an endpoint that is not a ZeroMQ address
+        raise StatsUnavailable(f"cannot reach {endpoint!r}: {exc}") from None
     if reply.error is not None:
-        raise error_from_code(reply.error.code, reply.error.message)
+        error = error_from_code(reply.error.code, reply.error.message)
+        raise StatsUnavailable(f"{error.code}: {error}")
     assert reply.result is not None, "stats reply without a result"
-    return msgspec.to_builtins(reply.result)
+    return reply.result
+
+
+def fetch(endpoint: str, timeout_s: float) -> Any:
+    """:func:`fetch_reply`'s StatsOk as plain data (dicts and lists, as ``--json`` prints)."""
+    import msgspec
+
+    return msgspec.to_builtins(fetch_reply(endpoint, timeout_s))
 
 
 def main(args: argparse.Namespace) -> int:
-    import zmq
-    from kvcore_ipc.channel import ChannelTimeout
-
-    from kvcore.client import no_daemon
-    from kvcore.errors import KVCoreError
     from kvcore.paths import default_endpoint
 
     endpoint = args.endpoint or default_endpoint()
     try:
         stats = fetch(endpoint, args.timeout)
-    except ChannelTimeout:
-        print(f"kvcore stats: {no_daemon(endpoint)}", file=sys.stderr)
-        return 1
-    except zmq.ZMQError as exc:  # e.g. an endpoint that is not a ZeroMQ address
-        print(f"kvcore stats: cannot reach {endpoint!r}: {exc}", file=sys.stderr)
-        return 1
-    except KVCoreError as exc:
-        print(f"kvcore stats: {exc.code}: {exc}", file=sys.stderr)
+    except StatsUnavailable as exc:
+        print(f"kvcore stats: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(stats, indent=2))
