@@ -50,6 +50,7 @@ def main(endpoint: str) -> None:
         get=got,
         backup_pgs=metrics.backup_pgs,
         prefetch_pgs=metrics.prefetch_pgs,
+        prefetch_by_source=metrics.prefetch_pgs_by_source,
         after=backend.get_stats().backup_pgs,
     )
     step(

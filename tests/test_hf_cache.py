@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from hf_helpers import (
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvcore import Client
+from kvcore.daemon_process import DaemonProcess
 from kvcore.demo_model import greedy
 from kvcore.integrations.transformers import KVCoreCache
 from kvcore.layout import cdiv
@@ -294,3 +296,29 @@ def test_a_round_trip_reserves_ahead_for_the_whole_batch(
     # the first decode step, then every 16 steps (row 0's length at each round trip)
     assert trips == [16, 32, 48], trips
     assert torch.equal(out, reference(model, prompts, 41))
+
+
+def test_a_hit_brought_back_from_the_host_tier_counts_as_host(
+    model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """A pool of 8 pages with a host tier: a prompt's 2 full pages hit in the pool
+    ("pool"), then, pushed out of it by other pages, come back from its host tier
+    ("host"); every run decodes transformers' own tokens."""
+    prompt = SMALL.prompt(40, seed=300)  # 2 full pages and 8 tokens
+    want = reference(model, [prompt], 4)
+    pool = f"{SMALL.pool_flag(num_pages=8)},host_tier=1MiB"
+    figures = []
+    with (
+        DaemonProcess("--endpoint", f"ipc://{tmp_path / 'kv.sock'}", "--pool", pool) as daemon,
+        Client.connect(daemon.endpoint) as client,
+    ):
+        for push_out in (False, False, True):
+            if push_out:  # 8 other pages committed: the prompt's go to the host tier
+                other = SMALL.prompt(8 * 16, seed=301)
+                client.allocate(1, other, compute_last=False)
+                client.commit(1, other)
+                client.free(1)
+            with KVCoreCache(client, model) as cache:
+                assert torch.equal(greedy(model, torch.tensor([prompt]), 4, cache=cache), want)
+            figures.append((cache.num_cached_tokens, cache.cached_tokens_by_source))
+    assert figures == [(0, {}), (32, {"pool": 32}), (32, {"host": 32})]

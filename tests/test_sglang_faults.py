@@ -49,6 +49,7 @@ def test_misses_not_exceptions_and_attaching_again(tmp_path: Path) -> None:
         assert stored["set"] == [True] * 4 + [False] * 4  # 4 pages in the pool
         assert stored["exists"] == 4 and stored["get"] == [True] * 4  # clear() kept them
         assert (stored["backup_pgs"], stored["prefetch_pgs"]) == ([4], [4])  # pages per call
+        assert stored["prefetch_by_source"] == {"pool": 4}  # a pool without tiers: all in it
         assert stored["after"] == []  # get_stats hands each count over once
         daemon.stop()
         proc.stdin.write("\n")

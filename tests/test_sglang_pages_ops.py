@@ -266,6 +266,15 @@ for pool in ("plain", "tiered"):
     got = store.batch_get_v1(keys, dst)
     same = b._pages_equal(host, src, dst, torch)
     out[pool] = [all(stored), all(again), hit, all(got), same, store._paged]
+    out[pool].append(store.get_stats().prefetch_pgs_by_source)
+    if pool == "tiered":  # 64 other pages push the 8 out of the pool, into its host tier
+        for seed in range(2, 10):
+            store.batch_set_v1(b.page_keys(16, 8, seed=seed), src)
+        b._poison(host, dst, torch)
+        got = store.batch_get_v1(keys, dst)
+        metrics = store.get_stats()
+        out["promoted"] = [all(got), b._pages_equal(host, src, dst, torch),
+                           metrics.prefetch_pgs, metrics.prefetch_pgs_by_source]
     store.close()
 print(json.dumps(out))
 """
@@ -277,7 +286,9 @@ def test_sglang_storage_on_a_pool_with_tiers_falls_back_to_one_op_per_page(
 ) -> None:
     """KVCoreStorage (SGLang's host pool and factory, in its venv) stores, finds and
     fetches the same bytes on a plain pool (the ``*_pages`` ops) and on a pool with a
-    host tier, which refuses them ``unsupported``: one op per page there."""
+    host tier, which refuses them ``unsupported``: one op per page there. Its stats say
+    where the fetched pages were: the pool, and, once other pages pushed them out of the
+    tiered pool, its host tier (the same bytes, brought back)."""
     venv = sglang_venv()
     pool = "num_layers=1,num_kv_heads=1,head_dim=8,page_size=16,dtype=float16,num_pages=64"
     with DaemonProcess(
@@ -286,7 +297,7 @@ def test_sglang_storage_on_a_pool_with_tiers_falls_back_to_one_op_per_page(
         "--pool",
         f"name=plain,{pool}",
         "--pool",
-        f"name=tiered,{pool},host_tier=1MiB",
+        f"name=tiered,{pool},host_tier=1MiB,eviction=lru",  # lru: newer pages push older out
     ) as d:
         env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
         done = subprocess.run(
@@ -300,6 +311,7 @@ def test_sglang_storage_on_a_pool_with_tiers_falls_back_to_one_op_per_page(
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {
-        "plain": [True, True, 8, True, True, True],
-        "tiered": [True, True, 8, True, True, False],
+        "plain": [True, True, 8, True, True, True, {"pool": 8}],
+        "tiered": [True, True, 8, True, True, False, {"pool": 8}],
+        "promoted": [True, True, [8], {"host": 8}],
     }

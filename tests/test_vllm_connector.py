@@ -2,7 +2,8 @@
 
 One daemon and three engines for the module: A and B attach through the connector,
 ``plain`` runs without it (the reference outputs). B has a small KV cache, so a
-large batch preempts. The last test kills the daemon.
+large batch preempts. The daemon's pool has a host tier: pages pushed out of it come
+back from there (one test splits B's hit by source). The last test kills the daemon.
 
 Each test of B loading what A committed is followed by its negative control: the same
 check, run after a page B loads was overwritten with another page's K/V in the
@@ -12,6 +13,7 @@ daemon's pool (vllm_helpers.overwrite_page), must fail on B's tokens.
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -38,10 +40,31 @@ if not vllm_available():
 
 from kvcore import Client, KeySpace
 from kvcore.daemon_process import DaemonProcess
+from kvcore.integrations.hit_media import media_in
 
 pytestmark = pytest.mark.timeout(900)
 
 PREFIX = MODEL.prompt(256, 7)  # 8 full pages
+HOST_TIER = "64MiB"  # 1024 pages of the model's 64 KiB: twice the pool
+
+SOURCES_LOG = """
+import json
+import kvcore.integrations.vllm as _kv
+_split = _kv.KvcoreConnector.get_external_cache_hit_sources
+def _logged(self, request, num_external_tokens):
+    got = _split(self, request, num_external_tokens)
+    record = self._scheduler.book.records.get(request.request_id)
+    entry = {"head": list(request.prompt_token_ids[:8]), "external": num_external_tokens,
+             "split": {source.value: n for source, n in got.items()},
+             "runs": None if record is None else record.sources}
+    with open(PATH, "a") as log:
+        log.write(json.dumps(entry) + "\\n")
+    return got
+_kv.KvcoreConnector.get_external_cache_hit_sources = _logged
+"""
+"""An engine preamble: every ``get_external_cache_hit_sources`` vLLM's scheduler calls is
+logged to PATH (a JSON line: the prompt's first 8 tokens, the external tokens, the split
+by vLLM's source, the allocation's runs on the request's record)."""
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +76,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def daemon() -> Iterator[DaemonProcess]:
     with DaemonProcess.private(
         "--pool",
-        pool_flag(num_pages=512),
+        f"{pool_flag(num_pages=512)},host_tier={HOST_TIER}",
         "--lease-timeout",
         "5",
         "--events",
@@ -84,14 +107,28 @@ def indexer(daemon: DaemonProcess) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def engines(model: Path, daemon: DaemonProcess) -> Iterator[dict[str, Engine]]:
+def sources_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where engine B logs each hit's split by source (:data:`SOURCES_LOG`)."""
+    return tmp_path_factory.mktemp("sources") / "sources.jsonl"
+
+
+@pytest.fixture(scope="module")
+def engines(model: Path, daemon: DaemonProcess, sources_log: Path) -> Iterator[dict[str, Engine]]:
     conn = {"endpoint": daemon.endpoint, "namespace": "test", "timeout_s": 2.0, "retry_s": 2.0}
     started: dict[str, Engine] = {}
     try:
         started["plain"] = Engine(model, None)
         started["a"] = Engine(model, conn)
-        # 24 blocks of 32 tokens: a batch of ~300-token prompts preempts
-        started["b"] = Engine(model, conn, kv_bytes=24 * 64 * 1024, max_model_len=640)
+        # 24 blocks of 32 tokens: a batch of ~300-token prompts preempts. Stats on (as in
+        # vLLM's server; LLM turns them off): vLLM asks for each hit's sources only then.
+        started["b"] = Engine(
+            model,
+            conn,
+            kv_bytes=24 * 64 * 1024,
+            max_model_len=640,
+            llm_options={"disable_log_stats": False},
+            preamble=f"PATH = {str(sources_log)!r}\n{SOURCES_LOG}",
+        )
         yield started
     finally:
         for engine in started.values():
@@ -202,6 +239,40 @@ def test_a_preempting_batch_decodes_other_tokens_from_a_wrong_page(
     prompts = [prefix + MODEL.prompt(20, 52)] + [MODEL.prompt(60, 53 + i) for i in range(7)]
     with pytest.raises(AssertionError, match=OTHER_TOKENS + r" plain vLLM \(prompt 0\)"):
         batch_decodes_as_plain(engines, prompts, abort=[])
+
+
+def push_out_of_the_pool(endpoint: str) -> None:
+    """Commit more pages than the pool holds, in a namespace of their own: every page
+    committed before is evicted from the pool (least recently used first), into its host
+    tier. (No K/V written: nobody reads these pages.)"""
+    with Client.connect(endpoint, namespace="filler", map_memory=False, heartbeat=False) as c:
+        chunk = 64  # pages per sequence
+        for seq in range(1, c.layout.num_pages // chunk + 2):
+            tokens = MODEL.prompt(chunk * PAGE_SIZE, 1000 + seq)
+            c.allocate(seq, tokens, compute_last=False)
+            assert c.commit(seq, tokens) == chunk
+            c.free(seq)
+
+
+def test_b_reports_a_prefix_brought_back_from_the_host_tier_as_host(
+    engines: dict[str, Engine], daemon: DaemonProcess, sources_log: Path
+) -> None:
+    """A's prefix, pushed out of the pool into its host tier, comes back when B asks:
+    B's connector tells vLLM those tokens came from HOST (the allocation's runs name the
+    host tier, so this is not the host pool's HOST), B decodes what plain vLLM decodes,
+    and B's request is timed to its first token with a kvcore hit."""
+    prefix = MODEL.prompt(256, 71)
+    a_serves(engines, daemon.endpoint, prefix + MODEL.prompt(40, 72))
+    push_out_of_the_pool(daemon.endpoint)
+    timed = engines["b"].stats()["ttft_hit_requests"]
+    b_loads_what_a_served(engines, prefix, 73)
+    logged = [json.loads(line) for line in sources_log.read_text().splitlines()]
+    (entry,) = [e for e in logged if e["head"] == prefix[:8]]
+    assert entry["external"] == len(prefix)  # B's own prefix cache had none of it
+    assert media_in(entry["runs"], 0, len(prefix)) == {"host": len(prefix)}
+    assert entry["split"] == {"host": len(prefix)}
+    assert engines["b"].stats()["ttft_hit_requests"] == timed + 1
+    assert held(daemon.endpoint) == (0, 0)
 
 
 def test_a_killed_daemon_costs_b_a_bounded_delay_and_no_wrong_token(

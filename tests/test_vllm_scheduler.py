@@ -266,6 +266,52 @@ def test_a_prompt_over_max_request_tokens_runs_without_kvcore_and_others_keep_it
     assert held(daemon.endpoint) == (0, 0)
 
 
+def test_a_hit_is_split_by_source_and_each_allocated_request_timed_once(
+    side: SchedulerSide, daemon: DaemonProcess
+) -> None:
+    """The daemon's pool is in host memory and has no tiers: vLLM's external tokens (past
+    its own hit) are all HOST; a record gone is the pool's too. Each request kvcore
+    allocated is timed to its first token once: at the step after its last prompt token
+    (the miss), or at its finish when no step came (the hit); one kvcore never allocated
+    is not timed."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    prompt = MODEL.prompt(130, 190)  # 4 full pages and 2 tokens
+    first = FakeRequest("src-miss", prompt, max_tokens=2)
+    plan = schedule(side, first)  # the whole prompt in one step: no hit
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    first.num_computed_tokens, first.output_token_ids = len(prompt), [7]
+    side.build_plan(FakeOutput({"src-miss": 1}))  # the step after: timed
+    finish(side, first, RequestStatus.FINISHED_LENGTH_CAPPED)
+    side.wait_idle()
+    second = FakeRequest("src-hit", prompt, max_tokens=1)
+    external = ask(side, second, PAGE_SIZE)  # vLLM's own prefix cache holds page 0
+    assert external == 3 * PAGE_SIZE
+    side.after_alloc(second, side.kv_cache_manager.of("src-hit"), external)
+    assert side.book.records["src-hit"].sources == []  # a pool without tiers: all in it
+    assert side.hit_sources(second, external) == {CacheHitSource.HOST: external}
+    gone = FakeRequest("src-gone", prompt)
+    assert side.hit_sources(gone, 64) == {CacheHitSource.HOST: 64}  # no record: the pool's
+    second.num_computed_tokens = PAGE_SIZE + external  # vLLM's, before build_connector_meta
+    plan = side.build_plan(FakeOutput({"src-hit": 2}))  # its load
+    finish(side, second, RequestStatus.FINISHED_LENGTH_CAPPED)  # max_tokens 1: no next step
+    side.on_report(StepReport([plan.step], plan.saved, plan.requests))
+    never = FakeRequest("src-embeds", prompt)
+    never.prompt_embeds = object()  # type: ignore[attr-defined]
+    assert side.num_new_matched_tokens(never, 0) == 0
+    side.after_alloc(never, side.kv_cache_manager.of("src-embeds"), 0)
+    side.build_plan(FakeOutput({"src-embeds": len(prompt)}))
+    side.build_plan(FakeOutput())
+    finish(side, never, RequestStatus.FINISHED_LENGTH_CAPPED)
+    stats = side.take_stats()
+    assert stats is not None
+    (miss,), (hit,) = stats.data["ttft_miss_s"], stats.data["ttft_hit_s"]
+    assert 0 <= miss < 60 and 0 <= hit < 60
+    assert side.first_tokens.waiting == {} and side.first_tokens.done == {}
+    side.wait_idle()
+    assert held(daemon.endpoint) == (0, 0)
+
+
 def test_two_workers_reports_fold_into_one_per_step() -> None:
     """vLLM folds the tensor-parallel workers' reports (StepReport.aggregate): a page
     counts as saved only if every worker saved it, and a ticket touched in two steps

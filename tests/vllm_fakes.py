@@ -4,6 +4,7 @@ connector's sides hook by hook without an engine."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ class FakeRequest:
     output_token_ids: list[int] = field(default_factory=list)
     max_tokens: int | None = None
     lora_request: Any = None  # vllm.lora.request.LoRARequest
+    arrival_time: float = field(default_factory=time.time)  # vLLM's: time.time() at arrival
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -62,6 +62,8 @@ class Row:
     parent: int  # row index of its group's first row (itself for a first row)
     pages: list[int] = field(default_factory=list)  # mirror of the daemon's block table
     hit: int = 0  # prompt tokens served from the prefix cache (a multiple of page_size)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # where the hit was when
+    # asked (Allocation.sources: runs of (medium, tokens); []: all in the pool)
     num_written: int = 0  # tokens whose K/V are in the pages, in every layer
     num_committed: int = 0  # leading pages published to the prefix index
     reserved: int = 0  # the daemon's num_tokens for seq: >= len(tokens), pages reserved ahead
@@ -141,9 +143,11 @@ class PagedRows:
             if isinstance(result, Allocation):
                 row.pages, row.hit = list(result.pages), result.num_cached_tokens
                 row.num_committed = result.num_cached_tokens // self.page_size
+                row.sources = list(result.sources)
             else:
                 first = self.rows[row.parent]
                 row.pages, row.hit, row.num_committed = list(result), first.hit, first.num_committed
+                row.sources = first.sources
             row.reserved = len(row.tokens)
         skip = min(row.pad + row.hit for row in self.rows)
         return skip, self._prefill_plan(skip, length)

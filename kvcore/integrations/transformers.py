@@ -7,6 +7,7 @@ Usage::
         out = model.generate(input_ids, attention_mask=mask, cache=cache,
                              max_new_tokens=32)          # past_key_values= works too
     cache.num_cached_tokens                             # prompt tokens served from the pool
+    cache.cached_tokens_by_source                       # of those, by medium: {"pool": 32, ...}
 
 Contract (transformers 5.x, decoder-only models whose attention modules call
 ``cache.update`` and then the attention interface, e.g. Llama, Mistral, Qwen2):
@@ -30,6 +31,12 @@ Contract (transformers 5.x, decoder-only models whose attention modules call
   ``input_ids``/``position_ids`` (the model computes only the rest; the
   logits of that forward cover only the fed columns). Full pages are committed
   as soon as every layer has written them (at the next forward, and at close).
+* Hit figures (set by the first forward, over all rows: a fork counts its group's
+  hit): ``num_prompt_tokens``, the real prompt tokens; ``num_cached_tokens``, those
+  served from the prefix cache; ``cached_tokens_by_source``, the same tokens by where
+  they were when the daemon was asked: "pool" (the pool itself), or the lower tier
+  that brought them up ("host", "disk", "remote"; only media with tokens; a pool
+  without tiers gives only "pool").
 * Key space: the session's namespace and the model's identity
   (kvcore.integrations.identity.transformers_model: its config, name or path,
   dtype and a digest of its tensors and loaded PEFT adapters, taken afresh when
@@ -84,6 +91,7 @@ from kvcore import backend as backends
 from kvcore.backend import Attention
 from kvcore.errors import BadRequest, LayoutMismatch, Unsupported
 from kvcore.integrations import hf_binding, hf_mla
+from kvcore.integrations.hit_media import add_media, media_in
 from kvcore.integrations.identity import transformers_model
 from kvcore.integrations.paged_rows import PagedRows, StepPlan
 from kvcore.layout import FP8_DTYPES
@@ -176,6 +184,7 @@ class KVCoreCache(Cache):
         self.seen_columns = 0  # columns of the padded batch processed (or skipped) so far
         self.num_prompt_tokens = 0  # real prompt tokens over all rows
         self.num_cached_tokens = 0  # of those, served from the prefix cache
+        self.cached_tokens_by_source: dict[str, int] = {}  # those by medium ("pool", "host", ...)
         self.rows = PagedRows(client, self._kv[0].device, self.space)
         self._plan: StepPlan | None = None
         self._kernels: DecodePlan | PrefillPlan | None = None  # the backend's plan of _plan
@@ -250,6 +259,8 @@ class KVCoreCache(Cache):
             skip, self._plan = self.rows.start(input_ids, mask)
             self.num_prompt_tokens = sum(len(r.tokens) for r in self.rows.rows)
             self.num_cached_tokens = sum(r.hit for r in self.rows.rows)
+            for row in self.rows.rows:
+                add_media(self.cached_tokens_by_source, media_in(row.sources, 0, row.hit))
             self.seen_columns = skip
             self._kernels = self._plan_kernels(self._plan)
             if skip:

@@ -28,6 +28,14 @@ answer within ``timeout_s``, restarted or ended the session makes every call a m
 :mod:`kvcore.integrations.reconnect` says for every integration; a refusal (quota,
 pool full) makes the pages it names misses, never an exception in SGLang's threads.
 A page read from a mapping fenced meanwhile (the lease lost) is a miss too.
+
+Figures (:meth:`KVCoreStorage.get_stats`): SGLang's own (pages fetched and stored
+per call) and the pages fetched by where they were when the daemon was asked
+(:class:`~.metrics.KVCoreStorageMetrics`). The ``*_pages`` ops run only on pools
+without lower tiers, so what they fetch was in the pool: "pool", all of it (there is
+nothing to split). On a pool with lower tiers, each key's ``allocate`` says where its
+page was (``Allocation.sources``: "pool", or the tier that brought it up, "host",
+"disk", "remote"), and the split is that.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from kvcore.client import Batch, Client
 from kvcore.errors import BatchFailed, KVCoreError, UnknownOp, Unsupported
 from kvcore.integrations.extra_config import parse_extra
+from kvcore.integrations.hit_media import POOL, media_in
 from kvcore.integrations.identity import space_model
 from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
 from kvcore.integrations.sglang.attach import (
@@ -69,6 +78,7 @@ from kvcore.integrations.sglang.pages import (
 )
 from kvcore.layout import KVLayout
 from kvcore.prefix import KeySpace
+from kvcore.results import Allocation
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +112,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._copies = 0  # copies running on the mapping (outside the lock): no remap meanwhile
         self._seq_ids = itertools.count(random.getrandbits(62) or 1)  # ids are per pool
         self._fetched_pages: list[int] = []
+        self._fetched_by_source: dict[str, int] = {}  # medium -> pages fetched (get_stats')
         self._last_keys: tuple[list[str], list[int]] = ([], [])  # _all's memo
         self._paged = True  # the pool serves allocate_pages (until it answers unsupported)
         self._stored_pages: list[int] = []
@@ -235,15 +246,18 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         log.info("kvcore: clear() keeps the shared pages; the daemon evicts by LRU")
 
     def get_stats(self) -> Any:
-        """SGLang's StorageMetrics: pages fetched and stored per call since the last call."""
-        from sglang.srt.observability.metrics_collector import StorageMetrics
+        """SGLang's StorageMetrics since the last call: pages fetched and stored per call,
+        and the fetched pages by medium (``prefetch_pgs_by_source``: "pool", "host",
+        "disk", "remote"; module docstring)."""
+        from kvcore.integrations.sglang.metrics import KVCoreStorageMetrics
 
-        metrics = StorageMetrics()
-        metrics.prefetch_pgs.extend(self._fetched_pages)
-        metrics.backup_pgs.extend(self._stored_pages)
-        self._fetched_pages.clear()
-        self._stored_pages.clear()
-        return metrics
+        with self._lock:  # SGLang's threads count on meanwhile: none is lost or counted twice
+            fetched, self._fetched_pages = self._fetched_pages, []
+            stored, self._stored_pages = self._stored_pages, []
+            by_source, self._fetched_by_source = self._fetched_by_source, {}
+        return KVCoreStorageMetrics(
+            prefetch_pgs=fetched, backup_pgs=stored, prefetch_pgs_by_source=by_source
+        )
 
     # -- the work --------------------------------------------------------------------
 
@@ -266,7 +280,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
                 if pool is None or self._fenced():  # what was read is not the pages'
                     found, hits = [False] * len(keys), []
         self._round_trip(lambda batch: batch.free(seq), on)
-        self._fetched_pages.append(len(hits))
+        self._fetched([POOL] * len(hits))  # the *_pages ops: a pool without lower tiers
         return found
 
     def _set(self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor) -> list[bool]:
@@ -299,7 +313,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
             held = [True] * len(keys)
         if len(done) < 1 + bool(fresh):  # the free did not run (the lease would, at the latest)
             self._round_trip(lambda batch: batch.free(seq), on)
-        self._stored_pages.append(sum(held))
+        self._stored(sum(held))
         return held
 
     def _get_each(
@@ -323,7 +337,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
                 if pool is None or self._fenced():  # what was read is not the pages'
                     found, hits = [False] * len(got), []
         self._round_trip(lambda batch: [batch.free(seq) for seq in seqs[: len(got)]], on)
-        self._fetched_pages.append(len(hits))
+        self._fetched([_page_medium(got[i]) for i in hits])
         return found + [False] * (len(keys) - len(got))
 
     def _set_each(
@@ -372,7 +386,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         live = [seqs[i] for op, i in order[len(done) :] if op == "free"]
         if live:  # the batch stopped early: free the rest (the lease would, at the latest)
             self._round_trip(lambda batch: [batch.free(seq) for seq in live], on)
-        self._stored_pages.append(sum(held))
+        self._stored(sum(held))
         return held + [False] * (len(keys) - len(got))
 
     def _round_trip(
@@ -447,6 +461,18 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- helpers -------------------------------------------------------------------
 
+    def _stored(self, pages: int) -> None:
+        """One set call left ``pages`` of its keys held."""
+        with self._lock:
+            self._stored_pages.append(pages)
+
+    def _fetched(self, media: list[str]) -> None:
+        """One get call copied a page from each of ``media`` (the medium each was in)."""
+        with self._lock:
+            self._fetched_pages.append(len(media))
+            for medium in media:
+                self._fetched_by_source[medium] = self._fetched_by_source.get(medium, 0) + 1
+
     def _tokens(self, key: str) -> list[int]:
         return page_tokens(key, self.page_size)
 
@@ -473,3 +499,9 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
     def _staging(self, num_pages: int) -> torch.Tensor:
         assert self._host is not None, "register_mem_pool_host first"
         return torch.empty((num_pages, *self._host.shape[1:]), dtype=self._host.dtype)
+
+
+def _page_medium(hit: Allocation) -> str:
+    """The medium a one-page hit was in when asked (a page comes up whole, from one)."""
+    split = media_in(hit.sources, 0, hit.num_cached_tokens)
+    return max(split, key=split.__getitem__, default=POOL)

@@ -52,7 +52,11 @@ session's pages fenced until the worker has reported every plan built on them
 given, and none loads their K/V.
 
 Figures (hit tokens, pages and bytes copied, copy seconds, failed loads, daemon round
-trips) go to vLLM's ``/metrics`` through its KV-connector stats (:mod:`.prom`).
+trips, and the time to first token of the requests kvcore allocated, with and without
+a kvcore hit: :mod:`.first_tokens`) go to vLLM's ``/metrics`` through its KV-connector
+stats (:mod:`.prom`); the tier each external hit came from, through
+``get_external_cache_hit_sources`` (:mod:`.sources`) to vLLM's own
+``vllm:prompt_tokens_cached_by_source``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -197,6 +202,15 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The external hit by the tier that supplied it (:mod:`.sources`): the pool's own
+        pages HOST (a host pool) or DEVICE (a cuda pool), the daemon's host tier HOST, its
+        disk tier DISK, its remote tier P2P; the counts add up to ``num_external_tokens``."""
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

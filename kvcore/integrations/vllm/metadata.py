@@ -194,55 +194,92 @@ COUNT_KEYS = (
 )
 SECONDS_KEYS = ("load_copy_s", "save_copy_s", "daemon_round_trip_s")
 STAT_KEYS = COUNT_KEYS + SECONDS_KEYS
+TTFT_KEYS: dict[str, str] = {"ttft_hit_s": "true", "ttft_miss_s": "false"}
+"""Observation lists (seconds, one per request) -> their ``kvcore_hit`` label value."""
 
 
 @dataclass
 class KvcoreStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters since the last report, each a sum across workers and intervals.
+    """Counters since the last report, each a sum across workers and intervals, and
+    observations, each once.
 
     Scheduler side: ``external_hit_tokens`` (tokens vLLM was told kvcore holds and
     loaded for it), ``daemon_round_trips`` and ``daemon_round_trip_s`` (the link's
-    batches to the daemon and the seconds they took, answer included). Worker side:
-    ``loaded_pages`` / ``saved_pages`` / ``failed_load_pages`` (pages of all layers at
-    once), ``load_bytes`` / ``save_bytes`` (bytes copied, every layer) and
+    batches to the daemon and the seconds they took, answer included), and the time to
+    first token of each request kvcore allocated (:mod:`.first_tokens`), seconds, in
+    ``ttft_hit_s`` (kvcore supplied some of its prompt) or ``ttft_miss_s`` (none).
+    Worker side: ``loaded_pages`` / ``saved_pages`` / ``failed_load_pages`` (pages of all
+    layers at once), ``load_bytes`` / ``save_bytes`` (bytes copied, every layer) and
     ``load_copy_s`` / ``save_copy_s`` (seconds the copies took; a GPU save: the time to
-    queue it). ``data`` holds only ints and floats keyed by these names: it crosses
-    from worker to scheduler (pickled) and from the engine to vLLM's front end (as
-    ``to_dict()``), where :meth:`KvcoreConnector.build_kv_connector_stats` and
-    :mod:`.prom` read it back."""
+    queue it). ``data`` holds only ints and floats, and lists of floats for the
+    observations, keyed by these names: it crosses from worker to scheduler (pickled)
+    and from the engine to vLLM's front end (as ``to_dict()``), where
+    :meth:`KvcoreConnector.build_kv_connector_stats` and :mod:`.prom` read it back.
+
+    vLLM folds stats with :meth:`aggregate`: the workers' of one step into the first
+    worker's object, the scheduler side's into that, and the front end each step's
+    into an interval's for its log line, while :mod:`.prom` observes each step's
+    ``data`` as it arrives. So an observation list is never changed in place (an
+    aggregate builds a new one) and a new object copies the lists it is given: the
+    step's ``data`` that :mod:`.prom` reads keeps exactly the step's observations, and
+    each reaches ``/metrics`` once."""
 
     _taken: dict[str, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for key in STAT_KEYS:
             self.data.setdefault(key, 0)
+        for key in TTFT_KEYS:
+            self.data[key] = list(self.data.get(key) or ())  # never another object's list
 
     def reset(self) -> None:
-        self.data: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
+        self.data: dict[str, Any] = dict.fromkeys(STAT_KEYS, 0)
+        for key in TTFT_KEYS:
+            self.data[key] = []
 
     def add(self, key: str, n: float) -> None:
         assert key in STAT_KEYS, key
         self.data[key] = self.data.get(key, 0) + n
 
+    def observe(self, key: str, seconds: float) -> None:
+        """One request's time to first token (``key``: one of :data:`TTFT_KEYS`)."""
+        assert key in TTFT_KEYS, key
+        self.data[key] = [*self.data[key], seconds]
+
     def aggregate(self, other: KVConnectorStats) -> KvcoreStats:
         for key, n in other.data.items():
             if key in STAT_KEYS:  # a newer worker's key this side does not know: dropped
                 self.add(key, n)
+            elif key in TTFT_KEYS and n:
+                self.data[key] = [*self.data[key], *n]
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The interval's figures for vLLM's log line: the counters, seconds in ms."""
+        """The interval's figures for vLLM's log line: the counters, seconds in ms, and per
+        :data:`TTFT_KEYS` list its requests and their mean time to first token in ms."""
         out: dict[str, int | float] = {key: int(self.data.get(key, 0)) for key in COUNT_KEYS}
         for key in SECONDS_KEYS:
             out[key.removesuffix("_s") + "_ms"] = round(1e3 * float(self.data.get(key, 0)), 3)
+        for key in TTFT_KEYS:
+            seconds = self.data[key]
+            out[_requests(key)] = len(seconds)
+            mean_ms = key.removesuffix("_s") + "_mean_ms"
+            out[mean_ms] = round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key, 0) for key in STAT_KEYS)
+        return not any(self.data.get(key, 0) for key in STAT_KEYS) and not any(
+            self.data[key] for key in TTFT_KEYS
+        )
 
     def totals(self) -> dict[str, float]:
-        """Counters since start-up (``take`` resets only the interval's)."""
-        return {key: self.data.get(key, 0) + self._taken.get(key, 0) for key in STAT_KEYS}
+        """Counters since start-up (``take`` resets only the interval's), and per
+        :data:`TTFT_KEYS` list the requests observed (``ttft_hit_requests``, ...)."""
+        out = {key: self.data.get(key, 0) + self._taken.get(key, 0) for key in STAT_KEYS}
+        for key in TTFT_KEYS:
+            count = _requests(key)
+            out[count] = len(self.data[key]) + self._taken.get(count, 0)
+        return out
 
     def take(self) -> KvcoreStats | None:
         """A copy to report, and reset; None when nothing happened."""
@@ -251,5 +288,12 @@ class KvcoreStats(KVConnectorStats):  # type: ignore[misc]
         out = KvcoreStats(dict(self.data))
         for key in STAT_KEYS:
             self._taken[key] = self._taken.get(key, 0) + self.data.get(key, 0)
+        for key in TTFT_KEYS:
+            self._taken[_requests(key)] = self._taken.get(_requests(key), 0) + len(self.data[key])
         self.reset()
         return out
+
+
+def _requests(key: str) -> str:
+    """The name of the count of a :data:`TTFT_KEYS` list's observations."""
+    return key.removesuffix("_s") + "_requests"

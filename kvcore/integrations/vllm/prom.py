@@ -10,7 +10,12 @@ interval, and nothing is lost at shutdown.
 
 Names are vLLM's (``vllm:`` prefix: vLLM unregisters them with its own when its
 metrics are built again), labelled as vLLM labels its own (``model_name``,
-``engine``); :data:`FAMILIES` lists them (docs/engines.md, "Metrics").
+``engine``); :data:`FAMILIES` lists them (docs/engines.md, "Metrics"). One histogram
+besides: :data:`TTFT_NAME`, the time to first token of the requests kvcore allocated
+(:mod:`.first_tokens`), labelled as vLLM's own and ``kvcore_hit`` ("true": kvcore
+supplied some of the prompt, "false": none), in the buckets of vLLM's own
+``vllm:time_to_first_token_seconds`` (its ``custom_histogram_buckets`` included). Each
+step's observations are observed once, as that step's ``data`` arrives.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+from vllm.v1.metrics.buckets import histogram_buckets
+
+from kvcore.integrations.vllm.metadata import TTFT_KEYS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,10 +61,19 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
 }
 
+TTFT_NAME = "vllm:kvcore_time_to_first_token_seconds"
+TTFT_HELP = (
+    "Time to first token in seconds of the requests kvcore allocated, by whether kvcore "
+    "supplied any of their prompt tokens (measured by the scheduler: within one step of "
+    "vllm:time_to_first_token_seconds)"
+)
+HIT_LABEL = "kvcore_hit"
+
 
 class KvcorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
-    """One counter per :data:`FAMILIES` entry, a child per engine (present at 0 from the
-    start); :meth:`observe` adds one step's stats."""
+    """One counter per :data:`FAMILIES` entry and the :data:`TTFT_NAME` histogram, a
+    child per engine (and ``kvcore_hit`` value), present at 0 from the start;
+    :meth:`observe` adds one step's stats."""
 
     def __init__(
         self,
@@ -73,6 +90,20 @@ class KvcorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             )
             for idx, values in per_engine_labelvalues.items():
                 self._children[idx][key] = family.labels(*values)
+        buckets = histogram_buckets(
+            "time_to_first_token",
+            overrides=vllm_config.observability_config.custom_histogram_buckets,
+        )
+        ttft = self._histogram_cls(
+            name=TTFT_NAME,
+            documentation=TTFT_HELP,
+            buckets=buckets,
+            labelnames=[*labelnames, HIT_LABEL],
+        )
+        self._ttft: dict[int, dict[str, Any]] = {
+            idx: {key: ttft.labels(*values, hit) for key, hit in TTFT_KEYS.items()}
+            for idx, values in per_engine_labelvalues.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         children = self._children[engine_idx]
@@ -80,3 +111,6 @@ class KvcorePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             n = transfer_stats_data.get(key, 0)
             if n > 0:
                 child.inc(n)
+        for key, histogram in self._ttft[engine_idx].items():
+            for seconds in transfer_stats_data.get(key) or ():
+                histogram.observe(seconds)

@@ -29,7 +29,9 @@ the next plan become load errors (vLLM recomputes those blocks).
 
 Pages and tokens: ``pages``, ``hit``, ``confirmed``, ``scheduled`` count pages of
 ``page_size`` tokens from the request's first token; ``capacity``, ``limit``,
-``local_hit`` and ``asked_tokens`` count tokens.
+``local_hit`` and ``asked_tokens`` count tokens, and so do the runs of ``sources``
+(where the allocation's hit was when asked: :mod:`.sources` splits vLLM's external
+hit by them).
 
 What a request is keyed by on the daemon (its :class:`~kvcore.prefix.KeySpace`: the
 engine's model, its LoRA adapter's name and files, its cache salt) is built here too,
@@ -88,6 +90,8 @@ class RequestRecord:
     capacity: int = 0  # tokens the sequence holds on the daemon: pages below it may be saved
     limit: int = 0  # tokens: pages below it may be saved (the prompt's, or all)
     hit: int = 0  # pages kvcore held at allocate (pinned by the sequence)
+    sources: list[tuple[str, int]] = field(default_factory=list)  # Allocation.sources: where
+    # the hit's tokens were when asked, runs (medium, tokens) in chain order ([]: the pool)
     confirmed: int = 0  # leading pages kvcore holds now: hit, then reported saves
     scheduled: int = 0  # leading pages held or with a save in a sent plan
     in_flight: int = 0  # sent plans with a copy of this request, not yet reported
@@ -106,6 +110,7 @@ class RequestRecord:
         self.capacity = self.asked_tokens
         self.limit = limit
         self.hit = self.confirmed = self.scheduled = hit
+        self.sources = list(alloc.sources)
 
     def fits(self, answer: Allocation | Extension, page_size: int) -> bool:
         """Whether the daemon's answer can be this record's: an allocation (the record

@@ -64,6 +64,11 @@ skip such blocks; a hybrid engine's loads are asynchronous in vLLM's terms (they
 fail by request, :class:`~.metadata.StepPlan`). An engine with a group kvcore
 cannot serve (Mamba state) is all misses.
 
+Figures: vLLM's external hit of a request is split by the tier that supplied it
+(:meth:`SchedulerSide.hit_sources`: the allocation's ``sources`` kept on its record,
+:mod:`.sources`), and each request kvcore allocated is timed to its first token, with
+and without a kvcore hit (:mod:`.first_tokens`); both go through vLLM's own metrics.
+
 Failures never fail vLLM: a refused allocation (a quota, a forbidden namespace,
 a prompt over ``max_request_tokens``) makes its request run without kvcore; so does
 an answer that does not fit what was asked (:meth:`~.records.RequestRecord.fits`,
@@ -81,6 +86,7 @@ from typing import TYPE_CHECKING
 from kvcore.errors import LayoutMismatch
 from kvcore.integrations.reconnect import Attachment
 from kvcore.integrations.vllm.book import RequestBook
+from kvcore.integrations.vllm.first_tokens import FirstTokens
 from kvcore.integrations.vllm.link import Allocate, DaemonLink
 from kvcore.integrations.vllm.metadata import (
     NO_BLOCK,
@@ -99,10 +105,12 @@ from kvcore.integrations.vllm.records import (
     tokens_of,
 )
 from kvcore.integrations.vllm.session import Session
+from kvcore.integrations.vllm.sources import hit_sources, pool_source
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvcore.vllm")
@@ -153,10 +161,14 @@ class SchedulerSide:
                 f"with a pool of page_size={block_size}"
             )
         self.session = Session(Attachment.of(client))  # its life: the link's records only
+        # vLLM's source of the pool's own pages (its device; a daemon restarted on another
+        # device keeps the first one's: the pool's device is its operator's choice)
+        self.pool_source = pool_source(client.attach_info.device)
         self.link = DaemonLink(client, retry_s=config.retry_s, timeout_s=config.timeout_s)
         loads = loads and role != "kv_producer"
         self.reach = Reach(self.page_size, loads, role != "kv_consumer", config.save_generated)
         self.stats = KvcoreStats()
+        self.first_tokens = FirstTokens()  # requests kvcore allocated, timed to their first token
         self.book = RequestBook(
             self.session, self.link, self.page_size, self.groups.count > 1, self.reach
         )
@@ -213,6 +225,7 @@ class SchedulerSide:
             assert num_external_tokens == 0, (request.request_id, num_external_tokens)
             return
         record.phase, record.passes = Phase.RUNNING, 0
+        self.first_tokens.start(request, hit=num_external_tokens > 0)
         if num_external_tokens <= 0:
             return
         first = record.local_hit // self.page_size
@@ -222,11 +235,26 @@ class SchedulerSide:
         record.loads = [(record.pages[i], self._group_blocks(ids, i)) for i in range(first, last)]
         self.stats.add("external_hit_tokens", num_external_tokens)
 
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """vLLM's ``get_external_cache_hit_sources``, right after :meth:`after_alloc`: the
+        ``num_external_tokens`` after vLLM's own hit (``local_hit``, as when vLLM asked) by
+        the source that supplied them (:mod:`.sources`: the allocation's runs intersected
+        with that range). A request without its record (none, or dropped meanwhile) is
+        the pool's whole; the counts add up to ``num_external_tokens`` whatever happens."""
+        record = self.book.records.get(request.request_id)
+        runs: list[tuple[str, int]] = []
+        start = 0
+        if record is not None and record.phase in HOLDING:
+            runs, start = record.sources, record.local_hit
+        return hit_sources(runs, start, num_external_tokens, self.pool_source)
+
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
         """This step's loads and saves, on the state this side holds; frees what vLLM
         kept waiting too long."""
         self.book.absorb()
         self._pass_late = False  # the pass is over: the next one may wait again
+        for hit, seconds in self.first_tokens.step(output.num_scheduled_tokens, time.time()):
+            self._first_token(hit, seconds)
         fail_blocks, fail_recv = self.book.take_failed()
         plan = StepPlan(
             epoch=self.session.attachment.epoch,
@@ -309,6 +337,9 @@ class SchedulerSide:
     def finished(self, request: Request) -> None:
         """The request finished or was aborted: release it once no copy is in flight (an
         allocation still on its way is freed when its answer comes)."""
+        timed = self.first_tokens.finished(request.request_id, time.time())
+        if timed is not None:  # its first token came with the last step: no step may follow
+            self._first_token(*timed)
         record = self.book.records.get(request.request_id)
         if record is None:
             return
@@ -344,6 +375,10 @@ class SchedulerSide:
         self.link.close()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _first_token(self, hit: bool, seconds: float) -> None:
+        """One request's time to first token (:mod:`.first_tokens`) into the stats."""
+        self.stats.observe("ttft_hit_s" if hit else "ttft_miss_s", seconds)
 
     def _allocate(self, request: Request) -> RequestRecord | None:
         """Send the request's allocation; its record (ASKED), or None if it runs without
