@@ -56,6 +56,7 @@ __all__ = [
     "pool_flag",
     "post",
     "proxy_source",
+    "reset_prefix_cache",
     "running",
     "same_tokens",
     "settle",
@@ -91,6 +92,22 @@ def post(url: str, body: dict[str, Any], timeout_s: float = 300) -> dict[str, An
     with urllib.request.urlopen(request, timeout=timeout_s) as reply:
         answer: dict[str, Any] = json.loads(reply.read())
     return answer
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 30) -> None:
+    """Empty vLLM's own prefix cache (``POST /reset_prefix_cache``: a server started with
+    ``VLLM_SERVER_DEV_MODE=1``), so that a prompt asked again is not served from vLLM's
+    blocks. vLLM refuses while blocks are held (a request or a save still running): asked
+    again until it takes, at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        request = urllib.request.Request(url + "/reset_prefix_cache", b"", method="POST")
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            if json.loads(reply.read()).get("success"):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vLLM at {url} did not reset its prefix cache in {timeout_s} s")
+        time.sleep(0.1)
 
 
 def wait_listening(port: int, proc: subprocess.Popen[Any], timeout_s: float) -> None:
