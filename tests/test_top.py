@@ -264,7 +264,16 @@ def test_live_view_survives_the_daemon_going_away_and_exits_0_on_ctrl_c() -> Non
     primary, secondary = pty.openpty()
     command = [*TOP, "--interval", "0.2", "--timeout", "0.3", "--endpoint", daemon.endpoint]
     env = {**os.environ, "COLUMNS": "140", "LINES": "60"}
-    proc = subprocess.Popen(command, stdin=secondary, stdout=secondary, stderr=secondary, env=env)
+    proc = subprocess.Popen(
+        command,
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+        # Ctrl-C as a terminal sends it: a shell's background job (CI) starts with SIGINT
+        # ignored, and its children would inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     os.close(secondary)
     seen = bytearray()
 
