@@ -13,6 +13,7 @@ their meaning and unit::
     num_layers = 16
     dtype = "bfloat16"
     kind = "kv"
+    order = "LPKTH"         # physical order (kvcore.layout): "PLKTH" is page-major
     size = "256MiB"
     eviction = "adaptive-slru"  # or "lru" (kvcore.eviction)
 
@@ -74,7 +75,7 @@ import msgspec
 from kvcore.errors import BadRequest
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.eviction import POLICIES as EVICTION_POLICIES
-from kvcore.layout import KVLayout
+from kvcore.layout import DEFAULT_ORDER, KVLayout
 from kvcore.sizes import parse_size
 
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
@@ -223,6 +224,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     page_size: int = 16  # tokens per page
     dtype: str = "bfloat16"  # kvcore.layout.DTYPE_SIZES: 2- and 4-byte floats, fp8
     kind: str = "kv"  # "kv" (K and V) or "latent" (MLA: num_kv_heads 1, head_dim latent)
+    # Physical order of the axes layer, page, part, token, head, outermost first
+    # (kvcore.layout; docs/concepts.md, "Physical order"): "PLKTH" keeps a page in one run.
+    order: str = DEFAULT_ORDER
     size: int | str = "256MiB"  # bytes (an int or "512MiB"), or give num_pages instead
     num_pages: int | None = None
     shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
@@ -298,6 +302,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 self.dtype,
                 self.num_pages,
                 self.kind,
+                self.order,
             )
         return KVLayout.for_budget(
             parse_size(self.size) // max(self.shards, 1),
@@ -307,6 +312,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             page_size=self.page_size,
             dtype=self.dtype,
             kind=self.kind,
+            order=self.order,
         )
 
 

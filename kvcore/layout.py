@@ -1,9 +1,19 @@
 """KVLayout: the shape of one KV page pool.
 
-One pool is one allocation holding every layer, layer-major::
+One pool is one allocation holding every layer. Its five outer axes are layer
+``L``, page ``P``, part ``K``, token ``T`` and head ``H``; the element dim ``D``
+(``head_dim``) is always innermost. ``order`` names their physical order,
+outermost first, as vLLM's KVCacheLayout names a cache's stride permutation::
 
-    pool bytes = [num_layers][num_pages][parts][page_size][num_kv_heads][head_dim]  (dtype)
-                  ^ one layer view: [num_pages, parts, page_size, num_kv_heads, head_dim]
+    "LPKTH" (layer-major, the default): [num_layers][num_pages][parts][page_size][heads][D]
+    "PLKTH" (page-major): one page's bytes, all layers, are one run
+    "LPHKT" / "PLHKT" (head-outer): a page's block per layer is [heads][parts][tokens][D],
+                vLLM's CPU attention block and FlashInfer's HND; a rank's head range is a run
+
+Whatever the order, one layer view is the logical ``[num_pages, parts, page_size,
+num_kv_heads, head_dim]`` with the order's strides (zero-copy), and a page's stored
+bytes (what tiers and stores keep) are its elements in the pool's order with the
+page axis dropped: :attr:`KVLayout.stored_page_shape`.
 
 A page's ``kind`` says what ``parts`` holds:
 
@@ -45,6 +55,9 @@ FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 KINDS: dict[str, int] = {"kv": 2, "latent": 1}
 """Page kinds and the parts each holds per token and head (K and V; one latent vector)."""
 MAX_PAGES = 1 << 31  # page ids are int32 in block tables
+AXES = "LPKTH"
+"""The logical outer axes: layer, page, part, token, head (the element dim follows)."""
+DEFAULT_ORDER = AXES
 
 
 def cdiv(a: int, b: int) -> int:
@@ -67,6 +80,7 @@ class KVLayout:
     dtype: str  # one of DTYPE_SIZES
     num_pages: int
     kind: str = "kv"  # one of KINDS
+    order: str = DEFAULT_ORDER  # a permutation of AXES, outermost first
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "num_pages"):
@@ -81,6 +95,11 @@ class KVLayout:
             )
         if self.kind not in KINDS:
             raise BadRequest(f"KVLayout.kind must be one of {sorted(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.order, str) or sorted(self.order) != sorted(AXES):
+            raise BadRequest(
+                f"KVLayout.order is a permutation of {AXES!r} (layer, page, part, token, "
+                f"head; outermost first), got {self.order!r}"
+            )
         if self.kind == "latent" and self.num_kv_heads != 1:
             raise BadRequest(
                 "a latent (MLA) layout has num_kv_heads=1 and head_dim = kv_lora_rank + "
@@ -106,6 +125,46 @@ class KVLayout:
     def layer_shape(self) -> tuple[int, int, int, int, int]:
         """Shape of one layer's cache: [num_pages, parts, page_size, num_kv_heads, head_dim]."""
         return (self.num_pages, *self.page_shape)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """Each axis of :data:`AXES` and its length."""
+        return {
+            "L": self.num_layers,
+            "P": self.num_pages,
+            "K": self.parts,
+            "T": self.page_size,
+            "H": self.num_kv_heads,
+        }
+
+    @property
+    def physical_shape(self) -> tuple[int, ...]:
+        """The pool as a dense array in its order: the five axes, then head_dim."""
+        sizes = self.axis_sizes
+        return (*(sizes[a] for a in self.order), self.head_dim)
+
+    @property
+    def stored_page_shape(self) -> tuple[int, ...]:
+        """One page's elements in the pool's order, page axis dropped: the shape of a
+        page in a tier or store entry (``[num_layers, *page_shape]`` when layer-major)."""
+        sizes = self.axis_sizes
+        return (*(sizes[a] for a in self.order if a != "P"), self.head_dim)
+
+    @property
+    def page_major(self) -> bool:
+        """True if each page's bytes, all layers, are one contiguous run."""
+        return self.order[0] == "P"
+
+    @property
+    def strides(self) -> dict[str, int]:
+        """Element stride of each axis of :data:`AXES` and of ``"D"`` (1)."""
+        sizes = self.axis_sizes
+        out = {"D": 1}
+        step = self.head_dim
+        for axis in reversed(self.order):
+            out[axis] = step
+            step *= sizes[axis]
+        return out
 
     @property
     def page_bytes(self) -> int:
@@ -147,15 +206,16 @@ class KVLayout:
         page_size: int,
         dtype: str,
         kind: str = "kv",
+        order: str = DEFAULT_ORDER,
     ) -> KVLayout:
         """The largest pool that fits ``budget_bytes``; BadRequest if not even one page fits."""
-        probe = cls(num_layers, num_kv_heads, head_dim, page_size, dtype, 1, kind)
+        probe = cls(num_layers, num_kv_heads, head_dim, page_size, dtype, 1, kind, order)
         num_pages = min(budget_bytes // probe.page_bytes, MAX_PAGES)
         if num_pages < 1:
             raise BadRequest(
                 f"a budget of {budget_bytes} bytes holds no page of {probe.page_bytes} bytes"
             )
-        return cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages, kind)
+        return cls(num_layers, num_kv_heads, head_dim, page_size, dtype, num_pages, kind, order)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +226,7 @@ class KVLayout:
             "dtype": self.dtype,
             "num_pages": self.num_pages,
             "kind": self.kind,
+            "order": self.order,
         }
 
     def torch_dtype(self) -> torch.dtype:
@@ -179,8 +240,19 @@ class KVLayout:
 
         ``pool`` is any tensor over the pool's bytes: a flat uint8 tensor of
         ``total_bytes`` bytes, or a tensor of this layout's dtype with
-        ``total_bytes / dtype_size`` elements. Each view has :attr:`layer_shape`.
+        ``total_bytes / dtype_size`` elements. Each view has :attr:`layer_shape`
+        and the strides of :attr:`order` (contiguous only when layer-major).
         """
+        logical = self._physical(pool).permute(*(self.order.index(a) for a in AXES), 5)
+        return list(logical.unbind(0))
+
+    def pages_view(self, pool: torch.Tensor) -> torch.Tensor:
+        """The pool as ``[num_pages, *stored_page_shape]``, zero-copy: row p is page p's
+        elements in the pool's order. Gathering rows moves one run per page when
+        :attr:`page_major`, one per layer and page when layer-major."""
+        return self._physical(pool).movedim(self.order.index("P"), 0)
+
+    def _physical(self, pool: torch.Tensor) -> torch.Tensor:
         import torch
 
         flat = pool.reshape(-1)
@@ -190,4 +262,4 @@ class KVLayout:
             raise BadRequest(
                 f"pool tensor ({flat.dtype}, {flat.numel()} elements) does not match {self}"
             )
-        return list(flat.view(self.num_layers, *self.layer_shape).unbind(0))
+        return flat.view(self.physical_shape)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvcore import Client
@@ -17,7 +18,7 @@ SPEC_CLIENT = r"""
 import itertools, json, mmap, os, struct, sys
 import msgpack, zmq
 
-endpoint = sys.argv[1]
+endpoint, order = sys.argv[1], sys.argv[2]
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect(endpoint)
 ids = itertools.count(1)
@@ -32,28 +33,33 @@ def call(op, **fields):
     assert reply["id"] == request_id, reply
     return reply
 
-ok = call("attach", version=2, pool="default", namespace="spec",
+ok = call("attach", version=3, pool="default", namespace="spec",
           layout={"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "page_size": 2,
-                  "dtype": "float32", "num_pages": 0})["result"]
+                  "dtype": "float32", "num_pages": 0, "order": order})["result"]
 session, epoch, layout, memory = ok["session"], ok["epoch"], ok["layout"], ok["memory"]
-assert memory["kind"] == "shm" and ok["version"] == 2
+assert memory["kind"] == "shm" and ok["version"] == 3 and layout["order"] == order
 
 fd = os.open("/dev/shm/" + memory["name"], os.O_RDWR)
 pool = mmap.mmap(fd, memory["size"], offset=memory.get("offset", 0))
 os.close(fd)
 L, P, S, H, D = (layout[k] for k in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"))
-page_bytes = 2 * S * H * D * 4  # float32
+size = {"L": L, "P": P, "K": 2, "T": S, "H": H}
+stride, step = {}, D  # the spec's formula: an axis's stride is D times the sizes after it
+for axis in reversed(layout["order"]):
+    stride[axis], step = step, step * size[axis]
 
-def page_offset(layer, page):
-    return (layer * P + page) * page_bytes
+def element_offset(l, p, k, t, h, d):  # bytes, float32
+    return 4 * (l * stride["L"] + p * stride["P"] + k * stride["K"] + t * stride["T"] + h * stride["H"] + d)
 
 tokens = [7, 8, 9, 10, 11]
 alloc = call("allocate", seq=1, tokens=tokens)["result"]
 assert alloc == {"pages": alloc["pages"], "num_cached_tokens": 0} and len(alloc["pages"]) == 3
 for layer in range(L):
     for i, page in enumerate(alloc["pages"]):
-        values = [layer * 100.0 + i + j / 1000.0 for j in range(2 * S * H * D)]
-        pool[page_offset(layer, page):page_offset(layer, page) + page_bytes] = struct.pack(f"<{len(values)}f", *values)
+        logical = itertools.product(range(2), range(S), range(H), range(D))  # [K, T, H, D]
+        for j, (k, t, h, d) in enumerate(logical):
+            at = element_offset(layer, page, k, t, h, d)
+            pool[at:at + 4] = struct.pack("<f", layer * 100.0 + i + j / 1000.0)
 assert call("commit", seq=1, tokens=tokens)["result"] == {"num_committed": 2}
 assert call("lookup", tokens=tokens)["result"] == {"num_cached_tokens": 4}
 assert call("lookup", tokens=tokens, namespace="other")["result"] == {"num_cached_tokens": 0}
@@ -124,10 +130,12 @@ print(json.dumps({"ok": True}), flush=True)
 POOL = "name=default,num_layers=2,num_kv_heads=2,head_dim=4,page_size=2,dtype=float32,num_pages=16"
 
 
-def test_spec_only_client_against_a_real_daemon(tmp_path: Path) -> None:
-    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", POOL) as daemon:
+@pytest.mark.parametrize("order", ["LPKTH", "PLHKT"])
+def test_spec_only_client_against_a_real_daemon(tmp_path: Path, order: str) -> None:
+    pool = f"{POOL},order={order}"
+    with DaemonProcess("--endpoint", f"ipc://{tmp_path / 'd.sock'}", "--pool", pool) as daemon:
         proc = subprocess.Popen(
-            [sys.executable, "-c", SPEC_CLIENT, daemon.endpoint],
+            [sys.executable, "-c", SPEC_CLIENT, daemon.endpoint, order],
             text=True,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -138,7 +146,8 @@ def test_spec_only_client_against_a_real_daemon(tmp_path: Path) -> None:
         assert first, proc.communicate(timeout=30)[1]
         pages = json.loads(first)["pages"]
         with Client.connect(daemon.endpoint, namespace="spec") as client:
-            # the spec's byte offsets name the same elements as kvcore's per-layer views
+            # the spec's byte offsets name the same elements as kvcore's per-layer views,
+            # which are [num_pages, 2, page_size, heads, head_dim] in every order
             for layer in range(2):
                 for i, page in enumerate(pages):
                     flat = client.kv_caches[layer][page].flatten()

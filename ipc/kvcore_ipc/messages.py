@@ -37,8 +37,9 @@ R = TypeVar("R")
 
 # major: peers with different majors refuse each other. 2: key spaces name a model
 # (Allocate.model, Lookup.model): a v1 daemon would ignore the field and share pages
-# across models, so the two refuse each other.
-PROTOCOL_VERSION = 2
+# across models, so the two refuse each other. 3: a pool has a physical order
+# (PoolLayout.order): a v2 client would ignore it and read a page-major pool as layer-major.
+PROTOCOL_VERSION = 3
 
 U64 = Annotated[int, Meta(ge=0)]  # < 2**64; the daemon checks the upper bound
 U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
@@ -83,7 +84,9 @@ class _Message(Struct, forbid_unknown_fields=False, omit_defaults=True):
 class PoolLayout(_Message):
     """Geometry of a pool; one layer view is
     [num_pages, parts, page_size, num_kv_heads, head_dim], parts 2 (kind "kv": K, V)
-    or 1 (kind "latent": MLA's one vector per token, num_kv_heads 1).
+    or 1 (kind "latent": MLA's one vector per token, num_kv_heads 1). ``order`` is the
+    physical order of the axes layer, page, part, token, head (L, P, K, T, H), outermost
+    first; head_dim is innermost (spec/protocol.md, "Memory").
 
     In an attach request ``num_pages == 0`` means "any number of pages".
     """
@@ -95,10 +98,11 @@ class PoolLayout(_Message):
     dtype: str  # "float16" | "bfloat16" | "float32" | "float8_e4m3fn" | "float8_e5m2"
     num_pages: NonNeg
     kind: str = "kv"  # "kv" | "latent"; absent = "kv" (a peer of protocol 2 before it)
+    order: str = "LPKTH"  # a permutation of "LPKTH"; absent = layer-major
 
 
 class HostMemory(_Message, tag="shm", tag_field="kind"):
-    """A POSIX shared-memory segment holding the pool (layer-major, see PoolLayout)."""
+    """A POSIX shared-memory segment holding the pool (in PoolLayout.order)."""
 
     name: str  # shm_open name, without the leading "/"
     size: NonNeg  # bytes of the segment

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from kvcore.errors import BadRequest
 from kvcore.eviction import EvictionPolicy
-from kvcore.layout import KVLayout
+from kvcore.layout import DEFAULT_ORDER, KVLayout
 from kvcore.prefix import KEY_BYTES, PrefixKey
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ def layout_fingerprint(layout: KVLayout) -> bytes:
     """16 bytes naming the shape of a page's bytes (not the pool's size).
 
     Equal for two layouts iff they agree on layers, kv heads, head dim, page
-    size, dtype, kind, and the machine's byte order (the bytes are native-endian).
+    size, dtype, kind, physical order (a page is stored in it), and the machine's
+    byte order (the bytes are native-endian).
     """
     text = (
         f"layers={layout.num_layers};kv_heads={layout.num_kv_heads};head_dim={layout.head_dim};"
@@ -63,6 +64,8 @@ def layout_fingerprint(layout: KVLayout) -> bytes:
     )
     if layout.kind != "kv":  # kv layouts keep the fingerprints they had before kinds
         text += f";kind={layout.kind}"
+    if layout.order != DEFAULT_ORDER:  # layer-major layouts keep theirs too
+        text += f";axes={layout.order}"
     message = _FINGERPRINT_DOMAIN + b";" + text.encode()
     return hashlib.blake2b(message, digest_size=FINGERPRINT_BYTES).digest()
 
