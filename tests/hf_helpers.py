@@ -18,6 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvcore import Client, KVLayout
 from kvcore.daemon_process import DaemonProcess
+from kvcore.layout import DEFAULT_ORDER
 from kvcore.demo_model import TinyLlama, greedy
 from kvcore.integrations.transformers import KVCoreCache
 from kvcore.prefix import KeySpace, encode_tokens, page_keys, root_key
@@ -66,10 +67,12 @@ def private_client(
     dtype: str = "float32",
     page_size: int = 16,
     num_pages: int = 256,
+    order: str = DEFAULT_ORDER,
 ) -> Client:
-    """A session on a fresh pool that fits ``spec``; gone when the client closes."""
+    """A session on a fresh pool that fits ``spec`` (in physical ``order``); gone when the
+    client closes."""
     layout = KVLayout(
-        spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype, num_pages
+        spec.num_layers, spec.num_kv_heads, spec.head_dim, page_size, dtype, num_pages, order=order
     )
     return Client.connect(endpoint, pool=f"t-{secrets.token_hex(4)}", layout=layout, ephemeral=True)
 

@@ -130,6 +130,16 @@ def test_mixed_hits_in_one_batch(endpoint: str, model: torch.nn.Module) -> None:
         check_fails_on_a_wrong_page(client, model, prompts, want)
 
 
+@pytest.mark.parametrize("order", ["PLKTH", "LPHKT", "PLHKT"])
+def test_every_physical_order_decodes_transformers_tokens(
+    endpoint: str, model: torch.nn.Module, order: str
+) -> None:
+    """The same pages in another physical order (page-major, head-outer): the kernels read
+    the layer views' strides, so the tokens and hits are the layer-major pool's."""
+    prompts = [SMALL.prompt(n, seed=200 + n) for n in (9, 40)]
+    assert kvcore_run(endpoint, model, prompts, order=order) == [0, 32]
+
+
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["mqa", "mha"])
 def test_other_head_groupings(endpoint: str, kv_heads: int) -> None:
     spec = replace(SMALL, num_kv_heads=kv_heads)

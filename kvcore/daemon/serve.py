@@ -160,7 +160,8 @@ def _banner(daemon: Daemon) -> None:
         print(
             f"  pool {pool.name!r}: {pool.device}, {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} "
-            f"{lay.dtype}{shards}, {pool.total_bytes / (1 << 20):.1f} MiB ({where})"
+            f"{lay.dtype}, order {lay.order}{shards}, {pool.total_bytes / (1 << 20):.1f} MiB "
+            f"({where})"
         )
     if config.insecure and daemon.server.endpoint.startswith("tcp://"):
         print(
