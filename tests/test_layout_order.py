@@ -98,3 +98,15 @@ def test_each_order_has_its_own_tier_fingerprint() -> None:
     # tiers written before stay readable
     old = "53e8fc100e956975bcf968df9a1a9cd6"
     assert layout_fingerprint(KVLayout(2, 2, 8, 4, "float16", 99, order="LPKTH")).hex() == old
+
+
+def test_the_spec_test_vector() -> None:
+    """spec/protocol.md, "Memory": the worked example, for both orders it names."""
+    for order, strides, element in (
+        ("PLHKT", {"L": 32, "P": 64, "K": 8, "T": 4, "H": 16, "D": 1}, 187),
+        ("LPKTH", {"L": 96, "P": 32, "K": 16, "T": 8, "H": 4, "D": 1}, 183),
+    ):
+        layout = KVLayout(2, 2, 4, 2, "float32", 3, order=order)
+        assert layout.strides == strides
+        pool = torch.arange(layout.total_bytes // 4, dtype=torch.float32)
+        assert layout.layer_views(pool)[1][2, 1, 0, 1, 3].item() == element
