@@ -20,12 +20,19 @@ BYTE_LAYOUTS = [
     pytest.param(KVLayout(2, 1, 24, 4, "bfloat16", 8, kind="latent"), id="latent-bf16"),
     pytest.param(KVLayout(2, 1, 24, 4, "float8_e4m3fn", 8, kind="latent"), id="latent-e4m3fn"),
 ]
+ORDERS = [
+    pytest.param("LPKTH", id="LPKTH"),  # layer-major, the default: a page is L runs
+    pytest.param("PLKTH", id="PLKTH"),  # page-major: a page is one run
+    pytest.param("LPHKT", id="LPHKT"),  # head-outer, layer-major
+    pytest.param("PLHKT", id="PLHKT"),  # head-outer, page-major
+]
+"""Physical orders (kvcore.layout) a tier must carry pages of, each in its stored form."""
 FP8_SPECIALS = (0x7F, 0xFF, 0x7C, 0xFC, 0x7E, 0x80)
 """e4m3fn NaNs; e5m2 +inf, -inf, a NaN; negative zero."""
 
 
 def byte_pages(layout: KVLayout, count: int, salt: int = 0) -> torch.Tensor:
-    """``count`` pages ``[count, L, parts, page_size, H, D]`` of the layout's dtype whose
+    """``count`` pages ``[count, *stored_page_shape]`` of the layout's dtype whose
     bytes run through every value (page ``i`` starts at byte ``salt + 7 * i``), with
     the fp8 special patterns at each page's start."""
     page = layout.page_bytes
@@ -33,7 +40,7 @@ def byte_pages(layout: KVLayout, count: int, salt: int = 0) -> torch.Tensor:
     flat = (flat + salt + 7 * torch.arange(count).reshape(-1, 1)) % 256
     data = flat.to(torch.uint8)
     data[:, : len(FP8_SPECIALS)] = torch.tensor(FP8_SPECIALS, dtype=torch.uint8)
-    return data.view(layout.torch_dtype()).reshape(count, layout.num_layers, *layout.page_shape)
+    return data.view(layout.torch_dtype()).reshape(count, *layout.stored_page_shape)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:

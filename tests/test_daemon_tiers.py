@@ -139,6 +139,30 @@ def test_disk_tier_survives_a_restart_and_a_corrupt_entry_is_a_miss(tmp_path: Pa
     assert stats.corrupt == 1 and stats.misses >= 1
 
 
+def test_a_page_major_pool_spills_and_promotes_through_its_tiers(tmp_path: Path) -> None:
+    """--pool ...,order=PLKTH with host and disk tiers, through a real Client: pages the
+    pool evicts go down (host, then disk) in their page-major stored form and come back
+    as hits holding what was written (the Client's layer views take the order)."""
+    pool = (
+        f"{POOL},order=PLKTH,host_tier={8 * PAGE_BYTES},"
+        f"disk_tier={tmp_path / 'disk'},disk_tier_size={256 * PAGE_BYTES}"
+    )
+    prompts = 2 * POOL_PAGES // PROMPT_PAGES + 1  # twice the pool: host and disk both fill
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    with (
+        DaemonProcess("--endpoint", endpoint, "--pool", pool) as daemon,
+        Client.connect(daemon.endpoint) as client,
+    ):
+        assert client.layout.order == "PLKTH"
+        assert [serve_prompt(client, i, i) for i in range(prompts)] == [0] * prompts
+        again = [serve_prompt(client, 1000 + i, i) for i in (0, 1, prompts - 4)]
+        stats = tiers(client)
+        client.check_integrity()
+    assert again == [PROMPT_PAGES] * 3  # every full page a hit, with its bytes
+    assert stats["host"].hits > 0 and stats["disk"].hits > 0
+    assert stats["host"].corrupt == stats["disk"].corrupt == 0
+
+
 def _chain_files(disk: Path, tokens: list[int]) -> list[Path]:
     """The disk tier's files of ``tokens``' full pages, in chain order."""
     from kvcore.layout import KVLayout

@@ -5,6 +5,7 @@ Manager's and every tier's invariants hold after each step, and events name the 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
-from kvcore.daemon.tiering import TieredManager
-from kvcore.errors import OutOfPages
+from kvcore.daemon.tiering import TieredManager, pool_rows
+from kvcore.errors import BadRequest, OutOfPages
 from kvcore.eviction import POLICIES
 from kvcore.layout import KVLayout
 from kvcore.prefix import PageRemoved, PageStored
@@ -24,6 +25,7 @@ PAGE = 2
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6
 )
+ORDERS = ["LPKTH", "PLKTH", "PLHKT"]  # layer-major, page-major, head-outer page-major
 
 
 def pattern(tokens: list[int], page: int, layer: int) -> float:
@@ -39,12 +41,13 @@ def test_hits_below_the_pool_return_the_written_bytes(
     host_pages: int, eviction: str, data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     directory = tmp_path_factory.mktemp("disk") / "tier"
-    memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
-    views = LAYOUT.layer_views(memory)
-    host = HostTier(LAYOUT, host_pages, eviction=eviction) if host_pages else None
-    disk = DiskTier(LAYOUT, directory, 8 * (LAYOUT.page_bytes + 80), eviction=eviction)
+    layout = dataclasses.replace(LAYOUT, order=data.draw(st.sampled_from(ORDERS)))
+    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    views = layout.layer_views(memory)  # the engine's side: one view per layer
+    host = HostTier(layout, host_pages, eviction=eviction) if host_pages else None
+    disk = DiskTier(layout, directory, 8 * (layout.page_bytes + 80), eviction=eviction)
     stack = TierStack(host, disk)
-    manager = TieredManager(LAYOUT, views, stack, eviction=eviction)
+    manager = TieredManager(layout, memory, stack, eviction=eviction)
     prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
     live: dict[int, list[int]] = {}
     try:
@@ -92,23 +95,32 @@ def test_hits_below_the_pool_return_the_written_bytes(
 
 
 @pytest.mark.parametrize("medium", ["host", "disk"])
-@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, id="float32"), *BYTE_LAYOUTS])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(LAYOUT, id="float32"),
+        *BYTE_LAYOUTS,
+        *(pytest.param(dataclasses.replace(LAYOUT, order=o), id=o) for o in ORDERS[1:]),
+        pytest.param(KVLayout(2, 2, 8, 4, "float8_e5m2", 8, order="PLHKT"), id="e5m2-PLHKT"),
+    ],
+)
 def test_a_spilled_page_comes_back_from_a_lower_tier(
     tmp_path: Path, layout: KVLayout, medium: str
 ) -> None:
-    """Byte for byte, every byte value: fp8 NaN and infinity patterns, latent pages."""
+    """Byte for byte, every byte value (fp8 NaN and infinity patterns, latent pages), in
+    every order (page-major, head-outer)."""
     memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    views = layout.layer_views(memory)
+    pool = layout.pages_view(memory)
     if medium == "host":
         stack = TierStack(HostTier(layout, 16))
     else:
         stack = TierStack(disk=DiskTier(layout, tmp_path / "disk", 16 * (layout.page_bytes + 80)))
-    manager = TieredManager(layout, views, stack)
+    manager = TieredManager(layout, memory, stack)
     full = 2 * layout.page_size  # tokens of the two full pages a prompt commits
     first = list(range(1, full + 2))
     got = manager.allocate(0, first)
     written = byte_pages(layout, 2)
-    scatter_pages(views, got.pages[:2], written)
+    scatter_pages(pool, got.pages[:2], written)
     manager.commit(0, first)
     manager.free(0)
     for i in range(layout.num_pages):  # push the first prompt's pages out of the pool
@@ -118,15 +130,59 @@ def test_a_spilled_page_comes_back_from_a_lower_tier(
     assert manager.lookup(first).num_cached_tokens == full
     again = manager.allocate(1, first)
     assert again.num_cached_tokens == full
-    assert same_bytes(gather_pages(views, again.pages[:2]), written)
+    assert same_bytes(gather_pages(pool, again.pages[:2]), written)
     assert manager.tier_stats()[medium].hits == 2
     manager.check_integrity()
     stack.close()
 
 
+def _served(layout: KVLayout, disk: Path, tokens: list[int]) -> int:
+    """Tokens a fresh TieredManager of ``layout`` over disk tier ``disk`` finds cached for
+    ``tokens``, after serving and closing (its pages written back to disk) once."""
+    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    stack = TierStack(disk=DiskTier(layout, disk, 16 * (layout.page_bytes + 80)))
+    manager = TieredManager(layout, memory, stack)
+    try:
+        hit = manager.lookup(tokens).num_cached_tokens
+        manager.allocate(0, tokens)
+        manager.commit(0, tokens)
+        manager.free(0)
+    finally:
+        manager.close()
+    return hit
+
+
+def test_pages_written_under_one_order_are_a_miss_for_another(tmp_path: Path) -> None:
+    """The tier fingerprint holds the order: a page-major pool never reads the pages a
+    layer-major pool left on a shared disk tier (its bytes are in another order)."""
+    page_major = dataclasses.replace(LAYOUT, order="PLKTH")
+    tokens = list(range(2 * PAGE + 1))
+    assert _served(LAYOUT, tmp_path / "d", tokens) == 0
+    assert _served(page_major, tmp_path / "d", tokens) == 0  # not the layer-major pages
+    assert _served(LAYOUT, tmp_path / "d", tokens) == 2 * PAGE
+    assert _served(page_major, tmp_path / "d", tokens) == 2 * PAGE  # its own, from before
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_layer_views_name_the_same_rows_as_the_memory(order: str) -> None:
+    """Callers that pass a pool's layer views (from before pages_view) get the very rows
+    of its memory; views of anything else are refused."""
+    layout = dataclasses.replace(LAYOUT, order=order)
+    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    rows, want = pool_rows(layout, layout.layer_views(memory)), layout.pages_view(memory)
+    assert rows.data_ptr() == want.data_ptr() and rows.stride() == want.stride()
+    assert rows.shape == want.shape and rows.dtype == want.dtype
+    with pytest.raises(BadRequest):
+        pool_rows(layout, [view.clone() for view in layout.layer_views(memory)])
+    with pytest.raises(BadRequest):
+        pool_rows(layout, layout.layer_views(memory)[:1])
+    with pytest.raises(BadRequest):  # a strided tensor: its view would be a copy
+        pool_rows(layout, torch.zeros(2 * layout.total_bytes, dtype=torch.uint8)[::2])
+
+
 def test_a_lookup_brings_pages_up_and_changes_no_sequence() -> None:
     memory = torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8)
-    manager = TieredManager(LAYOUT, LAYOUT.layer_views(memory), TierStack(HostTier(LAYOUT, 16)))
+    manager = TieredManager(LAYOUT, memory, TierStack(HostTier(LAYOUT, 16)))
     first = [1, 2, 3, 4, 5]
     manager.allocate(0, first)
     manager.commit(0, first)

@@ -32,6 +32,8 @@ def test_fingerprint_ignores_pool_size_only() -> None:
         {"page_size": 8},
         {"dtype": "bfloat16"},
         {"dtype": "float32"},
+        {"order": "PLKTH"},
+        {"order": "LPHKT"},
     ):
         assert layout_fingerprint(dataclasses.replace(LAYOUT, **change)) != base, change
 
@@ -71,40 +73,41 @@ def test_codec_refuses_another_key_or_length() -> None:
     assert header_names(header, 16) is None
 
 
-def _pool() -> list[torch.Tensor]:
-    flat = torch.randn(LAYOUT.total_bytes // LAYOUT.dtype_size).to(torch.float16)
-    return LAYOUT.layer_views(flat)
+def _pool(order: str = "LPKTH") -> torch.Tensor:
+    layout = dataclasses.replace(LAYOUT, order=order)
+    flat = torch.randn(layout.total_bytes // layout.dtype_size).to(torch.float16)
+    return layout.pages_view(flat)
 
 
+@pytest.mark.parametrize("order", ["LPKTH", "PLKTH", "LPHKT"])
 @given(ids=st.lists(st.integers(0, LAYOUT.num_pages - 1), unique=True, max_size=LAYOUT.num_pages))
-def test_gather_then_scatter_moves_exact_pages(ids: list[int]) -> None:
-    views = _pool()
-    pages = gather_pages(views, ids)
-    assert pages.shape == (len(ids), LAYOUT.num_layers, *LAYOUT.page_shape)
+def test_gather_then_scatter_moves_exact_pages(order: str, ids: list[int]) -> None:
+    layout = dataclasses.replace(LAYOUT, order=order)
+    rows = _pool(order)
+    pages = gather_pages(rows, ids)
+    assert pages.shape == (len(ids), *layout.stored_page_shape)
     assert pages.is_contiguous()
     for i, page in enumerate(ids):
-        for layer, view in enumerate(views):
-            assert torch.equal(pages[i, layer], view[page])
-    target = _pool()
+        assert torch.equal(pages[i], rows[page])
+    target = _pool(order)
     untouched = [p for p in range(LAYOUT.num_pages) if p not in ids]
-    before = [v[untouched].clone() for v in target]
+    before = target[untouched].clone()
     scatter_pages(target, ids, pages)
-    for layer, view in enumerate(target):
-        assert torch.equal(view[ids], views[layer][ids])
-        assert torch.equal(view[untouched], before[layer])
+    assert torch.equal(target[ids], rows[ids])
+    assert torch.equal(target[untouched], before)
 
 
 def test_transfer_rejects_bad_input() -> None:
-    views = _pool()
+    rows = _pool()
     with pytest.raises(BadRequest):
-        gather_pages(views, [LAYOUT.num_pages])
-    pages = gather_pages(views, [0, 1])
+        gather_pages(rows, [LAYOUT.num_pages])
+    pages = gather_pages(rows, [0, 1])
     with pytest.raises(BadRequest):
-        scatter_pages(views, [2, 2], pages)
+        scatter_pages(rows, [2, 2], pages)
     with pytest.raises(BadRequest):
-        scatter_pages(views, [2], pages)
+        scatter_pages(rows, [2], pages)
     with pytest.raises(BadRequest):
-        scatter_pages(views, [2, 3], pages.float())
+        scatter_pages(rows, [2, 3], pages.float())
 
 
 def test_byte_view_is_zero_copy() -> None:

@@ -109,8 +109,7 @@ def test_open_stack_builds_the_declared_tiers(tmp_path: Path) -> None:
     try:
         assert stack.host is not None and stack.host.capacity_pages == 4
         assert stack.disk is not None and stack.remote is None
-        views = LAYOUT.layer_views(torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8))
-        manager = TieredManager(LAYOUT, views, stack)
+        manager = TieredManager(LAYOUT, torch.zeros(LAYOUT.total_bytes, dtype=torch.uint8), stack)
         assert set(manager.tier_stats()) == {"host", "disk"}
         manager.check_integrity()
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -28,7 +29,7 @@ from kvcore.tiers.codec import HEADER_BYTES
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 FP = layout_fingerprint(LAYOUT)
 KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(10)]
 ENTRY = HEADER_BYTES + LAYOUT.page_bytes
@@ -163,9 +164,18 @@ def tier_dir(tmp_path: Path) -> Path:
     return tmp_path / "tier"
 
 
-@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, id="float32"), *BYTE_LAYOUTS])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(LAYOUT, id="float32"),
+        *BYTE_LAYOUTS,
+        *(pytest.param(dataclasses.replace(LAYOUT, order=o), id=o) for o in ("PLKTH", "PLHKT")),
+        pytest.param(KVLayout(2, 2, 8, 4, "float8_e4m3fn", 8, order="LPHKT"), id="e4m3fn-LPHKT"),
+    ],
+)
 def test_restart_serves_old_entries_after_verifying(tier_dir: Path, layout: KVLayout) -> None:
-    """Every byte value comes back (fp8 NaN and infinity patterns, latent pages)."""
+    """Every byte value comes back (fp8 NaN and infinity patterns, latent pages), in
+    every order's stored form (page-major, head-outer)."""
     keys = [tier_key(layout_fingerprint(layout), PrefixKey(bytes([i]) * 32)) for i in range(3)]
     pages = byte_pages(layout, 3)
     size = 10 * (HEADER_BYTES + layout.page_bytes)
@@ -189,12 +199,22 @@ def test_restart_serves_old_entries_after_verifying(tier_dir: Path, layout: KVLa
             KVLayout(2, 1, 8, 4, "bfloat16", 8),
             id="latent-vs-kv",
         ),
+        pytest.param(
+            KVLayout(2, 2, 8, 4, "float16", 8),
+            KVLayout(2, 2, 8, 4, "float16", 8, order="PLKTH"),
+            id="layer-vs-page-major",
+        ),
+        pytest.param(
+            KVLayout(2, 2, 8, 4, "float16", 8, order="PLKTH"),
+            KVLayout(2, 2, 8, 4, "float16", 8, order="PLHKT"),
+            id="token-vs-head-outer",
+        ),
     ],
 )
 def test_a_page_of_one_layout_is_a_miss_for_another_of_its_size(
     tier_dir: Path, written: KVLayout, asked: KVLayout
 ) -> None:
-    """Same geometry and page bytes, another dtype or kind: never served across."""
+    """Same geometry and page bytes, another dtype, kind or order: never served across."""
     assert written.page_bytes == asked.page_bytes
     prefix = PrefixKey(bytes([9]) * 32)
     size = 4 * (HEADER_BYTES + written.page_bytes)
@@ -262,7 +282,7 @@ def test_other_layouts_share_a_directory_apart(tier_dir: Path) -> None:
         DiskTier(wide, tier_dir, 1 << 20) as other,
     ):
         narrow.put_many(KEYS[:2], torch.randn(2, *PAGE))
-        other.put_many(wide_keys, torch.randn(2, wide.num_layers, *wide.page_shape))
+        other.put_many(wide_keys, torch.randn(2, *wide.stored_page_shape))
         assert other.match([tier_key(other.fingerprint, PrefixKey(bytes([0]) * 32))]) == 1
         with pytest.raises(BadRequest):
             other.get_many(KEYS[:1])

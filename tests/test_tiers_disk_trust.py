@@ -23,7 +23,7 @@ from kvcore.tiers.transfer import byte_view
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 FP = layout_fingerprint(LAYOUT)
 KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(4)]
 ENTRY = HEADER_BYTES + LAYOUT.page_bytes

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
+from page_bytes import BYTE_LAYOUTS, ORDERS, byte_pages, same_bytes
 
 from kvcore.errors import BadRequest
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
@@ -20,7 +22,7 @@ from kvcore.tiers import HostTier, TierKey, layout_fingerprint, tier_key
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 FP = layout_fingerprint(LAYOUT)
 KEYS = [tier_key(FP, PrefixKey(bytes([i]) * 32)) for i in range(12)]
 
@@ -147,7 +149,7 @@ def test_promote_and_staged_get_write_exact_pool_pages() -> None:
     tier = HostTier(LAYOUT, 4)
     pages = torch.randn(3, *PAGE)
     tier.put_many(KEYS[:3], pages)
-    pool = LAYOUT.layer_views(torch.zeros(LAYOUT.total_bytes // 4))
+    pool = LAYOUT.pages_view(torch.zeros(LAYOUT.total_bytes // 4))
     assert tier.promote([*KEYS[:2], KEYS[5]], pool, [6, 1, 3]) == 2
     assert torch.equal(gather_pages(pool, [6, 1]), pages[:2])
     assert torch.equal(gather_pages(pool, [3]), torch.zeros(1, *PAGE))
@@ -158,13 +160,18 @@ def test_promote_and_staged_get_write_exact_pool_pages() -> None:
     assert torch.equal(gather_pages(pool, [0, 2, 4]), pages)
     with pytest.raises(BadRequest):
         tier.promote(KEYS[:2], pool, [0])
+    with pytest.raises(BadRequest):
+        tier.get_many(KEYS[:3], out=staging[:2])  # too small: refused before any count
     assert tier.stats().hits == 5 and tier.stats().misses == 1
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("layout", BYTE_LAYOUTS)
-def test_fp8_and_latent_pages_come_back_byte_for_byte(layout: KVLayout) -> None:
+def test_fp8_and_latent_pages_come_back_byte_for_byte(layout: KVLayout, order: str) -> None:
+    """In every order: a slot is the page's stored form, and every move keeps its bytes."""
     from kvcore.tiers import gather_pages, scatter_pages
 
+    layout = dataclasses.replace(layout, order=order)
     keys = [tier_key(layout_fingerprint(layout), PrefixKey(bytes([i]) * 32)) for i in range(5)]
     pages = byte_pages(layout, 5)
     tier = HostTier(layout, 3)
@@ -173,9 +180,44 @@ def test_fp8_and_latent_pages_come_back_byte_for_byte(layout: KVLayout) -> None:
     assert same_bytes(tier.get_many(keys[2:]), pages[2:])
     spilled = tier.put_spill(keys[:1], pages[:1])  # pushes out the LRU entry's bytes
     assert spilled.keys == keys[2:3] and same_bytes(spilled.pages, pages[2:3])
-    pool = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+    pool = layout.pages_view(torch.zeros(layout.total_bytes, dtype=torch.uint8))
     assert tier.promote([keys[3], keys[0]], pool, [5, 2]) == 2
     assert same_bytes(gather_pages(pool, [5, 2]), pages[[3, 0]])
     scatter_pages(pool, [7, 1], pages[1:3])
     assert same_bytes(gather_pages(pool, [7, 1]), pages[1:3])
+    tier.check_integrity()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_spill_from_the_pool_stores_its_pages_and_returns_what_it_pushed_out(
+    order: str,
+) -> None:
+    """spill_from copies pool pages straight into slots, with put_spill's rules: the
+    overflow passes through, the LRU entries' bytes come back, repeats stored once."""
+    from kvcore.tiers import scatter_pages
+
+    layout = dataclasses.replace(BYTE_LAYOUTS[0].values[0], order=order)
+    keys = [tier_key(layout_fingerprint(layout), PrefixKey(bytes([i]) * 32)) for i in range(6)]
+    pages = byte_pages(layout, 6)
+    pool = layout.pages_view(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+    scatter_pages(pool, [4, 0, 7, 2, 5, 1], pages)
+    tier = HostTier(layout, 3, eviction="lru")
+    first = tier.spill_from(keys[:2], pool, [4, 0])
+    assert first.keys == [] and len(first.pages) == 0
+    spilled = tier.spill_from([keys[2], keys[2], keys[3]], pool, [7, 7, 2])
+    assert spilled.keys == keys[:1] and same_bytes(spilled.pages, pages[:1])
+    assert same_bytes(tier.get_many(keys[1:4]), pages[1:4])
+    spilled = tier.spill_from(keys, pool, [4, 0, 7, 2, 5, 1])  # 3 new, 0 free: 3 pushed out
+    assert spilled.keys == keys[1:4] and same_bytes(spilled.pages, pages[1:4])
+    assert same_bytes(tier.get_many([keys[0], *keys[4:]]), pages[[0, 4, 5]])
+    small = HostTier(layout, 2, eviction="lru")
+    spilled = small.spill_from(keys[:3], pool, [4, 0, 7])  # the oldest passes through
+    assert spilled.keys == keys[:1] and same_bytes(spilled.pages, pages[:1])
+    assert same_bytes(small.get_many(keys[1:3]), pages[1:3])
+    with pytest.raises(BadRequest):
+        tier.spill_from(keys[:2], pool, [0])
+    with pytest.raises(BadRequest):
+        tier.spill_from(keys[:1], pool, [layout.num_pages])
+    with pytest.raises(BadRequest):
+        tier.spill_from(keys[:1], pool.view(torch.uint8), [0])
     tier.check_integrity()

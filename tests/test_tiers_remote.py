@@ -31,7 +31,7 @@ pytestmark = [
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 READY_S = 30.0
 
 
@@ -113,6 +113,26 @@ def test_layouts_and_namespaces_stay_apart(
             other.match(keys)
     finally:
         tier.close()
+        other.close()
+
+
+def test_a_page_major_page_is_one_object_and_a_miss_for_another_order(master: Master) -> None:
+    """A page-major pool's pages (one run each, published as one object each) come back
+    byte for byte under its order, and are a miss for a layer-major reader of the same
+    chain (the fingerprint holds the order)."""
+    page_major = KVLayout(2, 2, 8, 4, "float8_e4m3fn", 8, order="PLHKT")
+    layer_major = dataclasses.replace(page_major, order="LPKTH")
+    keys = chain("orders", page_major, salt=2)
+    pages = byte_pages(page_major, len(keys))
+    writer, other = connect(master, page_major), connect(master, layer_major)
+    try:
+        writer.put_many(keys, pages)
+        assert writer.flush(READY_S)
+        assert writer.stats().stored == len(keys)  # one put per page: one object each
+        assert same_bytes(writer.get_many(keys), pages)
+        assert other.match(chain("orders", layer_major, salt=2)) == 0
+    finally:
+        writer.close()
         other.close()
 
 

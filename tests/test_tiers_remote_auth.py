@@ -33,7 +33,7 @@ pytestmark = [
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype="float16", num_pages=16
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 READY_S = 30.0
 SECRET = TierSecret.of(b"deployment secret, 32 bytes long")
 NEXT = TierSecret.of(b"the next secret, also 32 bytes..")

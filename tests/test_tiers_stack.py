@@ -18,7 +18,7 @@ from kvcore.tiers.stack import TierStack
 LAYOUT = KVLayout(
     num_layers=2, num_kv_heads=1, head_dim=4, page_size=2, dtype="float32", num_pages=8
 )
-PAGE = (LAYOUT.num_layers, *LAYOUT.page_shape)
+PAGE = LAYOUT.stored_page_shape  # [L, parts, page_size, H, D]: layer-major
 TOKENS = list(range(2 * 6 + 1))  # six full pages, then the token an engine computes
 # the tier keys of TOKENS' six pages in the default key space, as the daemon's Manager hashes them
 KEYS = tier_keys(layout_fingerprint(LAYOUT), Manager(LAYOUT).plan(TOKENS).keys)
@@ -35,8 +35,9 @@ def test_spill_locate_promote(tmp_path: Path) -> None:
         assert stack.disk is not None and stack.disk.keys() == KEYS[:2]
         runs = stack.locate(KEYS)
         assert [(r.tier.medium, r.start, r.count) for r in runs] == [("disk", 0, 2), ("host", 2, 2)]
-        pool = LAYOUT.layer_views(torch.zeros(LAYOUT.total_bytes // 4))
-        manager = TieredManager(LAYOUT, pool, stack)  # as the daemon drives the stack
+        memory = torch.zeros(LAYOUT.total_bytes // 4)
+        manager = TieredManager(LAYOUT, memory, stack)  # as the daemon drives the stack
+        pool = LAYOUT.pages_view(memory)
         got = manager.allocate(1, TOKENS)  # a pool miss: promotes k0..k3 first
         assert got.num_cached_tokens == 4 * LAYOUT.page_size and len(got.pages) == 7
         assert torch.equal(gather_pages(pool, got.pages[:4]), pages[:4])

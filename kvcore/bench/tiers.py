@@ -11,16 +11,20 @@
   ``--host-factor`` x the pool; the disk tier the whole working set.
   ``hit_rate_optimal`` is :func:`~kvcore.bench.chat_trace.optimal_hit_tokens` for the
   same order (an unbounded cache). Rates are hit tokens / prompt tokens.
-* ``promote_bandwidth_ratio``: bytes/s of bringing ``--promote-pages`` pages
-  from the host tier into scattered pool pages (``HostTier.promote``, what the
-  TieredManager calls: each byte copied once), over bytes/s of one plain copy
-  of the same bytes, in the same run, on a layout of realistic page size
-  (1 MiB pages, CPU pool); ``staged_promote_bandwidth_ratio`` is the same
-  through a staging batch (``get_many(out=)`` + ``scatter_pages``: two copies,
-  what the disk and remote tiers pay; it moves every byte twice, so its limit
-  is about 0.5). The three are timed in turns, best of five rounds
-  (:func:`_best_interleaved`): on a shared machine a burst of load then slows
-  all three instead of only one of them.
+* bandwidth of the movers, each as a ratio of bytes/s over one plain copy of the
+  same bytes (``copy_gib_s``), on a layout of realistic page size (1 MiB pages, 16
+  layers, CPU pool, ``--promote-pages`` pages scattered over a pool of twice as many),
+  for a layer-major pool (``LPKTH``: one run per page and layer) and a page-major
+  one (``PLKTH``, figures ``*_page_major``: one run per page):
+  ``promote_bandwidth_ratio``: host tier -> pool pages (``HostTier.promote``, what
+  the TieredManager calls: each byte copied once); ``spill_bandwidth_ratio``: pool
+  pages -> host tier (``HostTier.spill_from``, what a reply's evictions take: each
+  byte copied once); ``staged_promote_bandwidth_ratio``: host tier -> staging batch
+  -> pool (``get_many(out=)`` + ``scatter_pages``: what the disk and remote tiers pay
+  after their read; it moves every byte twice, so its limit is about 0.5). All of
+  them and the plain copy are timed in turns, best of ``--rounds`` rounds
+  (:func:`_best_interleaved`): on a shared machine a burst of load then slows all of
+  them instead of only one.
 * remote (``--remote-master``/``--remote-metadata`` naming a running master):
   fetch time per page from the store vs the host tier; null without them.
 """
@@ -31,7 +35,8 @@ import argparse
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from kvcore.bench.chat_trace import TraceConfig, make_trace, optimal_hit_tokens
 from kvcore.bench.report import Figure, Target
@@ -50,6 +55,10 @@ from kvcore.tiers import (
     tier_keys,
 )
 from kvcore.tiers.codec import HEADER_BYTES
+from kvcore.tiers.transfer import plan_rows
+
+if TYPE_CHECKING:
+    import torch
 
 HEADLINE = (  # what `kvcore bench tiers` prints without --json (docs/benchmarks.md)
     Figure("hit_rate_pool_only", "hit rate, pool alone"),
@@ -62,7 +71,23 @@ HEADLINE = (  # what `kvcore bench tiers` prints without --json (docs/benchmarks
     Figure(
         "promote_bandwidth_ratio", "host -> pool promotion / plain copy, bytes/s", Target(">=", 0.8)
     ),
-    Figure("staged_promote_bandwidth_ratio", "the same through a staging batch"),
+    Figure(
+        "promote_bandwidth_ratio_page_major",
+        "the same, page-major pool",
+        Target(">=", 0.9),
+    ),
+    Figure("spill_bandwidth_ratio", "pool -> host spill / plain copy, bytes/s"),
+    Figure("spill_bandwidth_ratio_page_major", "the same, page-major pool", Target(">=", 0.9)),
+    Figure(
+        "staged_promote_bandwidth_ratio",
+        "host -> staging batch -> pool (disk, remote) / plain copy",
+        Target(">=", 0.45),
+    ),
+    Figure(
+        "staged_promote_bandwidth_ratio_page_major",
+        "the same, page-major pool",
+        Target(">=", 0.45),
+    ),
     Figure("host_fetch_us_per_page", "host tier fetch, µs per page"),
     Figure("remote_fetch_us_per_page", "remote tier fetch, µs per page"),
 )
@@ -80,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-factor", type=float, default=1.0, help="host tier pages / pool pages"
     )
     parser.add_argument("--promote-pages", type=int, default=64, help="pages per promotion timed")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="rounds of the timed copies (best of, in turns)"
+    )
     parser.add_argument(
         "--remote-master", default=None, help="host:port of a running mooncake_master"
     )
@@ -140,7 +168,7 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
             ),
         ):
             memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-            manager = TieredManager(layout, layout.layer_views(memory), TierStack(host, disk))
+            manager = TieredManager(layout, memory, TierStack(host, disk))
             result[f"hit_rate_{name}"] = _replay(manager, prompts) / prompt_tokens
             result[f"hits_by_tier_{name}"] = {m: t.hits for m, t in manager.tier_stats().items()}
             manager.check_integrity()
@@ -148,45 +176,95 @@ def _hit_rates(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+MOVER_ORDERS = {"": "LPKTH", "_page_major": "PLKTH"}
+"""The pool orders the movers are timed on, by the suffix of their figures."""
+
+
+@dataclass(slots=True)
+class _Movers:
+    """One pool of ``order`` with a host tier holding ``n`` pages, and the three timed
+    moves between them (host -> pool, pool -> host, host -> batch -> pool)."""
+
+    layout: KVLayout
+    pool: torch.Tensor  # the pool's rows, [2n, *stored_page_shape]
+    host: HostTier
+    keys: list[TierKey]
+    page_ids: list[int]  # n pool pages, scattered
+    staging: torch.Tensor  # [n, *stored_page_shape]
+    spill_host: HostTier  # the spill's target, emptied before each spill
+
+    @classmethod
+    def build(cls, order: str, n: int, seed: int) -> _Movers:
+        import torch
+
+        layout = KVLayout(16, 8, 128, 16, "float16", 2 * n, order=order)
+        pool = layout.pages_view(torch.zeros(layout.total_bytes, dtype=torch.uint8))
+        keys = tier_keys(
+            layout_fingerprint(layout), [PrefixKey(i.to_bytes(32, "little")) for i in range(n)]
+        )
+        host = HostTier(layout, n)
+        host.put_many(keys, torch.randn(n, *layout.stored_page_shape).to(torch.float16))
+        generator = torch.Generator().manual_seed(seed)
+        page_ids = torch.randperm(2 * n, generator=generator)[:n].tolist()
+        staging = torch.empty((n, *layout.stored_page_shape), dtype=torch.float16)
+        return cls(layout, pool, host, keys, page_ids, staging, HostTier(layout, n))
+
+    def promote(self) -> None:
+        self.host.promote(self.keys, self.pool, self.page_ids)
+
+    def spill(self) -> None:
+        self.spill_host.discard(self.keys)  # O(n) dict work: the put then copies every page
+        self.spill_host.spill_from(self.keys, self.pool, self.page_ids)
+
+    def staged(self) -> None:
+        scatter_pages(self.pool, self.page_ids, self.host.get_many(self.keys, out=self.staging))
+
+    def check(self) -> None:
+        """The pool pages and both host tiers hold the same bytes (no move changed one)."""
+        import torch
+
+        held = self.host.get_many(self.keys)
+        assert torch.equal(gather_pages(self.pool, self.page_ids), held), "a move changed bytes"
+        assert torch.equal(self.spill_host.get_many(self.keys), held), "a spill changed bytes"
+
+
 def _promote(args: argparse.Namespace) -> dict[str, Any]:
-    """Bytes/s of promoting ``--promote-pages`` host pages into scattered pool pages,
-    directly and through a staging batch, against a plain copy (module docstring)."""
+    """Bytes/s of the movers between a host tier and scattered pool pages, for a
+    layer-major and a page-major pool, against a plain copy (module docstring)."""
     import torch
 
     n = args.promote_pages
-    layout = KVLayout(
-        num_layers=16, num_kv_heads=8, head_dim=128, page_size=16, dtype="float16", num_pages=2 * n
-    )
-    views = layout.layer_views(torch.zeros(layout.total_bytes, dtype=torch.uint8))
-    host = HostTier(layout, n)
-    keys = tier_keys(
-        layout_fingerprint(layout), [PrefixKey(i.to_bytes(32, "little")) for i in range(n)]
-    )
-    host.put_many(keys, torch.randn(n, layout.num_layers, *layout.page_shape).to(torch.float16))
-    targets = torch.randperm(2 * n)[:n]
-    source = torch.randn(n * layout.page_bytes // 2).to(torch.float16)
+    movers = {suffix: _Movers.build(order, n, args.seed) for suffix, order in MOVER_ORDERS.items()}
+    page_bytes = next(iter(movers.values())).layout.page_bytes
+    source = torch.randn(n * page_bytes // 2).to(torch.float16)
     plain = torch.empty_like(source)
-    staging = torch.empty((n, layout.num_layers, *layout.page_shape), dtype=torch.float16)
-    page_ids = targets.tolist()
-    t_promote, t_staged, t_copy = _best_interleaved(
-        lambda: host.promote(keys, views, page_ids),
-        lambda: scatter_pages(views, targets, host.get_many(keys, out=staging)),
-        lambda: plain.copy_(source),
-    )
-    assert torch.equal(gather_pages(views, targets), host.get_many(keys)), "promotion changed bytes"
-    moved = n * layout.page_bytes
+    works: dict[str, Callable[[], object]] = {"copy": lambda: plain.copy_(source)}
+    for suffix, mover in movers.items():
+        works[f"promote{suffix}"] = mover.promote
+        works[f"spill{suffix}"] = mover.spill
+        works[f"staged{suffix}"] = mover.staged
+    took = dict(zip(works, _best_interleaved(*works.values(), rounds=args.rounds), strict=True))
+    for mover in movers.values():
+        mover.check()
+    moved = n * page_bytes
+    t_copy = took["copy"]
     result: dict[str, Any] = {
         "promote_pages": n,
         "promote_bytes": moved,
-        "promote_gib_s": moved / t_promote / 2**30,
         "copy_gib_s": moved / t_copy / 2**30,
-        "promote_bandwidth_ratio": t_copy / t_promote,
-        "staged_promote_bandwidth_ratio": t_copy / t_staged,  # get_many(out=) + scatter_pages
-        "host_fetch_us_per_page": t_promote / n * 1e6,
+        "host_fetch_us_per_page": took["promote"] / n * 1e6,
         "remote_fetch_us_per_page": None,
     }
+    for suffix, mover in movers.items():
+        result[f"promote_gib_s{suffix}"] = moved / took[f"promote{suffix}"] / 2**30
+        result[f"promote_bandwidth_ratio{suffix}"] = t_copy / took[f"promote{suffix}"]
+        result[f"spill_bandwidth_ratio{suffix}"] = t_copy / took[f"spill{suffix}"]
+        result[f"staged_promote_bandwidth_ratio{suffix}"] = t_copy / took[f"staged{suffix}"]
+        plan = plan_rows(mover.pool, mover.staging)  # a slot is a batch row
+        result[f"copies_per_page{suffix}"] = plan.runs  # memmoves per page, either way
     if args.remote_master and args.remote_metadata:
-        result.update(_remote_fetch(args, layout, host, keys))
+        main = movers[""]
+        result.update(_remote_fetch(args, main.layout, main.host, main.keys))
     return result
 
 
@@ -232,12 +310,12 @@ def _best(work: Callable[[], object]) -> float:
     return min(times)
 
 
-def _best_interleaved(*works: Callable[[], object]) -> list[float]:
-    """The fastest of five runs of each of ``works``, in seconds; the runs take
-    turns (one of each, five rounds), so a burst of load from other processes
+def _best_interleaved(*works: Callable[[], object], rounds: int = 5) -> list[float]:
+    """The fastest of ``rounds`` runs of each of ``works``, in seconds; the runs take
+    turns (one of each, then the next round), so a burst of load from other processes
     slows them all rather than one."""
     times: list[list[float]] = [[] for _ in works]
-    for _ in range(5):
+    for _ in range(rounds):
         for work, spent in zip(works, times, strict=True):
             start = time.perf_counter()
             work()

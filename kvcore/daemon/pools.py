@@ -196,8 +196,8 @@ class PoolTable:
             except BaseException:
                 _close_all(regions)
                 raise
-            views = layout.layer_views(regions[0].as_tensor())
-            manager = TieredManager(layout, views, stack, eviction=eviction)
+            memory = regions[0].as_tensor()
+            manager = TieredManager(layout, memory, stack, eviction=eviction)
         pool = Pool(name, device, manager, regions, ephemeral)
         self.pools[name] = pool
         return pool

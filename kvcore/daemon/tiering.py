@@ -12,9 +12,11 @@ public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
                            pages it evicted are copied out (gather) before anything
                            is written into them
         promote            host: HostTier.promote (one copy per byte); disk/remote: scatter
-        spill              the evicted pages' bytes -> host (-> disk): TierStack.spill
-        then the Manager's own allocate or lookup, whose hit now covers the promoted pages
-    extend                 the Manager's extend, then spill what it evicted
+        spill              the evicted pages' bytes (gathered first) -> host (-> disk)
+        then the Manager's own allocate or lookup, whose hit now covers the promoted pages;
+        spill              what it evicted: pool pages -> host slots (one copy per byte,
+                           TierStack.spill_from), the host's own evictions -> disk
+    extend                 the Manager's extend, then spill what it evicted (the same)
     commit                 the Manager's commit, then a copy of the pages it indexed (its
                            PageStored events) queued for the remote store (published by
                            the store's thread)
@@ -23,6 +25,9 @@ public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
 
 So an engine only ever sees ordinary pool pages, written and committed, and a
 page evicted by a reply is in a lower tier before the engine can overwrite it.
+Every copy moves a page in its stored form, a row of the pool's
+:meth:`~kvcore.layout.KVLayout.pages_view` (kvcore.tiers.transfer): one run per
+page when the pool's order is page-major, one per page and layer when layer-major.
 A tier that misses (evicted since, corrupt, store down or slow) shortens the
 run: counted in its TierStats, never an error to the engine. Units: pages
 unless named bytes.
@@ -47,7 +52,7 @@ from kvcore_ipc import messages as msg
 
 from kvcore.allocator import PageId
 from kvcore.config import TierConfig
-from kvcore.errors import OutOfPages
+from kvcore.errors import BadRequest, OutOfPages
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.hits import Histogram, HitBook
 from kvcore.layout import KVLayout
@@ -94,15 +99,16 @@ class TieredManager:
     continue into them; the Manager's operations and promises otherwise (a failed
     operation changed nothing), lookup aside (module docstring).
 
-    ``views`` are the pool's layer views (``[num_pages, parts, page_size, H, D]`` each,
-    over the pool's memory); only this class reads or writes them, and only on the
-    daemon's thread. ``manager`` is driven by this class alone. Not thread-safe.
+    ``pool`` is the pool's memory (a contiguous tensor over its bytes, as
+    :meth:`KVLayout.pages_view` takes), or its layer views (:func:`pool_rows`); only
+    this class reads or writes the pool's pages through it, and only on the daemon's
+    thread. ``manager`` is driven by this class alone. Not thread-safe.
     """
 
     def __init__(
         self,
         layout: KVLayout,
-        views: Sequence[torch.Tensor],
+        pool: torch.Tensor | Sequence[torch.Tensor],
         tiers: TierStack,
         *,
         eviction: str = DEFAULT_EVICTION,
@@ -110,7 +116,7 @@ class TieredManager:
         self.layout = layout
         self.manager = Manager(layout, eviction=eviction, record_evictions=True)
         self.tiers = tiers
-        self._views = list(views)
+        self._pool = pool_rows(layout, pool)  # [num_pages, *stored_page_shape]
         self._fingerprint = layout_fingerprint(layout)
         self._spill_medium = (
             "host" if tiers.host is not None else "disk" if tiers.disk is not None else ""
@@ -202,7 +208,7 @@ class TieredManager:
             self._events += events
             new = [e for e in events if isinstance(e, PageStored) and not e.medium]
             if new:
-                pages = gather_pages(self._views, [e.page for e in new], device="cpu")
+                pages = gather_pages(self._pool, [e.page for e in new], device="cpu")
                 remote.put_many(tier_keys(self._fingerprint, [e.key for e in new]), pages)
         return end
 
@@ -317,10 +323,10 @@ class TieredManager:
             if data is None:
                 host = self.tiers.host
                 assert host is not None
-                got = host.promote(tkeys[at : at + len(pages)], self._views, pages)
+                got = host.promote(tkeys[at : at + len(pages)], self._pool, pages)
                 assert got == len(pages), "the host tier lost entries inside one request"
             else:
-                scatter_pages(self._views, pages, data[: len(pages)])
+                scatter_pages(self._pool, pages, data[: len(pages)])
             took[medium] = took.get(medium, 0.0) + time.perf_counter() - start
         self._put_down(evicted, spilled)
         for medium, seconds in took.items():
@@ -340,19 +346,28 @@ class TieredManager:
         entries = self.manager.prefix_snapshot()
         for at in range(0, len(entries), chunk):
             part = entries[at : at + chunk]
-            pages = gather_pages(self._views, [e.page for e in part], device="cpu")
+            pages = gather_pages(self._pool, [e.page for e in part], device="cpu")
             disk.put_many(tier_keys(self._fingerprint, [e.key for e in part]), pages)
 
     def _spill(self) -> None:
-        """Copy what the last Manager operation evicted into the tiers (before the reply)."""
+        """Copy what the last Manager operation evicted into the tiers (before the reply),
+        straight from the pool's pages: nothing is written into them before the reply."""
         evicted = self.manager.take_evicted()
-        if evicted:
-            self._put_down(evicted, self._gather(evicted))
+        if not evicted or not self._spill_medium:
+            return
+        keys = [key for key, _ in evicted]
+        self.tiers.spill_from(
+            tier_keys(self._fingerprint, keys), self._pool, [page for _, page in evicted]
+        )
+        for key in keys:
+            self._moved[key] = self._spill_medium
 
     def _gather(self, evicted: list[tuple[PrefixKey, PageId]]) -> torch.Tensor | None:
+        """The evicted pages' bytes as a batch, for pages about to be written over (a
+        promotion's): a host tier's spill could push out the very entries promoted."""
         if not evicted or not self._spill_medium:
             return None
-        return gather_pages(self._views, [page for _, page in evicted], device="cpu")
+        return gather_pages(self._pool, [page for _, page in evicted], device="cpu")
 
     def _put_down(
         self, evicted: list[tuple[PrefixKey, PageId]], pages: torch.Tensor | None
@@ -363,6 +378,35 @@ class TieredManager:
         self.tiers.spill(tier_keys(self._fingerprint, keys), pages)
         for key in keys:
             self._moved[key] = self._spill_medium
+
+
+def pool_rows(layout: KVLayout, pool: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pool's rows, :meth:`KVLayout.pages_view` (zero-copy): of ``pool``, the pool's
+    memory, contiguous (a strided tensor would be copied by the view); or of its layer
+    views, :meth:`KVLayout.layer_views` of that memory, as callers from before the
+    pages view pass them (checked to be exactly those: layer ``l`` at ``l`` layer
+    strides from layer 0, the order's strides). BadRequest otherwise."""
+    import torch
+
+    if isinstance(pool, torch.Tensor):
+        if not pool.is_contiguous():
+            raise BadRequest("a tiered pool's memory must be one contiguous tensor")
+        return layout.pages_view(pool)
+    views = list(pool)
+    strides = layout.strides
+    layer = (*(strides[axis] for axis in "PKTH"), 1)
+    step = strides["L"] * layout.dtype_size
+    if len(views) != layout.num_layers or any(
+        tuple(view.shape) != layout.layer_shape
+        or view.stride() != layer
+        or view.dtype != layout.torch_dtype()
+        or view.device != views[0].device
+        or view.data_ptr() != views[0].data_ptr() + i * step
+        for i, view in enumerate(views)
+    ):
+        raise BadRequest(f"layer views must be KVLayout.layer_views of one pool of {layout}")
+    rows = (strides["P"], *(strides[axis] for axis in layout.order if axis != "P"), 1)
+    return views[0].as_strided((layout.num_pages, *layout.stored_page_shape), rows)
 
 
 def tier_metric_families(

@@ -1,20 +1,22 @@
 """The contract of a lower tier: keys, counters, and the operations every tier offers.
 
 A tier stores *pages* below the pool: one page is one pool page across every
-layer, ``page_bytes`` bytes, as a tensor ``[num_layers, parts, page_size,
-num_kv_heads, head_dim]`` of the layout's dtype (kvcore.tiers.transfer moves
-them out of and into a pool in bulk). A batch of ``n`` pages is one tensor
-``[n, num_layers, parts, page_size, num_kv_heads, head_dim]``; ``parts`` is 2 (K
-and V) or 1 (an MLA latent vector, kvcore.layout). Tiers store and return bytes:
-fp8 and latent pages travel exactly like the others, every bit pattern kept.
+layer, ``page_bytes`` bytes, in its stored form: a tensor of
+``layout.stored_page_shape``, the page's elements in the pool's order with the page
+axis dropped (``[num_layers, parts, page_size, num_kv_heads, head_dim]`` for the
+default layer-major order; kvcore.layout). kvcore.tiers.transfer moves them out of
+and into a pool in bulk, one run per page when the order is page-major. A batch of
+``n`` pages is one tensor ``[n, *stored_page_shape]``; ``parts`` is 2 (K and V) or 1
+(an MLA latent vector). Tiers store and return bytes: fp8 and latent pages travel
+exactly like the others, every bit pattern kept.
 
 Keys (:data:`TierKey`, 48 bytes)::
 
     TierKey = layout fingerprint (16 bytes) || prefix key (32 bytes, spec/hashing.md)
 
 The fingerprint (:func:`layout_fingerprint`) hashes what fixes a page's bytes:
-layers, kv heads, head dim, page size, dtype, kind and byte order, never
-``num_pages``. So two pools of one model share entries whatever their sizes,
+layers, kv heads, head dim, page size, dtype, kind, physical order and byte
+order, never ``num_pages``. So two pools of one model share entries whatever their sizes,
 and a pool of another shape never reads bytes of the wrong shape. Namespaces
 are already inside prefix keys (every chain starts at root(namespace)), so
 they stay apart in every tier without another field.
@@ -189,7 +191,7 @@ class Tier(Protocol):
 
     def get_many(self, keys: Sequence[TierKey]) -> torch.Tensor:
         """Pages of the longest leading run of ``keys`` held and verified:
-        ``[m, num_layers, parts, page_size, num_kv_heads, head_dim]``, ``m <= len(keys)``,
+        ``[m, *layout.stored_page_shape]``, ``m <= len(keys)``,
         on the CPU; page ``i`` holds exactly the bytes put under ``keys[i]``.
         Refreshes those entries in the LRU; counts m hits and len(keys) - m misses."""
 
@@ -215,8 +217,9 @@ def check_keys(fingerprint: bytes, keys: Sequence[TierKey]) -> None:
 
 
 def check_pages(layout: KVLayout, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
-    """BadRequest unless ``pages`` is ``[len(keys), *page]`` of the layout's dtype, on the CPU."""
-    shape = (len(keys), layout.num_layers, *layout.page_shape)
+    """BadRequest unless ``pages`` is ``[len(keys), *stored_page_shape]`` of the layout's
+    dtype, on the CPU."""
+    shape = (len(keys), *layout.stored_page_shape)
     if tuple(pages.shape) != shape or pages.dtype != layout.torch_dtype():
         raise BadRequest(
             f"pages must be {layout.dtype} {list(shape)}, got {pages.dtype} {list(pages.shape)}"

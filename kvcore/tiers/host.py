@@ -1,11 +1,12 @@
 """HostTier: daemon-owned host memory below a pool, a fixed number of page slots.
 
-One preallocated tensor ``[capacity_pages, num_layers, parts, page_size, H, D]``
-holds every entry; a slot is one page (``page_bytes`` bytes). A put is one
-``index_copy_`` over the slots for the whole batch (float8 through uint8 views:
-bytes, as kvcore.tiers.transfer copies); a get is one memmove per page
-(kvcore.tiers.transfer.take_rows), a promotion one per page and layer
-(promote_rows): no Python copy of bytes.
+One preallocated tensor ``[capacity_pages, *stored_page_shape]`` holds every entry; a
+slot is one page in its stored form (``page_bytes`` bytes, the pool's order:
+kvcore.layout). Every copy is kvcore.tiers.transfer's, bytes through memmoves (float8
+as bytes): a put or a spill straight from the pool's rows (:meth:`HostTier.spill_from`)
+copies each byte once, as does a promotion (:meth:`HostTier.promote`); either is one
+memmove per page when the pool is page-major, one per page and layer when it is
+layer-major. A get is one memmove per page. No Python copy of bytes.
 
 Invariants (:meth:`HostTier.check_integrity`):
 
@@ -35,7 +36,7 @@ from kvcore.tiers.base import (
     check_pages,
     layout_fingerprint,
 )
-from kvcore.tiers.transfer import promote_rows, raw, take_rows
+from kvcore.tiers.transfer import copy_rows, promote_rows, spill_rows, take_rows
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class Spilled:
     """Entries a put pushed out of the host tier, least recently used first, with
-    their bytes: ``pages`` is ``[len(keys), L, parts, page_size, H, D]``, for the next
-    tier down."""
+    their bytes: ``pages`` is ``[len(keys), *stored_page_shape]``, for the next tier
+    down."""
 
     keys: list[TierKey]
     pages: torch.Tensor
@@ -78,7 +79,7 @@ class HostTier(LocalKeys):
         self.capacity_pages = capacity_pages
         self._page_bytes = layout.page_bytes
         self._slots = torch.empty(
-            (capacity_pages, layout.num_layers, *layout.page_shape),
+            (capacity_pages, *layout.stored_page_shape),
             dtype=layout.torch_dtype(),
             pin_memory=pin_memory,
         )
@@ -95,35 +96,31 @@ class HostTier(LocalKeys):
         return len(keys)
 
     def get_many(self, keys: Sequence[TierKey], *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """See :class:`~kvcore.tiers.base.Tier`. ``out``: a reusable contiguous CPU batch
-        of at least len(keys) pages to fill (its first m pages are returned); fresh
-        memory costs page faults that dwarf the copy itself."""
+        """See :class:`~kvcore.tiers.base.Tier`. ``out``: a reusable batch of at least
+        len(keys) pages to fill (its first m pages are returned); fresh memory costs page
+        faults that dwarf the copy itself."""
         import torch
 
-        slots = self._take(keys)
-        if out is None:
-            out = torch.empty((len(slots), *self._slots.shape[1:]), dtype=self._slots.dtype)
-        elif (
+        if out is not None and (
             out.shape[1:] != self._slots.shape[1:]
             or out.dtype != self._slots.dtype
             or len(out) < len(keys)
         ):
             raise BadRequest("out must be a batch of at least len(keys) pages of this layout")
-        if out.device.type == "cpu" and out.is_contiguous():
-            return take_rows(self._slots, slots, out)
-        index = torch.tensor(slots, dtype=torch.int64)
-        return torch.index_select(self._slots, 0, index, out=out[: len(slots)])
+        slots = self._take(keys)
+        if out is None:
+            out = torch.empty((len(slots), *self._slots.shape[1:]), dtype=self._slots.dtype)
+        copy_rows(out, range(len(slots)), self._slots, slots)
+        return out[: len(slots)]
 
-    def promote(
-        self, keys: Sequence[TierKey], views: Sequence[torch.Tensor], page_ids: Sequence[int]
-    ) -> int:
+    def promote(self, keys: Sequence[TierKey], pool: torch.Tensor, page_ids: Sequence[int]) -> int:
         """Copy the pages of the leading run of ``keys`` held here straight into pool
-        pages ``page_ids[:m]`` of the pool's layer ``views``, each byte copied once;
-        returns m (pages). Counted as a get."""
+        pages ``page_ids[:m]`` of the pool's rows ``pool`` (KVLayout.pages_view), each
+        byte copied once; returns m (pages). Counted as a get."""
         if len(page_ids) < len(keys):
             raise BadRequest("promote needs a pool page for every key")
         slots = self._take(keys)
-        promote_rows(views, page_ids[: len(slots)], self._slots, slots)
+        promote_rows(pool, page_ids[: len(slots)], self._slots, slots)
         return len(slots)
 
     def _take(self, keys: Sequence[TierKey]) -> list[int]:
@@ -149,43 +146,53 @@ class HostTier(LocalKeys):
         ``keys`` are taken oldest first: if the new keys outnumber the slots, the
         first ones go straight to the result, never stored. Keys repeated in the
         batch are stored once (the first occurrence)."""
-        import torch
-
         check_keys(self.fingerprint, keys)
         check_pages(self.layout, keys, pages)
+        return self._put(keys, pages, range(len(keys)))
+
+    def spill_from(
+        self, keys: Sequence[TierKey], pool: torch.Tensor, page_ids: Sequence[int]
+    ) -> Spilled:
+        """:meth:`put_spill` of pool pages ``page_ids[i]`` of the pool's rows ``pool``
+        (KVLayout.pages_view) under ``keys[i]``, copied straight into the slots: no
+        staging batch, each byte copied once (a GPU pool's pages gathered there, one
+        transfer). The bytes of what was pushed out come back as a batch."""
+        check_keys(self.fingerprint, keys)
+        if (
+            tuple(pool.shape[1:]) != self.layout.stored_page_shape
+            or pool.dtype != self._slots.dtype
+        ):
+            raise BadRequest(f"pool must be the rows of a pool of {self.layout}")
+        if len(page_ids) != len(keys):
+            raise BadRequest("spill_from needs one pool page per key")
+        if page_ids and (min(page_ids) < 0 or max(page_ids) >= len(pool)):
+            raise BadRequest(f"page ids must be in [0, {len(pool)})")
+        return self._put(keys, pool, page_ids)
+
+    def _put(self, keys: Sequence[TierKey], source: torch.Tensor, rows: Sequence[int]) -> Spilled:
+        """Store ``source[rows[i]]`` under ``keys[i]`` (:meth:`put_spill`'s rules), the
+        evicted entries' bytes copied out before their slots are written."""
+        import torch
+
         where = self._where
-        new: dict[TierKey, int] = {}  # key -> its row in ``pages``
-        for row, key in enumerate(keys):
+        new: dict[TierKey, int] = {}  # key -> its row in ``source``
+        for i, key in enumerate(keys):
             if key in where:
                 self._order.touch(key)
             elif key not in new:
-                new[key] = row
+                new[key] = rows[i]
         overflow = max(len(new) - self.capacity_pages, 0)
-        rows = list(new.values())
-        passed_keys, passed_rows = list(new)[:overflow], rows[:overflow]
-        store_keys, store_rows = list(new)[overflow:], rows[overflow:]
+        new_rows = list(new.values())
+        passed_keys, passed_rows = list(new)[:overflow], new_rows[:overflow]
+        store_keys, store_rows = list(new)[overflow:], new_rows[overflow:]
         evict = max(len(store_keys) - len(self._free), 0)
-        evicted_keys = [self._evict() for _ in range(evict)]
-        self._free.extend(slot for _, slot in reversed(evicted_keys))
-        spilled = (
-            torch.cat(
-                (
-                    pages[torch.tensor(passed_rows, dtype=torch.int64)],
-                    self._slots.index_select(
-                        0, torch.tensor([slot for _, slot in evicted_keys], dtype=torch.int64)
-                    ),
-                )
-            )
-            if overflow or evict
-            else pages[:0].clone()
-        )
+        evicted = [self._evict() for _ in range(evict)]
+        self._free.extend(slot for _, slot in reversed(evicted))
+        spilled = torch.empty((overflow + evict, *self._slots.shape[1:]), dtype=self._slots.dtype)
+        copy_rows(spilled, range(overflow), source, passed_rows)
+        take_rows(self._slots, [slot for _, slot in evicted], spilled[overflow:])
         targets = [self._free.pop() for _ in store_keys]
-        if store_keys:
-            raw(self._slots).index_copy_(
-                0,
-                torch.tensor(targets, dtype=torch.int64),
-                raw(pages[torch.tensor(store_rows, dtype=torch.int64)]),
-            )
+        spill_rows(source, store_rows, self._slots, targets)
         for key, slot in zip(store_keys, targets, strict=True):
             self._store(key, slot)
         stats = self._stats
@@ -194,7 +201,7 @@ class HostTier(LocalKeys):
         stats.bytes_in += len(store_keys) * self._page_bytes
         stats.pages = len(where)
         stats.bytes_used = len(where) * self._page_bytes
-        return Spilled(passed_keys + [key for key, _ in evicted_keys], spilled)
+        return Spilled(passed_keys + [key for key, _ in evicted], spilled)
 
     def discard(self, keys: Sequence[TierKey]) -> int:
         """Drop the entries of ``keys`` that are held; returns how many."""

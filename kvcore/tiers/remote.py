@@ -388,7 +388,7 @@ class RemoteTier:
 
 @dataclass(slots=True)
 class _Batch:
-    """Pages to publish: a private copy, ``[len(keys), L, parts, page_size, H, D]``."""
+    """Pages to publish: a private copy, ``[len(keys), *stored_page_shape]``."""
 
     keys: list[TierKey]
     pages: torch.Tensor

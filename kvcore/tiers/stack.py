@@ -26,6 +26,7 @@ from kvcore.tiers.base import Tier, TierKey, TierStats
 from kvcore.tiers.disk import DiskTier
 from kvcore.tiers.host import HostTier
 from kvcore.tiers.remote import RemoteTier
+from kvcore.tiers.transfer import gather_pages
 
 if TYPE_CHECKING:
     import torch
@@ -56,13 +57,26 @@ class TierStack:
         self._local: list[Tier] = [t for t in (host, disk) if t is not None]
 
     def spill(self, keys: Sequence[TierKey], pages: torch.Tensor) -> None:
-        """Pages the pool evicts (``[n, L, parts, page_size, H, D]``, on the CPU): into the
-        host tier, whose own evictions go to the disk tier (or straight to disk)."""
+        """Pages the pool evicts, as a batch (``[n, *stored_page_shape]``, on the CPU):
+        into the host tier, whose own evictions go to the disk tier (or straight to disk)."""
         if self.host is not None:
             spilled = self.host.put_spill(keys, pages)
             keys, pages = spilled.keys, spilled.pages
         if self.disk is not None and keys:
             self.disk.put_many(keys, pages)
+
+    def spill_from(
+        self, keys: Sequence[TierKey], pool: torch.Tensor, page_ids: Sequence[int]
+    ) -> None:
+        """:meth:`spill` of pool pages ``page_ids`` read from the pool's rows ``pool``
+        (KVLayout.pages_view) while they still hold them: copied straight into host
+        slots (each byte once, no batch); only what goes to disk becomes a batch."""
+        if self.host is not None:
+            spilled = self.host.spill_from(keys, pool, page_ids)
+            if self.disk is not None and spilled.keys:
+                self.disk.put_many(spilled.keys, spilled.pages)
+        elif self.disk is not None and keys:
+            self.disk.put_many(keys, gather_pages(pool, page_ids, device="cpu"))
 
     def locate(self, keys: Sequence[TierKey], *, remote: bool = True) -> list[Run]:
         """Runs covering the longest leading part of ``keys`` held below the pool, top
