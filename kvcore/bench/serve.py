@@ -66,7 +66,14 @@ from kvcore.bench.serve_rig import (
     write_tokenizer,
 )
 from kvcore.bench.vllm import BENCH_MODEL
-from kvcore.bench.vllm_engine import PAGE_SIZE, pool_flag, settle, vllm_available, write_model
+from kvcore.bench.vllm_engine import (
+    CPU_ORDER,
+    PAGE_SIZE,
+    pool_flag,
+    settle,
+    vllm_available,
+    write_model,
+)
 
 #: (length, seed) of the prompts whose tokens are compared one request at a time.
 FIXED = ((150, 171), (301, 172), (97, 173))
@@ -135,7 +142,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from kvcore.daemon_process import DaemonProcess
 
         daemon = stack.enter_context(
-            DaemonProcess.private("--pool", pool_flag(2048, model=BENCH_MODEL))
+            DaemonProcess.private("--pool", pool_flag(2048, model=BENCH_MODEL, order=CPU_ORDER))
         )
         connector = {"endpoint": daemon.endpoint, "namespace": "bench-serve"}
         plain = run_pair(model, workdir / "plain", None, size, lambda: None)

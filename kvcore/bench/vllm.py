@@ -257,6 +257,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+COPY_ORDER = "LPHKT"
+"""The pool order that matches vLLM's CPU blocks (kvcore/integrations/vllm/orders.py)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CopySizes:
     """:func:`copy_bandwidth`'s geometry: an 8B-class model's layer (8 KV heads x 128
@@ -276,28 +280,39 @@ class CopySizes:
 
 
 def copy_bandwidth(sizes: CopySizes = CopySizes()) -> dict[str, Any]:
-    """The worker's copies (``PageCopy``, kvcore/integrations/vllm/pages.py, exactly as
-    the worker plans and runs them each step) measured in this process on the CPU,
-    against a memcpy of the same bytes: every layer's pages copied pool -> vLLM
-    blocks (load, vLLM's ``CPU_ATTN`` layout) and back (save), and the same bytes
-    as one contiguous ``copy_`` per layer; the three interleaved round by round.
-    Two kinds of steps: ``scattered`` (pages and blocks drawn at random: almost
-    every page its own copy; the headline keys) and ``runs`` (a sequence's
-    pages into a fresh request's blocks, both consecutive: ``*_runs_ratio``).
-    GiB/s of bytes copied (read once, written once)."""
+    """The worker's copies measured in this process on the CPU, against a memcpy of the
+    same bytes: every layer's pages copied pool -> vLLM blocks (load, vLLM's
+    ``CPU_ATTN`` layout) and back (save), planned and run each step as the worker does
+    (kvcore/integrations/vllm/worker.py ``_copy``), and the same bytes as one
+    contiguous ``copy_`` per layer; all interleaved round by round. The headline keys
+    are a pool in the order that matches vLLM's blocks (:data:`COPY_ORDER`: each page
+    of a layer one ``memmove``, :mod:`kvcore.integrations.vllm.runs`); ``*_strided_*``
+    the default order (``LPKTH``: a strided ``copy_`` per run of adjacent pages,
+    transposing). Two kinds of steps: scattered (pages and blocks drawn at random:
+    almost every page its own copy; ``*_copy_ratio``) and runs (a sequence's pages
+    into a fresh request's blocks, both consecutive: ``*_copy_runs_ratio``). GiB/s of
+    bytes copied (read once, written once)."""
     import torch
 
     from kvcore.integrations.vllm.pages import PageCopy, block_view
+    from kvcore.integrations.vllm.runs import ByteRuns, Side
+    from kvcore.layout import KVLayout
 
     z = sizes
     gen = torch.Generator().manual_seed(0)
     shape = (z.pool_pages, z.num_kv_heads, z.page_size, 2 * z.head_dim)
     caches = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(z.layers)]
     blocks = [block_view(cache, "kv_blocks") for cache in caches]
-    pool = [torch.ones_like(b[0]).expand_as(b).contiguous() for b in blocks]
-    n, cpu = z.pages_per_step, torch.device("cpu")
+    layers, n, cpu = list(range(z.layers)), z.pages_per_step, torch.device("cpu")
+    geometry = (z.layers, z.num_kv_heads, z.head_dim, z.page_size, "bfloat16", z.pool_pages)
+    pools = {}
+    for order in (COPY_ORDER, "LPKTH"):
+        layout = KVLayout(*geometry, order=order)
+        pools[order] = layout.layer_views(torch.ones(layout.total_bytes // 2, dtype=torch.bfloat16))
+    pool_side, block_side = Side.of(pools[COPY_ORDER]), Side.of(blocks)
+    assert pool_side is not None and block_side is not None and pool_side.runs_with(block_side)
 
-    def steps(scattered: bool) -> list[PageCopy]:
+    def steps(scattered: bool) -> list[list[tuple[int, int]]]:
         out = []
         for k in range(z.sets):
             if scattered:
@@ -306,56 +321,78 @@ def copy_bandwidth(sizes: CopySizes = CopySizes()) -> dict[str, Any]:
             else:
                 start = k * n % (z.pool_pages - n)
                 src, dst = list(range(start, start + n)), list(range(start + 1, start + 1 + n))
-            out.append(PageCopy.plan(src, dst, cpu, cpu))
+            out.append(list(zip(src, dst, strict=True)))
         return out
 
-    flat = [torch.zeros(z.pool_pages * pool[0][0].numel(), dtype=torch.bfloat16) for _ in "ab"]
-    chunk = n * pool[0][0].numel()
+    # the memcpy: the same bytes moved between the same pool and caches, one contiguous
+    # run per layer and step (each layer's own memory, as the copies touch it)
+    flat = [layer.permute(0, 3, 1, 2, 4).reshape(-1) for layer in pools[COPY_ORDER]]
+    assert all(f.data_ptr() == p.data_ptr() for f, p in zip(flat, pools[COPY_ORDER], strict=True))
+    cache_flat, chunk = [cache.view(-1) for cache in caches], n * blocks[0][0].numel()
 
     def memcpy() -> None:
         for k in range(z.sets):
             at = k * chunk % (flat[0].numel() - chunk)
-            for _ in range(z.layers):
-                flat[1][at : at + chunk].copy_(flat[0][at : at + chunk])
+            for src, dst in zip(flat, cache_flat, strict=True):
+                dst[at : at + chunk].copy_(src[at : at + chunk])
 
-    def run(copies: list[PageCopy], save: bool) -> Callable[[], None]:
-        def go() -> None:
-            pairs = list(zip(blocks, pool, strict=True))
-            for copy in copies:
-                for block, page in pairs:
-                    copy.run(block, page) if save else copy.run(page, block)
+    def runs(sets: list[list[tuple[int, int]]], save: bool) -> Callable[[], None]:
+        def go() -> None:  # pairs are (pool page, vLLM block)
+            for pairs in sets:
+                if save:
+                    swapped = [(b, p) for p, b in pairs]
+                    ByteRuns.plan(block_side, pool_side, layers, swapped).run()
+                else:
+                    ByteRuns.plan(pool_side, block_side, layers, pairs).run()
 
         return go
 
-    scattered, runs = steps(True), steps(False)
-    kinds: dict[str, Callable[[], None]] = {
-        "memcpy": memcpy,
-        "load": run(scattered, False),
-        "save": run(scattered, True),
-        "load_runs": run(runs, False),
-        "save_runs": run(runs, True),
-    }
+    def strided(sets: list[list[tuple[int, int]]], save: bool) -> Callable[[], None]:
+        pool = pools["LPKTH"]
+
+        def go() -> None:
+            for pairs in sets:
+                ps, bs = [p for p, _ in pairs], [b for _, b in pairs]
+                if save:
+                    copy = PageCopy.plan(bs, ps, cpu, cpu)
+                    for layer in layers:
+                        copy.run(blocks[layer], pool[layer])
+                else:
+                    copy = PageCopy.plan(ps, bs, cpu, cpu)
+                    for layer in layers:
+                        copy.run(pool[layer], blocks[layer])
+
+        return go
+
+    scattered, adjacent = steps(True), steps(False)
+    kinds: dict[str, Callable[[], None]] = {"memcpy": memcpy}
+    for name, make in (("", runs), ("_strided", strided)):
+        kinds[f"load{name}"] = make(scattered, False)
+        kinds[f"save{name}"] = make(scattered, True)
+        kinds[f"load{name}_runs"] = make(adjacent, False)
+        kinds[f"save{name}_runs"] = make(adjacent, True)
     seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
     for _ in range(z.rounds + 1):  # the first round warms up (page faults)
         for kind, go in kinds.items():
             start = time.perf_counter()
             go()
             seconds[kind].append(time.perf_counter() - start)
-    step_bytes = z.layers * n * pool[0][0].nbytes
+    step_bytes = z.layers * n * blocks[0][0].nbytes
     gib_s = {
         kind: z.sets * step_bytes / statistics.median(s[1:]) / 2**30 for kind, s in seconds.items()
     }
-    return {
+    ratio = {kind: round(gib_s[kind] / gib_s["memcpy"], 3) for kind in kinds}
+    out: dict[str, Any] = {
         "load_copy_gib_s": round(gib_s["load"], 2),
         "save_copy_gib_s": round(gib_s["save"], 2),
         "copy_memcpy_gib_s": round(gib_s["memcpy"], 2),
-        **{f"{k}_copy_ratio": round(gib_s[k] / gib_s["memcpy"], 3) for k in ("load", "save")},
-        **{
-            f"{k}_copy_runs_ratio": round(gib_s[f"{k}_runs"] / gib_s["memcpy"], 3)
-            for k in ("load", "save")
-        },
-        "copy_geometry": {**dataclasses.asdict(z), "dtype": "bfloat16", "step_bytes": step_bytes},
     }
+    for name in ("", "_strided"):
+        for k in ("load", "save"):
+            out[f"{k}{name}_copy_ratio"] = ratio[f"{k}{name}"]
+            out[f"{k}{name}_copy_runs_ratio"] = ratio[f"{k}{name}_runs"]
+    geometry_keys = {**dataclasses.asdict(z), "dtype": "bfloat16", "step_bytes": step_bytes}
+    return {**out, "copy_order": COPY_ORDER, "copy_geometry": geometry_keys}
 
 
 def _configuration(
@@ -384,7 +421,8 @@ def _configuration(
                 "--pool",
                 shape.model.pool_flag(
                     dtype=shape.pool_dtype, page_size=PAGE_SIZE, num_pages=2 * blocks
-                ),
+                )
+                + f",order={COPY_ORDER}",  # vLLM's CPU blocks: pages copy as runs
             )
         )
         conn = {"endpoint": daemon.endpoint, "namespace": "bench-vllm"}

@@ -49,9 +49,18 @@ def write_model(directory: Path, model: TinyLlama = MODEL) -> Path:
     return directory
 
 
-def pool_flag(num_pages: int = 512, name: str = "default", model: TinyLlama = MODEL) -> str:
-    """``kvcore serve --pool`` value that fits ``model`` at vLLM's block size."""
-    return model.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
+CPU_ORDER = "LPHKT"
+"""The pool order of vLLM's CPU blocks (kvcore/integrations/vllm/orders.py): each page of
+a layer copies as one run."""
+
+
+def pool_flag(
+    num_pages: int = 512, name: str = "default", model: TinyLlama = MODEL, order: str = ""
+) -> str:
+    """``kvcore serve --pool`` value that fits ``model`` at vLLM's block size, in pool
+    order ``order`` (default: the pool's default, ``LPKTH``: pages copy strided)."""
+    flag = model.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
+    return f"{flag},order={order}" if order else flag
 
 
 ENGINE = r"""

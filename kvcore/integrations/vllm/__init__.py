@@ -86,6 +86,7 @@ from kvcore.integrations.vllm.metadata import (
     StepPlan,
     StepReport,
 )
+from kvcore.integrations.vllm.orders import layout_name
 from kvcore.integrations.vllm.pages import head_layout
 from kvcore.integrations.vllm.ranks import check_parallelism
 
@@ -273,7 +274,9 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             )
         check_backend(self._vllm_config, ctx)  # the format the scheduler side keys by
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
-        self._worker.register(kv_caches, head_layout(ctx[name].attn_backend), cache_dtype)
+        vllm_layout = layout_name(self._vllm_config)
+        backend = head_layout(ctx[name].attn_backend)
+        self._worker.register(kv_caches, backend, cache_dtype, vllm_layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -264,8 +264,12 @@ class VllmGeometry:
         return cls(len(caches), heads, width // 2, tokens, dtype, "kv")
 
 
-def check_layout(pool: KVLayout, model: VllmGeometry, pool_name: str) -> None:
-    """LayoutMismatch naming every field that differs and the ``--pool`` flag that fits."""
+def check_layout(
+    pool: KVLayout, model: VllmGeometry, pool_name: str, order: str | None = None
+) -> None:
+    """LayoutMismatch naming every field that differs and the ``--pool`` flag that fits,
+    with ``order`` (the order matching vLLM's blocks, :mod:`.orders`) where one does. A
+    pool of another order fits: its pages copy strided, never wrongly."""
     wanted = {
         "num_layers": model.num_layers,
         "num_kv_heads": model.num_kv_heads,
@@ -277,7 +281,7 @@ def check_layout(pool: KVLayout, model: VllmGeometry, pool_name: str) -> None:
     have = pool.to_dict()
     wrong = [f"{k}: pool {have[k]}, vLLM {v}" for k, v in wanted.items() if have[k] != v]
     if wrong:
-        flag = ",".join(f"{k}={v}" for k, v in wanted.items())
+        flag = ",".join(f"{k}={v}" for k, v in {**wanted, "order": order}.items() if v)
         raise LayoutMismatch(
             f"kvcore pool {pool_name!r} does not fit vLLM's KV cache ({'; '.join(wrong)}; "
             f"page_size is vLLM's block_size); start the daemon with "

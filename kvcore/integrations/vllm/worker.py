@@ -50,6 +50,7 @@ from kvcore.integrations.vllm.metadata import (
     StepReport,
     Ticket,
 )
+from kvcore.integrations.vllm.orders import CPU_LAYOUT, matching_order
 from kvcore.integrations.vllm.pages import (
     HeadLayout,
     PageCopy,
@@ -58,6 +59,7 @@ from kvcore.integrations.vllm.pages import (
     check_layout,
 )
 from kvcore.integrations.vllm.ranks import WorkerRank
+from kvcore.integrations.vllm.runs import ByteRuns, Side
 
 log = logging.getLogger("kvcore.vllm")
 RETIRED_EPOCHS = 16  # epochs the worker remembers leaving (their plans: refused at once)
@@ -107,6 +109,8 @@ class WorkerSide:
         self._retired: OrderedDict[int, None] = OrderedDict()  # epochs left behind, oldest first
         self.stats = KvcoreStats()
         self._blocks: list[torch.Tensor] = []  # per layer: [B, parts, N, H, D] views of vLLM caches
+        self._block_side: Side | None = None  # vLLM's caches as runs (None: strided copies)
+        self._pool_side: tuple[list[torch.Tensor], Side | None] = ([], None)  # per mapping
         self._report = StepReport()
         self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
         self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
@@ -114,10 +118,16 @@ class WorkerSide:
         self._refused_step = -1  # the step whose loads were refused: its saves are skipped
 
     def register(
-        self, caches: dict[str, torch.Tensor], layout: HeadLayout, cache_dtype: str = "auto"
+        self,
+        caches: dict[str, torch.Tensor],
+        layout: HeadLayout,
+        cache_dtype: str = "auto",
+        vllm_layout: str = CPU_LAYOUT,
     ) -> None:
         """Map vLLM's per-layer caches (ordered by layer index) and check the layouts;
-        ``cache_dtype`` is vLLM's ``kv_cache_dtype`` (the format of fp8 bytes)."""
+        ``cache_dtype`` is vLLM's ``kv_cache_dtype`` (the format of fp8 bytes),
+        ``vllm_layout`` its ``KVCacheLayout`` name (the pool order that matches it:
+        :func:`~.orders.matching_order`)."""
         from vllm.model_executor.models.utils import extract_layer_index
         from vllm.platforms import current_platform
 
@@ -126,7 +136,8 @@ class WorkerSide:
         ordered = [caches[name] for name in sorted(caches, key=extract_layer_index)]
         fnuz = current_platform.is_fp8_fnuz()
         geometry = VllmGeometry.of(ordered, layout, cache_dtype, fp8_fnuz=fnuz)
-        check_layout(self.client.layout, geometry, self.config.pool)
+        order = matching_order(vllm_layout, layout)
+        check_layout(self.client.layout, geometry, self.config.pool, order)
         pool, model = self.client.kv_caches[0].device, ordered[0].device
         if model != pool:
             log.info(
@@ -135,6 +146,17 @@ class WorkerSide:
         self._blocks = [block_view(cache, layout) for cache in ordered]
         names = sorted(caches, key=extract_layer_index)
         self._layer_groups = [self.groups.layer_group.get(name, 0) for name in names]
+        self._block_side = Side.of(self._blocks) if model.type == "cpu" else None
+        if self._runs() is None:
+            log.info(
+                "kvcore: pool %r in order %s, vLLM's %s cache in %s: pages copy strided; "
+                "a pool of order=%s copies each page as one run",
+                self.config.pool,
+                self.client.layout.order,
+                layout,
+                vllm_layout,
+                order,
+            )
 
     def load(self, plan: StepPlan) -> None:
         """Copy the plan's hit pages into vLLM's blocks, every layer, before the forward;
@@ -148,12 +170,9 @@ class WorkerSide:
             self._refuse(plan)
             return
         start = time.perf_counter()
-        pool = self.client.kv_caches
-        copies = self._copies(plan, save=False)
-        for layer, blocks in enumerate(self._blocks):
-            copies[self._layer_groups[layer]].run(pool[layer], blocks)
+        pages = self._copy(plan, save=False)
         _sync(self._blocks[0].device)
-        self._count("load", copies, time.perf_counter() - start)
+        self._count("load", pages, time.perf_counter() - start)
         if self.client.lease_lost:  # fenced while copying: what was read may be scratch
             self._refuse(plan)
             return
@@ -170,12 +189,9 @@ class WorkerSide:
         pending: torch.cuda.Event | None = None
         if plan.save_pages and plan.step != self._refused_step and self._maps(plan.epoch):
             start = time.perf_counter()
-            pool = self.client.kv_caches
-            copies = self._copies(plan, save=True)
-            for layer, blocks in enumerate(self._blocks):
-                copies[self._layer_groups[layer]].run(blocks, pool[layer])
-            self._count("save", copies, time.perf_counter() - start)
-            if pool[0].device.type == "cuda":
+            pages = self._copy(plan, save=True)
+            self._count("save", pages, time.perf_counter() - start)
+            if self._pool_device.type == "cuda":
                 pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 pending.record()
             if not self.client.lease_lost:  # a fenced mapping took scratch: never commit it
@@ -207,27 +223,61 @@ class WorkerSide:
         self._report.saved.update(report.saved)
         self._report.requests += report.requests
 
-    def _copies(self, plan: StepPlan, save: bool) -> list[PageCopy]:
-        """Per KV cache group: the copies of the plan's pages, pool -> that group's vLLM
-        blocks (loads) or back (saves), less the pages it holds no block of."""
+    def _copy(self, plan: StepPlan, save: bool) -> int:
+        """Copy the plan's pages, pool -> vLLM's blocks (loads) or back (saves), per KV
+        cache group less the pages it holds no block of: as byte runs where both sides
+        allow (:mod:`.runs`), else one :class:`~.pages.PageCopy` per group, run on each of
+        its layers. Returns the pages copied, summed over layers."""
         pages = plan.save_pages if save else plan.load_pages
-        pool, model = self._pool_device, self._blocks[0].device
-        out = []
+        sides = self._runs()
+        copied = 0
         for g in range(self.groups.count):
-            kept = [
-                (p, b) for p, b in zip(pages, plan.blocks(g, save), strict=True) if b != NO_BLOCK
-            ]
-            ps, bs = [p for p, _ in kept], [b for _, b in kept]
-            out.append(
-                PageCopy.plan(bs, ps, model, pool) if save else PageCopy.plan(ps, bs, pool, model)
-            )
-        return out
+            layers = [i for i, group in enumerate(self._layer_groups) if group == g]
+            blocks = plan.blocks(g, save)
+            pairs = [(p, b) for p, b in zip(pages, blocks, strict=True) if b != NO_BLOCK]
+            copied += len(pairs) * len(layers)
+            if not pairs or not layers:
+                continue
+            if sides is None:
+                self._copy_strided(layers, pairs, save)
+            elif save:
+                ByteRuns.plan(sides[1], sides[0], layers, [(b, p) for p, b in pairs]).run()
+            else:
+                ByteRuns.plan(sides[0], sides[1], layers, pairs).run()
+        return copied
 
-    def _count(self, what: str, copies: list[PageCopy], seconds: float) -> None:
-        """Add one step's ``what`` ("load" or "save") copies to the stats: bytes of every
-        layer, and the seconds they took."""
+    def _copy_strided(self, layers: list[int], pairs: list[tuple[int, int]], save: bool) -> None:
+        """One :class:`~.pages.PageCopy` of ``pairs`` (pool page, vLLM block), run on each
+        of ``layers``: slices of adjacent pages on the CPU, a gather and a scatter on a GPU."""
+        ps, bs = [p for p, _ in pairs], [b for _, b in pairs]
+        pool, model, kv = self._pool_device, self._blocks[0].device, self.client.kv_caches
+        if save:
+            copy = PageCopy.plan(bs, ps, model, pool)
+            for layer in layers:
+                copy.run(self._blocks[layer], kv[layer])
+        else:
+            copy = PageCopy.plan(ps, bs, pool, model)
+            for layer in layers:
+                copy.run(kv[layer], self._blocks[layer])
+
+    def _runs(self) -> tuple[Side, Side] | None:
+        """The pool's and vLLM's sides where pages copy as byte runs (both in CPU memory,
+        a page of a layer the same dense bytes on both); None: strided copies."""
+        block_side, kv = self._block_side, self.client.kv_caches
+        if block_side is None or not kv or kv[0].device.type != "cpu":
+            return None
+        mapped, pool_side = self._pool_side
+        if mapped is not kv:  # a new mapping (attached again): its addresses and order
+            pool_side = Side.of(kv)
+            self._pool_side = (kv, pool_side)
+        if pool_side is None or not pool_side.runs_with(block_side):
+            return None
+        return pool_side, block_side
+
+    def _count(self, what: str, pages: int, seconds: float) -> None:
+        """Add one step's ``what`` ("load" or "save") copies to the stats: ``pages``
+        pages of one layer each (summed over layers), and the seconds they took."""
         page_bytes = self.client.kv_caches[0][0].nbytes  # one page of one layer
-        pages = sum(copies[g].pages for g in self._layer_groups)
         self.stats.add(f"{what}_bytes", pages * page_bytes)
         self.stats.add(f"{what}_copy_s", seconds)
 
