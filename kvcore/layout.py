@@ -255,7 +255,9 @@ class KVLayout:
     def _physical(self, pool: torch.Tensor) -> torch.Tensor:
         import torch
 
-        flat = pool.reshape(-1)
+        if not pool.is_contiguous():  # a reshape would copy: views of a copy write nothing
+            raise BadRequest(f"a pool tensor must be contiguous, got strides {pool.stride()}")
+        flat = pool.view(-1)
         if flat.dtype == torch.uint8:
             flat = flat.view(self.torch_dtype())
         if flat.dtype != self.torch_dtype() or flat.numel() * self.dtype_size != self.total_bytes:

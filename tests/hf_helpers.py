@@ -18,9 +18,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvcore import Client, KVLayout
 from kvcore.daemon_process import DaemonProcess
-from kvcore.layout import DEFAULT_ORDER
 from kvcore.demo_model import TinyLlama, greedy
 from kvcore.integrations.transformers import KVCoreCache
+from kvcore.layout import DEFAULT_ORDER
 from kvcore.prefix import KeySpace, encode_tokens, page_keys, root_key
 from kvcore.testing import tolerance
 

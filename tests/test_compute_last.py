@@ -64,7 +64,7 @@ def test_a_store_brings_pages_back_from_a_lower_tier() -> None:
     """The tiered pool promotes the last full page too when the caller computes nothing."""
     small = KVLayout(1, 1, 4, PAGE, "float32", 2)
     memory = torch.zeros(small.total_bytes, dtype=torch.uint8)
-    manager = TieredManager(small, small.layer_views(memory), TierStack(HostTier(small, 8)))
+    manager = TieredManager(small, memory, TierStack(HostTier(small, 8)))
     stored(manager, 1, TWO_PAGES)
     stored(manager, 2, [500] * (2 * PAGE))  # pushes both pages into the host tier
     assert manager.manager.lookup(TWO_PAGES, compute_last=False).num_cached_tokens == 0

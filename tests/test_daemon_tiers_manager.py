@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
 
-from kvcore.daemon.tiering import TieredManager, pool_rows
-from kvcore.errors import BadRequest, OutOfPages
+from kvcore.daemon.tiering import TieredManager
+from kvcore.errors import OutOfPages
 from kvcore.eviction import POLICIES
 from kvcore.layout import KVLayout
 from kvcore.prefix import PageRemoved, PageStored
@@ -161,23 +161,6 @@ def test_pages_written_under_one_order_are_a_miss_for_another(tmp_path: Path) ->
     assert _served(page_major, tmp_path / "d", tokens) == 0  # not the layer-major pages
     assert _served(LAYOUT, tmp_path / "d", tokens) == 2 * PAGE
     assert _served(page_major, tmp_path / "d", tokens) == 2 * PAGE  # its own, from before
-
-
-@pytest.mark.parametrize("order", ORDERS)
-def test_layer_views_name_the_same_rows_as_the_memory(order: str) -> None:
-    """Callers that pass a pool's layer views (from before pages_view) get the very rows
-    of its memory; views of anything else are refused."""
-    layout = dataclasses.replace(LAYOUT, order=order)
-    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    rows, want = pool_rows(layout, layout.layer_views(memory)), layout.pages_view(memory)
-    assert rows.data_ptr() == want.data_ptr() and rows.stride() == want.stride()
-    assert rows.shape == want.shape and rows.dtype == want.dtype
-    with pytest.raises(BadRequest):
-        pool_rows(layout, [view.clone() for view in layout.layer_views(memory)])
-    with pytest.raises(BadRequest):
-        pool_rows(layout, layout.layer_views(memory)[:1])
-    with pytest.raises(BadRequest):  # a strided tensor: its view would be a copy
-        pool_rows(layout, torch.zeros(2 * layout.total_bytes, dtype=torch.uint8)[::2])
 
 
 def test_a_lookup_brings_pages_up_and_changes_no_sequence() -> None:

@@ -97,7 +97,7 @@ def test_an_allocation_names_the_tier_that_brought_its_pages_up(
     else:
         stack = TierStack(disk=DiskTier(LAYOUT, tmp_path / "disk", 16 * (LAYOUT.page_bytes + 80)))
     # LRU: the adaptive default would rightly keep the twice-hit prompt in the pool
-    manager = TieredManager(LAYOUT, LAYOUT.layer_views(memory), stack, eviction="lru")
+    manager = TieredManager(LAYOUT, memory, stack, eviction="lru")
     first = list(range(1, 2 * PAGE + 2))  # two full pages and one token
     try:
         assert _serve(manager, 0, first) == []  # a miss

@@ -145,7 +145,7 @@ def test_salted_pages_stay_apart_in_the_lower_tiers() -> None:
     for its own model, salt and adapter only."""
     small = KVLayout(1, 1, 4, PAGE, "float32", 4)
     memory = torch.zeros(small.total_bytes, dtype=torch.uint8)
-    manager = TieredManager(small, small.layer_views(memory), TierStack(HostTier(small, 16)))
+    manager = TieredManager(small, memory, TierStack(HostTier(small, 16)))
     prompt = PROMPT[: 2 * PAGE + 1]
     space = KeySpace(model="m1", lora="a", salt="u1")
     manager.allocate(1, prompt, space)

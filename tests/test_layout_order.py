@@ -75,6 +75,11 @@ def test_orders_are_checked_and_named() -> None:
         with pytest.raises(BadRequest, match="permutation"):
             KVLayout(1, 1, 8, 4, "float16", 4, order=bad)
     layout = KVLayout(2, 4, 8, 16, "float16", 10, order="PLHKT")
+    strided = torch.zeros(2 * layout.total_bytes, dtype=torch.uint8)[::2]
+    with pytest.raises(BadRequest, match="contiguous"):  # views of a copy would write nothing
+        layout.pages_view(strided)
+    with pytest.raises(BadRequest, match="contiguous"):
+        layout.layer_views(strided)
     assert layout.to_dict()["order"] == "PLHKT"
     assert layout.stored_page_shape == (2, 4, 2, 16, 8)
     assert (

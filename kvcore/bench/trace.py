@@ -257,7 +257,7 @@ def _tiered(
             entry = HEADER_BYTES + layout.page_bytes
             disk = DiskTier(layout, f"{scratch}/disk", disk_pages * entry)
         stack = TierStack(HostTier(layout, host_pages), disk)
-        manager = TieredManager(layout, layout.layer_views(memory), stack)
+        manager = TieredManager(layout, memory, stack)
         for seq, request in enumerate(requests):
             ids = block_trace.tokens_of(request, tokens)
             hit = manager.allocate(seq, ids).num_cached_tokens

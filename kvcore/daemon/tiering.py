@@ -52,7 +52,7 @@ from kvcore_ipc import messages as msg
 
 from kvcore.allocator import PageId
 from kvcore.config import TierConfig
-from kvcore.errors import BadRequest, OutOfPages
+from kvcore.errors import OutOfPages
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.hits import Histogram, HitBook
 from kvcore.layout import KVLayout
@@ -100,7 +100,7 @@ class TieredManager:
     operation changed nothing), lookup aside (module docstring).
 
     ``pool`` is the pool's memory (a contiguous tensor over its bytes, as
-    :meth:`KVLayout.pages_view` takes), or its layer views (:func:`pool_rows`); only
+    :meth:`KVLayout.pages_view` takes); only
     this class reads or writes the pool's pages through it, and only on the daemon's
     thread. ``manager`` is driven by this class alone. Not thread-safe.
     """
@@ -108,7 +108,7 @@ class TieredManager:
     def __init__(
         self,
         layout: KVLayout,
-        pool: torch.Tensor | Sequence[torch.Tensor],
+        pool: torch.Tensor,
         tiers: TierStack,
         *,
         eviction: str = DEFAULT_EVICTION,
@@ -116,7 +116,7 @@ class TieredManager:
         self.layout = layout
         self.manager = Manager(layout, eviction=eviction, record_evictions=True)
         self.tiers = tiers
-        self._pool = pool_rows(layout, pool)  # [num_pages, *stored_page_shape]
+        self._pool = layout.pages_view(pool)  # [num_pages, *stored_page_shape]
         self._fingerprint = layout_fingerprint(layout)
         self._spill_medium = (
             "host" if tiers.host is not None else "disk" if tiers.disk is not None else ""
@@ -378,35 +378,6 @@ class TieredManager:
         self.tiers.spill(tier_keys(self._fingerprint, keys), pages)
         for key in keys:
             self._moved[key] = self._spill_medium
-
-
-def pool_rows(layout: KVLayout, pool: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """The pool's rows, :meth:`KVLayout.pages_view` (zero-copy): of ``pool``, the pool's
-    memory, contiguous (a strided tensor would be copied by the view); or of its layer
-    views, :meth:`KVLayout.layer_views` of that memory, as callers from before the
-    pages view pass them (checked to be exactly those: layer ``l`` at ``l`` layer
-    strides from layer 0, the order's strides). BadRequest otherwise."""
-    import torch
-
-    if isinstance(pool, torch.Tensor):
-        if not pool.is_contiguous():
-            raise BadRequest("a tiered pool's memory must be one contiguous tensor")
-        return layout.pages_view(pool)
-    views = list(pool)
-    strides = layout.strides
-    layer = (*(strides[axis] for axis in "PKTH"), 1)
-    step = strides["L"] * layout.dtype_size
-    if len(views) != layout.num_layers or any(
-        tuple(view.shape) != layout.layer_shape
-        or view.stride() != layer
-        or view.dtype != layout.torch_dtype()
-        or view.device != views[0].device
-        or view.data_ptr() != views[0].data_ptr() + i * step
-        for i, view in enumerate(views)
-    ):
-        raise BadRequest(f"layer views must be KVLayout.layer_views of one pool of {layout}")
-    rows = (strides["P"], *(strides[axis] for axis in layout.order if axis != "P"), 1)
-    return views[0].as_strided((layout.num_pages, *layout.stored_page_shape), rows)
 
 
 def tier_metric_families(
