@@ -126,7 +126,9 @@ def settle(endpoint: str, pool: str, timeout_s: float = 30.0) -> Stats:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     pools = [
+        # page-major twin of vLLM's CPU blocks: each page of a layer copies as one run
         MODEL.pool_flag(dtype=dtype, page_size=PAGE_SIZE, num_pages=128, name=dtype)
+        + ",order=PLHKT"
         for dtype in sorted(set(FP8.values()))
     ]
     latent = (
