@@ -13,7 +13,12 @@ float dtype). What attention computes beyond full causal softmax is a plan optio
 ``Capabilities.features`` (:data:`FEATURES`); a plan needing another raises
 :class:`~kvcore.errors.Unsupported` naming it. kvcore_torch defines the numerics.
 
-Kernels take strides: nothing beyond a contiguous last dim is assumed.
+Kernels take strides: nothing beyond a contiguous last dim is assumed. A pool's
+order (``KVLayout.order``: layer-major, page-major, head-outer) reaches a kernel
+only as the strides of its layer views, so an order is a view, never a branch; a
+backend whose kernels read only some orders declares them
+(``Capabilities.orders``) and is refused the others with Unsupported naming the
+order, in the plan and in the run.
 Page tables are int32 (``block_table [B, max_pages]``); slots are int64,
 ``slot = page * page_size + offset`` (tokens), and a negative slot is skipped.
 Offsets inside kernels are computed in int64.
@@ -73,7 +78,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvcore.backend_checks import ALL_ORDERS as ALL_ORDERS  # for plugins' declarations
 from kvcore.backend_checks import HOST_LIST_MAX as HOST_LIST_MAX  # for plugins' host paths
+from kvcore.backend_checks import NAMED_ORDERS as NAMED_ORDERS
 from kvcore.backend_checks import (
     ValueChecks,
     check_cache,
@@ -87,6 +94,8 @@ from kvcore.backend_checks import (
     check_sinks,
     check_slots,
     check_table,
+    fits_orders,
+    view_order,
 )
 from kvcore.errors import BadRequest, Unsupported
 
@@ -166,7 +175,13 @@ class Capabilities:
     ``features`` (a subset of :data:`FEATURES`) are the :class:`Attention` options
     and caches computed beyond full causal attention over a float kv cache: "fp8"
     (float8 caches; their dtypes go in ``dtypes`` too), "window", "soft_cap",
-    "sinks", "mla" (latent caches). Frozen: a backend declares it once.
+    "sinks", "mla" (latent caches). ``orders`` (permutations of
+    :data:`kvcore.layout.AXES`, e.g. ``{"LPKTH"}``) are the pool orders whose layer
+    views the kernels read: a cache whose strides fit none of them (as
+    :func:`kvcore.backend_checks.fits_order` says) raises Unsupported naming its
+    order, in the plan and in the run. None (the default): any strides with a
+    contiguous last dim, every order and slices no pool gives included. Frozen: a
+    backend declares it once.
     """
 
     devices: frozenset[str]  # device types: "cpu", "cuda"
@@ -174,6 +189,12 @@ class Capabilities:
     head_dims: frozenset[int] | None = None
     page_sizes: frozenset[int] | None = None
     features: frozenset[str] = frozenset()
+    orders: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.orders or ()) - set(ALL_ORDERS))
+        if bad:
+            raise ValueError(f"Capabilities.orders are permutations of LPKTH, got {bad}")
 
     def supports(
         self, device: str, dtype: str, head_dim: int, page_size: int, latent: bool = False
@@ -196,6 +217,10 @@ class Capabilities:
         if self.page_sizes is None:
             return 1 <= page_size <= MAX_PAGE_SIZE
         return page_size in self.page_sizes
+
+    def supports_strides(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+        """Whether a layer view of ``shape`` and ``strides`` fits a declared order."""
+        return self.orders is None or fits_orders(self.orders, shape, strides)
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,6 +562,8 @@ class Backend(abc.ABC):
             plan = self._own(plan, DecodePlan)
         spec = plan.cache
         kv_cache = spec.check(kv_cache)
+        if self.capabilities.orders is not None:
+            self._check_order(kv_cache)
         query = spec.check_rows(query, "query", len(plan.host_seq_lens), None)
         if type(scale) is not float or not -_INF < scale < _INF:
             scale = check_scale(scale)
@@ -563,6 +590,8 @@ class Backend(abc.ABC):
         queried tokens must already be written. Keywords as in :meth:`decode`."""
         spec = self._own(plan, PrefillPlan).cache
         kv_cache = spec.check(kv_cache)
+        if self.capabilities.orders is not None:
+            self._check_order(kv_cache)
         query = spec.check_rows(query, "query", None, None)
         if query.shape[0] != plan.total_q:
             raise BadRequest(
@@ -593,6 +622,8 @@ class Backend(abc.ABC):
             plan = self._own(plan, WritePlan)
         spec = plan.cache
         kv_cache = spec.check(kv_cache)
+        if self.capabilities.orders is not None:
+            self._check_order(kv_cache)
         key = spec.check_rows(key, "key", plan.num_tokens, spec.num_kv_heads)
         scales: dict[str, float] = {}
         if spec.fp8:
@@ -613,6 +644,8 @@ class Backend(abc.ABC):
         """Copy page ``src[i]`` to page ``dst[i]`` (K and V) of ``kv_cache``."""
         spec = self._own(plan, CopyPlan).cache
         kv_cache = spec.check(kv_cache)
+        if self.capabilities.orders is not None:
+            self._check_order(kv_cache)
         if plan.src.shape[0] > 0:
             self._copy_pages(plan, kv_cache)
 
@@ -641,6 +674,20 @@ class Backend(abc.ABC):
                 f"backend {self.name!r} does not support device={kv_cache.device.type} "
                 f"dtype={dtype} head_dim={head_dim} page_size={page_size}"
             )
+        self._check_order(kv_cache)
+
+    def _check_order(self, kv_cache: torch.Tensor) -> None:
+        """Unsupported unless ``kv_cache``'s strides fit a declared pool order (the
+        message names the order they do fit). A geometry's constant: cached."""
+        shape, strides = tuple(kv_cache.shape), kv_cache.stride()
+        if self.capabilities.supports_strides(shape, strides):
+            return
+        order = view_order(shape, strides)
+        what = f"pool order {order!r}" if order else "strides that are no pool order"
+        raise Unsupported(
+            f"backend {self.name!r} does not support {what} (a layer view {list(shape)} "
+            f"with strides {strides}); it declares orders {sorted(self.capabilities.orders or ())}"
+        )
 
     # -- what a backend implements; called only by the methods above -----------------
     # Inputs arrive checked: the plan's tables are valid, kv_cache has its geometry,
@@ -702,6 +749,8 @@ class Backend(abc.ABC):
             key = (kv_cache.shape, kv_cache.dtype, kv_cache.device)
             spec = specs.get(key)
             if spec is not None and (kv_cache.stride(4) == 1 or spec.head_dim == 1):
+                if self.capabilities.orders is not None:  # strides are no part of the key
+                    self._check_order(kv_cache)
                 return spec
         cache = check_cache(kv_cache)
         self.check_supported(cache)

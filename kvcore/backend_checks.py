@@ -17,14 +17,15 @@ same input (the messages are built by the same code, from the tensors).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import islice, permutations
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
-from kvcore.layout import cdiv
+from kvcore.layout import AXES, DEFAULT_ORDER, cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +77,60 @@ def check_cache(kv_cache: object) -> torch.Tensor:
 def check_last_dim(t: torch.Tensor, name: str) -> None:
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise BadRequest(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+
+
+# -- pool orders: which KVLayout.order a layer view's strides come from ----------------
+
+NAMED_ORDERS: tuple[str, ...] = (DEFAULT_ORDER, "PLKTH", "LPHKT", "PLHKT")
+"""The orders kvcore names (kvcore/layout.py): layer-major, page-major, head-outer, and
+page-major head-outer; listed first wherever a view fits several orders."""
+ALL_ORDERS: tuple[str, ...] = (
+    *NAMED_ORDERS,
+    *("".join(p) for p in permutations(AXES) if "".join(p) not in NAMED_ORDERS),
+)
+"""Every permutation of :data:`kvcore.layout.AXES`: the 24 pool orders."""
+
+
+def fits_order(order: str, shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a layer view of ``shape`` [P, K, T, H, D] and ``strides`` (elements) is
+    one layer of a pool of ``order`` with some number of layers: from the innermost
+    axis out, each axis longer than 1 steps over exactly the axes inside it, except
+    that the first one outside ``L`` steps over a whole number (>= 1) of layers.
+    Axes of length 1 never move an address, so their strides are not compared; D is
+    contiguous (checked apart). A padded slice fits no order."""
+    sizes = dict(zip("PKTH", shape[:4], strict=True))
+    steps = dict(zip("PKTH", strides[:4], strict=True))
+    step = shape[4]  # elements inside the current axis
+    layers_inside = False  # L lies between the current axis and the ones already seen
+    for axis in reversed(order):
+        if axis == "L":
+            layers_inside = True
+            continue
+        size, stride = sizes[axis], steps[axis]
+        if size > 1:
+            if layers_inside:  # the layers' extent: a multiple of one layer's block
+                if stride < step or stride % step:
+                    return False
+                step, layers_inside = stride, False
+            elif stride != step:
+                return False
+        step *= size
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def view_order(shape: tuple[int, ...], strides: tuple[int, ...]) -> str | None:
+    """The pool order a layer view's strides come from (the first of
+    :data:`ALL_ORDERS` that fits; several fit where axes have length 1 or a pool
+    one layer), or None: strides no pool gives (a slice of a padded tensor)."""
+    return next((o for o in ALL_ORDERS if fits_order(o, shape, strides)), None)
+
+
+@functools.lru_cache(maxsize=256)
+def fits_orders(orders: frozenset[str], shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether the view fits one of ``orders`` (a geometry's constant: cached, so a
+    run's check is one lookup)."""
+    return any(fits_order(o, shape, strides) for o in orders)
 
 
 def check_float(

@@ -853,3 +853,40 @@ def test_a_backend_remembers_only_valid_geometries() -> None:
         backend.plan_decode(strided, table, lens)
     with pytest.raises(Unsupported, match="device=meta"):
         backend.plan_decode(cache().to("meta"), table.to("meta"), lens.to("meta"))
+
+
+class LayerMajorOnly(TorchBackend):
+    """The reference's kernels, declaring one pool order: a backend that reads
+    kvcore's default order only."""
+
+    name = "layer-major-only"
+    capabilities = dataclasses.replace(TorchBackend.capabilities, orders=frozenset({"LPKTH"}))
+
+
+def _layer(order: str) -> torch.Tensor:
+    layout = KVLayout(3, HKV, D, PAGE, "float32", NUM_PAGES, "kv", order)
+    return layout.layer_views(torch.zeros(layout.total_bytes // 4))[1]
+
+
+@pytest.mark.parametrize("order", ["PLKTH", "LPHKT", "PLHKT"])
+def test_an_undeclared_order_is_unsupported_in_plan_and_run(order: str) -> None:
+    backend, table, lens = LayerMajorOnly(), t32(0, 1, 2, 3).reshape(2, 2), t32(5, 8)
+    good, bad = _layer("LPKTH"), _layer(order)
+    plan = backend.plan_decode(good, table, lens)  # the declared order plans and runs
+    backend.decode(plan, torch.zeros(2, HKV, D), good, 1.0)
+    with pytest.raises(Unsupported, match=f"pool order '{order}'"):
+        backend.plan_decode(bad, table, lens)
+    with pytest.raises(Unsupported, match=f"pool order '{order}'"):
+        backend.decode(plan, torch.zeros(2, HKV, D), bad, 1.0)
+    padded = torch.zeros(NUM_PAGES, 2, PAGE, HKV + 1, D + 3)[:, :, :, 1:, :D]
+    with pytest.raises(Unsupported, match="no pool order"):
+        backend.plan_write(padded, t64(0))
+
+
+def test_conformance_of_a_backend_declaring_one_order() -> None:
+    from kvcore.testing.kernels import Suite
+
+    suite = Suite(LayerMajorOnly(), "cpu")
+    suite.profile = dataclasses.replace(suite.profile, examples=3)
+    for name in ("decode_matches_oracle", "unsupported_raises"):
+        suite.run(name)

@@ -1,8 +1,9 @@
 """What the kernel conformance suite draws: profiles, tolerances, cases and their tensors.
 
 A :class:`Case` is a small, hashable description (dtype, head dim, page size,
-heads, sequence lengths, how block tables are built, the cache's strides, a
-seed); :func:`build` turns it into tensors on a device. Hypothesis shrinks the
+heads, sequence lengths, how block tables are built, the cache's strides or the
+pool order it is a layer of, a seed); :func:`build` turns it into tensors on a
+device. Hypothesis shrinks the
 description, so a failure reports a readable configuration.
 
 Only configurations the backend's :class:`~kvcore.backend.Capabilities` declare
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from kvcore.backend import MAX_HEAD_DIM, MAX_PAGE_SIZE, Capabilities
-from kvcore.layout import cdiv
+from kvcore.backend import ALL_ORDERS, MAX_HEAD_DIM, MAX_PAGE_SIZE, NAMED_ORDERS, Capabilities
+from kvcore.layout import DEFAULT_ORDER, FP8_DTYPES, KVLayout, cdiv
 from kvcore.testing.tolerance import Tolerance, attention, cache_parts
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -158,10 +159,15 @@ TABLE_MODES = ("distinct", "shared_prefix", "with_replacement")
 # distinct: every sequence owns its pages, scattered over the pool in random order;
 # shared_prefix: sequences share leading pages of sequence 0 (as the prefix cache does);
 # with_replacement: every entry drawn from the pool, so pages repeat within and across rows.
-LAYOUTS = ("contiguous", "kv_split", "padded")
+LAYOUTS = ("contiguous", "kv_split", "padded", "pool")
 # contiguous: [num_pages, 2, page_size, Hkv, D] dense; kv_split: K and V live in two
 # separate pools (a stride permutation); padded: each page row has spare heads and
-# elements (a slice of a larger tensor). The last dim is contiguous in all three.
+# elements (a slice of a larger tensor); pool: the middle layer of a real pool of
+# POOL_LAYERS layers in the case's order (KVLayout(..., order).layer_views), so
+# page-major pools interleave other layers between pages and head-outer ones put
+# H outside K and T. The last dim is contiguous in all four.
+POOL_LAYERS = 3
+FP8_NAN = 0x7F  # a NaN byte in both float8 formats
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +185,7 @@ class Case:
     pad_value: str  # what unused table entries hold: "minus_one", "past_end", "valid"
     seed: int
     scale_factor: float = 1.0  # the softmax scale is scale_factor / sqrt(head_dim)
+    order: str = DEFAULT_ORDER  # the pool's order (KVLayout.order), layout "pool" only
 
     @property
     def num_q_heads(self) -> int:
@@ -202,6 +209,20 @@ def seq_len_st(draw: st.DrawFn, page_size: int, max_tokens: int) -> int:
 
 
 @st.composite
+def layout_st(draw: st.DrawFn, caps: Capabilities) -> tuple[str, str]:
+    """A cache layout and its pool order (:data:`DEFAULT_ORDER` unless "pool"). A
+    backend that reads any strides (``caps.orders`` None) gets a pool half the time,
+    of a named order or any permutation; one that declares orders gets pools of those
+    only (the other layouts fit no order or not its)."""
+    if caps.orders is not None:
+        return "pool", draw(st.sampled_from(sorted(caps.orders)))
+    layout = draw(st.one_of(st.just("pool"), st.sampled_from(LAYOUTS[:-1])))
+    if layout != "pool":
+        return layout, DEFAULT_ORDER
+    return layout, draw(st.one_of(st.sampled_from(NAMED_ORDERS), st.sampled_from(ALL_ORDERS)))
+
+
+@st.composite
 def case_st(
     draw: st.DrawFn,
     prof: Profile,
@@ -214,6 +235,7 @@ def case_st(
     batch = draw(st.integers(1, prof.max_batch))
     lens = tuple(draw(seq_len_st(ps, prof.max_tokens)) for _ in range(batch))
     q_lens = tuple(draw(st.sampled_from(sorted({1, n, max(1, n // 2)}))) for n in lens)
+    layout, order = draw(layout_st(caps))
     return Case(
         dtype=draw(st.sampled_from(dtypes(caps))),
         head_dim=draw(st.sampled_from(head_dims(prof, caps))),
@@ -223,15 +245,34 @@ def case_st(
         seq_lens=lens,
         q_lens=q_lens,
         table_mode=draw(st.sampled_from(table_modes)),
-        layout=draw(st.sampled_from(LAYOUTS)),
+        layout=layout,
         pad_cols=draw(st.integers(0, 2)),
         pad_value=draw(st.sampled_from(("minus_one", "past_end", "valid"))),
         seed=draw(st.integers(0, 2**31 - 1)),
         scale_factor=draw(st.sampled_from((1.0, 0.25, 2.0))),
+        order=order,
     )
 
 
 # -- tensors ----------------------------------------------------------------------
+
+
+def pool_layer(layout: KVLayout, device: torch.device) -> torch.Tensor:
+    """The middle layer's view of a NaN-filled pool of ``layout`` (fp8: the NaN byte
+    0x7F), [num_pages, parts, page_size, Hkv, D] with the order's strides; the pool's
+    other layers are the view's storage too, NaN, so a write that strays shows."""
+    if layout.dtype in FP8_DTYPES:
+        pool = torch.full((layout.total_bytes,), FP8_NAN, dtype=torch.uint8, device=device)
+    else:
+        size = layout.total_bytes // layout.dtype_size
+        pool = torch.full((size,), float("nan"), dtype=layout.torch_dtype(), device=device)
+    return layout.layer_views(pool)[layout.num_layers // 2]
+
+
+def whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """Every element of the storage ``t`` views, flat in ``t``'s dtype: padding and a
+    pool's other layers included (what "nothing else written" counts)."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
 
 
 def empty_cache(case: Case, num_pages: int, device: torch.device) -> torch.Tensor:
@@ -239,6 +280,9 @@ def empty_cache(case: Case, num_pages: int, device: torch.device) -> torch.Tenso
     dtype = getattr(torch, case.dtype)
     ps, h, d = case.page_size, case.num_kv_heads, case.head_dim
     nan = float("nan")
+    if case.layout == "pool":
+        layout = KVLayout(POOL_LAYERS, h, d, ps, case.dtype, num_pages, "kv", case.order)
+        return pool_layer(layout, device)
     if case.layout == "kv_split":
         return torch.full((2, num_pages, ps, h, d), nan, dtype=dtype, device=device).transpose(0, 1)
     if case.layout == "padded":

@@ -32,8 +32,9 @@ Unsupported naming it. What each family draws:
   (with "fp8" declared) fp8.
 
 Every case keeps the base family's draws (:mod:`kvcore.testing.kernel_cases`):
-GQA ratios, distinct/shared/repeated pages, strided layouts, NaN in every slot
-no sequence reads.
+GQA ratios, distinct/shared/repeated pages, strided layouts and layers of pools
+in drawn orders (latent pools too: a latent page in a page-major pool is one run
+of every layer's vectors), NaN in every slot no sequence reads.
 
 The file runs past ~400 lines on purpose: it is one family, the features,
 with its cases, its tensors, its dense float64 reference and its property
@@ -53,6 +54,7 @@ from hypothesis import strategies as st
 
 from kvcore.backend import FP8_MAX, Attention, Backend
 from kvcore.errors import Unsupported
+from kvcore.layout import KVLayout
 from kvcore.testing import kernel_cases as kc
 from kvcore.testing.kernel_cases import Case
 from kvcore.testing.tolerance import Tolerance, assert_close, attention
@@ -69,7 +71,7 @@ FEATURE_PROPERTIES: dict[str, str] = {
 }
 FP8_DTYPES = tuple(FP8_MAX)
 FP8_TORCH = (torch.float8_e4m3fn, torch.float8_e5m2)
-FP8_NAN = 0x7F  # a NaN byte in both float8 formats
+FP8_NAN = kc.FP8_NAN  # a NaN byte in both float8 formats
 SCALE_EDGES = (1.0, 2.0**-8, 1e-3, 1e-5)
 POISONS = ("minus_one", "past_end", "int_max", "nan_page")
 
@@ -164,7 +166,7 @@ def feature_case_st(draw: st.DrawFn, suite: Suite, feature: str) -> FeatureCase:
 
 
 def _latent_layout(layout: str) -> str:
-    return "padded" if layout == "padded" else "contiguous"  # kv_split has no meaning
+    return layout if layout in ("padded", "pool") else "contiguous"  # kv_split: no meaning
 
 
 # -- tensors ----------------------------------------------------------------------
@@ -181,6 +183,10 @@ def empty_cache(fc: FeatureCase, num_pages: int, device: torch.device) -> torch.
             return torch.full(shape, FP8_NAN, dtype=torch.uint8, device=device).view(dtype)
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
+    if case.layout == "pool":
+        kind = "latent" if fc.latent else "kv"
+        layout = KVLayout(kc.POOL_LAYERS, h, d, ps, fc.cache_dtype, num_pages, kind, case.order)
+        return kc.pool_layer(layout, device)
     if case.layout == "kv_split":
         return nan(parts, num_pages, ps, h, d).transpose(0, 1)
     if case.layout == "padded":
@@ -409,7 +415,8 @@ def _check_write(backend: Backend, fc: FeatureCase, device: torch.device) -> Non
         f"{backend.name}: write_kv stored other values than the contract's for {fc}"
     )
     written = int(kept.sum()) * parts * h * d
-    assert _nan_count(cache) == cache.numel() - written, (
+    storage = kc.whole_storage(cache)  # padding and a pool's other layers included
+    assert _nan_count(storage) == storage.numel() - written, (
         f"{backend.name}: write_kv wrote outside its slots (or stored NaN): {fc}"
     )
 

@@ -13,19 +13,23 @@ Properties (all compare with ``kernel_cases.tolerance``: the bound of
 :func:`kvcore.testing.tolerance.attention` on each case's own tensors):
 
 * decode / prefill equal the oracle, on NaN-poisoned caches (unused slots of
-  referenced pages, spare pages, padding of strided layouts) with distinct,
-  shared and repeated pages and garbage in the padding of the block table;
+  referenced pages, spare pages, padding of strided layouts, the other layers of
+  a pool) with distinct, shared and repeated pages and garbage in the padding of
+  the block table; caches are dense, K/V-split, padded, or a layer of a real pool
+  in a drawn order (``KVLayout.order``: layer- or page-major, head-outer, any
+  permutation; only the declared ones for a backend with ``Capabilities.orders``);
 * decode is invariant under a permutation of the pool's pages and under a
   change of page size;
 * write_kv then prefill / decode equals dense causal attention (SDPA on
-  contiguous K/V, GQA by repeat_interleave); write_kv stores exactly and skips
-  negative slots;
-* copy_pages copies exactly and touches nothing else;
+  contiguous K/V, GQA by repeat_interleave); write_kv stores exactly, skips
+  negative slots and writes nothing else of the cache's storage;
+* copy_pages copies exactly and touches nothing else of the storage;
 * the last query of a prefill equals decode;
 * one plan serves every layer: a plan made with one cache runs on another cache
   of the same geometry (other strides, other values) as that cache's own plan;
 * out-of-range pages and slots raise BadRequest when planned; undeclared dtype /
-  head dim / page size raise Unsupported when planned;
+  head dim / page size / pool order raise Unsupported when planned (an undeclared
+  order also when run, the message naming it);
 * one property per feature of the contract (``feature_fp8``, ``feature_window``,
   ``feature_soft_cap``, ``feature_sinks``, ``feature_mla``; the family lives in
   :mod:`kvcore.testing.kernel_features`): a declared feature equals the oracle,
@@ -51,8 +55,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcore import backend as registry
-from kvcore.backend import Backend
+from kvcore.backend import ALL_ORDERS, Backend
+from kvcore.backend_checks import view_order
 from kvcore.errors import BadRequest, KVCoreError, Unsupported
+from kvcore.layout import KVLayout
 from kvcore.testing import kernel_cases as kc
 from kvcore.testing.kernel_cases import Built, Case
 from kvcore.testing.kernel_features import FEATURE_PROPERTIES, run_feature
@@ -224,7 +230,7 @@ class Suite:
             num_pages = t.kv_cache.shape[0]
             perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(case.seed))
             perm = perm.to(self.device)
-            moved = torch.empty_like(t.kv_cache)
+            moved = kc.empty_cache(case, num_pages, self.device)
             moved[perm] = t.kv_cache  # page p now lives at perm[p]
             used = torch.arange(t.block_table.shape[1], device=self.device)[None, :] < (
                 (t.seq_lens[:, None].long() + case.page_size - 1) // case.page_size
@@ -327,7 +333,8 @@ class Suite:
         assert torch.equal(cache[page, 0, off].cpu(), key), f"write_kv K differs for {case}"
         assert torch.equal(cache[page, 1, off].cpu(), value), f"write_kv V differs for {case}"
         written = 2 * total * h * d
-        assert int((~cache.isnan()).sum()) == written, f"write_kv wrote elsewhere: {case}"
+        kept = int((~kc.whole_storage(cache).isnan()).sum())
+        assert kept == written, f"write_kv wrote elsewhere: {case}"
         return key, value
 
     def copy_pages_is_exact(self) -> None:
@@ -351,6 +358,8 @@ class Suite:
             plan = self.backend.plan_copy(cache, src.to(self.device), dst.to(self.device))
             self.backend.copy_pages(plan, cache)
             assert torch.equal(cache, expected), f"copy_pages differs for {case} {src=} {dst=}"
+            outside = int((~kc.whole_storage(cache).isnan()).sum()) - cache.numel()
+            assert outside == 0, f"copy_pages wrote outside the cache for {case} {src=} {dst=}"
 
         self.given(copies(), check)
 
@@ -358,21 +367,24 @@ class Suite:
 
     def one_plan_serves_every_layer(self) -> None:
         @st.composite
-        def pair(draw: st.DrawFn) -> tuple[Case, str]:
-            return draw(self._cases()), draw(st.sampled_from(kc.LAYOUTS))
+        def pair(draw: st.DrawFn) -> tuple[Case, tuple[str, str]]:
+            return draw(self._cases()), draw(kc.layout_st(self.backend.capabilities))
 
-        def check(drawn: tuple[Case, str]) -> None:
-            case, layout = drawn
+        def check(drawn: tuple[Case, tuple[str, str]]) -> None:
+            case, (layout, order) = drawn
             t = kc.build(case, self.device)
             # another layer: the same geometry, other strides, other values (NaN kept)
             other = kc.empty_cache(
-                Case(**{**_fields(case), "layout": layout}), t.kv_cache.shape[0], self.device
+                Case(**{**_fields(case), "layout": layout, "order": order}),
+                t.kv_cache.shape[0],
+                self.device,
             )
             other.copy_(t.kv_cache * 0.5)
             layer = Built(**{**_fields(t), "kv_cache": other})
             plan = self.backend.plan_decode(t.kv_cache, t.block_table, t.seq_lens)
             got = self.backend.decode(plan, t.decode_query, other, t.scale)
             want = decode_of(self.backend, layer)
+            layout = f"{layout} {order}" if layout == "pool" else layout
             what = f"decode on a {layout} layer"
             self._close(got, want, case, what, t.decode_query, other, itself=True, same_qk=True)
             pplan = self.backend.plan_prefill(t.kv_cache, t.block_table, t.cu_seqlens_q, t.seq_lens)
@@ -449,6 +461,53 @@ class Suite:
             _expect(Unsupported, backend.plan_prefill, (cache, table, cu, lens), what)
             _expect(Unsupported, backend.plan_write, (cache, slot), what)
             _expect(Unsupported, backend.plan_copy, (cache, slot, slot + 1), what)
+        if caps.orders is not None:
+            self._undeclared_orders_raise(dtype, head_dim, page_size)
+
+    def _undeclared_orders_raise(self, dtype: str, head_dim: int, page_size: int) -> None:
+        """A layer of a pool in an order the backend does not declare: Unsupported naming
+        the order from every plan, and from every run of a plan made on a declared one."""
+        declared = self.backend.capabilities.orders
+        assert declared is not None, "only for backends that declare orders"
+        caps, dev, backend = self.backend.capabilities, self.device, self.backend
+        # every axis longer than 1 (page size too), so the view has exactly one order
+        page_size = min([p for p in kc.page_sizes(self.profile, caps) if p > 1] or [page_size])
+
+        def layer(order: str) -> torch.Tensor:
+            layout = KVLayout(kc.POOL_LAYERS, 2, head_dim, page_size, dtype, 2, "kv", order)
+            return kc.pool_layer(layout, dev).zero_()
+
+        refused = [o for o in ALL_ORDERS if not caps.supports_strides(*_geometry(layer(o)))]
+        if not refused:
+            return
+        good, bad = layer(sorted(declared)[0]), layer(refused[0])
+        order = view_order(*_geometry(bad)) or refused[0]  # what the message names
+        table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        lens = torch.ones(1, dtype=torch.int32, device=dev)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+        slot = torch.zeros(1, dtype=torch.int64, device=dev)
+        query = torch.zeros(1, 2, head_dim, dtype=good.dtype, device=dev)
+        rows = torch.zeros(1, 2, head_dim, dtype=good.dtype, device=dev)
+        decode = backend.plan_decode(good, table, lens)
+        prefill = backend.plan_prefill(good, table, cu, lens)
+        write, copy = backend.plan_write(good, slot), backend.plan_copy(good, slot, slot + 1)
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("plan_decode", lambda: backend.plan_decode(bad, table, lens)),
+            ("plan_prefill", lambda: backend.plan_prefill(bad, table, cu, lens)),
+            ("plan_write", lambda: backend.plan_write(bad, slot)),
+            ("plan_copy", lambda: backend.plan_copy(bad, slot, slot + 1)),
+            ("decode", lambda: backend.decode(decode, query, bad, 1.0)),
+            ("prefill", lambda: backend.prefill(prefill, query, bad, 1.0)),
+            ("write_kv", lambda: backend.write_kv(write, bad, rows, rows)),
+            ("copy_pages", lambda: backend.copy_pages(copy, bad)),
+        ]
+        for name, call in calls:
+            try:
+                call()
+            except Unsupported as exc:
+                assert order in str(exc), f"{backend.name}.{name}: {exc} does not name {order!r}"
+                continue
+            raise AssertionError(f"{backend.name}.{name} ran on order {order!r}, not declared")
 
 
 def _dense_reference(
@@ -483,6 +542,10 @@ def _expect(
     except error:
         return
     raise AssertionError(f"expected {error.__name__} {what}".rstrip())
+
+
+def _geometry(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(t.shape), t.stride()
 
 
 def _fields(obj: Any) -> dict[str, Any]:
