@@ -12,7 +12,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvcore.layout import DEFAULT_ORDER
+from kvcore.layout import AXES
 
 if TYPE_CHECKING:
     from kvcore_ipc.messages import StatsOk
@@ -127,7 +127,7 @@ def pool_table(pools: list[dict[str, Any]]) -> Any:
         lay = p["layout"]
         shape = (
             f"{lay['num_layers']}x{lay['num_kv_heads']}x{lay['head_dim']} "
-            f"p{lay['page_size']} {lay['dtype']} {lay.get('order', DEFAULT_ORDER)}"
+            f"p{lay['page_size']} {lay['dtype']} {lay.get('order', AXES)}"
         ) + (f" x{p['shards']} shards" if p.get("shards", 1) > 1 else "")
         hit_rate = p["hit_tokens"] / p["query_tokens"] if p["query_tokens"] else 0.0
         table.add_row(

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NewType, Protocol
 
 from kvcore.errors import BadRequest
 from kvcore.eviction import EvictionPolicy
-from kvcore.layout import DEFAULT_ORDER, KVLayout
+from kvcore.layout import AXES, KVLayout
 from kvcore.prefix import KEY_BYTES, PrefixKey
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def layout_fingerprint(layout: KVLayout) -> bytes:
     )
     if layout.kind != "kv":  # kv layouts keep the fingerprints they had before kinds
         text += f";kind={layout.kind}"
-    if layout.order != DEFAULT_ORDER:  # layer-major layouts keep theirs too
+    if layout.order != AXES:  # layer-major (the identity order) keeps its fingerprint
         text += f";axes={layout.order}"
     message = _FINGERPRINT_DOMAIN + b";" + text.encode()
     return hashlib.blake2b(message, digest_size=FINGERPRINT_BYTES).digest()
