@@ -14,6 +14,11 @@ All figures of one run are measured in that run, on one device:
   torch SDPA on the same K/V laid out contiguously ([B, Hkv, ctx, D], GQA native);
 * ``max_abs_err``: the paged output against that dense output, so a fast
   wrong kernel shows;
+* ``orders``: per backend, decode and prefill on a layer of a pool of ``--layers``
+  layers in each named order (kvcore.backend.NAMED_ORDERS: layer-major, page-major,
+  head-outer, page-major head-outer) holding the same K/V, timed in interleaved
+  rounds (one call per order per round), with each order's median ratio to
+  layer-major (``over_layer_major``);
 * ``features``: each attention variant (window, soft-cap, sinks, fp8 pages, MLA)
   per backend against the torch reference and dense tensors
   (kvcore/bench/kernel_features.py).
@@ -44,6 +49,7 @@ other's internals.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -92,6 +98,11 @@ def headline(record: dict[str, Any]) -> list[Figure]:
                     Target("<=", GPU_PAGED_OVER_DENSE) if held else None,
                 ),
             ]
+    for name, orders in record.get("orders", {}).items():
+        for order, ops in orders.items():
+            for op in ops:
+                key = f"orders.{name}.{order}.{op}.over_layer_major"
+                figures.append(Figure(key, f"{name} {op} on a {order} pool: / layer-major"))
     for feature, entry in record.get("features", {}).items():
         for name, ops in entry.items():
             if name == "dense_ms" or "error" in ops:
@@ -154,6 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="element type (default: the shape set's)",
     )
+    parser.add_argument("--layers", type=int, default=4, help="layers of the order pools")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls (median)")
 
@@ -208,6 +220,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for op, (seconds, err, plan_s) in _time_backend(backend, data, timer).items()
         }
+    result["orders"] = {
+        name: _time_orders(registry.get(name), data, args.layers, timer)
+        for name, ops in result["backends"].items()
+        if "error" not in ops
+    }
     from kvcore.bench import kernel_features
 
     dims = {
@@ -267,6 +284,61 @@ def _time_backend(
         err = float((call().float() - ref().float()).abs().max())
         out[op] = (timer(call), err, timer(plan))
     return out
+
+
+def _time_orders(
+    backend: Backend, data: _Data, layers: int, timer: _Timer
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per named order and op: the median ``time_ms`` of one call and the median over
+    rounds of its ratio to layer-major's call in the same round (interleaved, so drift
+    of the machine hits every order alike). Every layer of each pool holds the same
+    K/V; the middle layer is timed."""
+    import torch
+
+    from kvcore.backend import NAMED_ORDERS
+    from kvcore.layout import KVLayout
+
+    s = data.shape
+    calls: dict[str, dict[str, Callable[[], object]]] = {}
+    for order in NAMED_ORDERS:
+        layout = KVLayout(
+            layers, s.num_kv_heads, s.head_dim, s.page_size, s.dtype,
+            data.kv_cache.shape[0], "kv", order,
+        )  # fmt: skip
+        pool = torch.empty(layout.total_bytes, dtype=torch.uint8, device=data.kv_cache.device)
+        views = layout.layer_views(pool)
+        for view in views:
+            view.copy_(data.kv_cache)
+        kv = views[layers // 2]
+        decode = backend.plan_decode(kv, data.block_table, data.seq_lens)
+        prefill = backend.plan_prefill(kv, data.block_table, data.cu_seqlens_q, data.seq_lens)
+        calls[order] = {
+            "decode": functools.partial(backend.decode, decode, data.q_decode, kv, data.scale),
+            "prefill": functools.partial(backend.prefill, prefill, data.q_prefill, kv, data.scale),
+        }
+    one = _Timer(timer.device, 0, 1)
+    samples: dict[str, dict[str, list[float]]] = {o: {"decode": [], "prefill": []} for o in calls}
+    for _ in range(timer.warmup):
+        for ops in calls.values():
+            for fn in ops.values():
+                fn()
+    for _ in range(timer.repeats):
+        for order, ops in calls.items():
+            for op, fn in ops.items():
+                samples[order][op].append(one(fn))
+    base = samples[NAMED_ORDERS[0]]
+    return {
+        order: {
+            op: {
+                "time_ms": statistics.median(times) * 1e3,
+                "over_layer_major": statistics.median(
+                    t / b for t, b in zip(times, base[op], strict=True)
+                ),
+            }
+            for op, times in ops.items()
+        }
+        for order, ops in samples.items()
+    }
 
 
 class _Timer:

@@ -82,12 +82,15 @@ def _layout(
         if s_head != head_dim and num_kv_heads > 1:
             return None
         width, s_head = num_kv_heads * head_dim, 0
-    strides = (s_page, s_kv, s_tok, s_head)
-    if any(s % width for s in strides):
+    steps = (s_page, s_kv, s_tok, s_head)
+    if any(s % width for s in steps):
         return None
-    a_page, a_kv, a_tok, a_head = (s // width for s in strides)
+    a_page, a_kv, a_tok, a_head = (s // width for s in steps)
     last = (num_pages - 1) * a_page + a_kv + (page_size - 1) * a_tok + (num_kv_heads - 1) * a_head
     per_row = (a_page, a_kv, a_tok, a_head, num_kv_heads, page_size)
+    # the cache's own five strides: what Rows.view compares a run's cache against (a
+    # four-entry tuple here never equalled a view's stride(), so every non-contiguous
+    # cache, any order but layer-major, took the advanced-index path)
     return RowLayout(strides, contiguous, last + 1, *per_row)
 
 
