@@ -94,7 +94,8 @@ def test_pages_round_trip_through_a_kvcore_pool(
 ) -> None:
     layout, pages, layers, ps, heads, dim = geometry
     source = host_pages(kv_buffer(layout, pages, layers, ps, heads, dim), layout, ps)
-    kv = KVLayout(layers, heads, dim, ps, "float32", num_pages=6)
+    order = data.draw(st.sampled_from(["LPKTH", "PLKTH", "LPHKT", "PLHKT"]))  # any order
+    kv = KVLayout(layers, heads, dim, ps, "float32", num_pages=6, order=order)
     memory = torch.full((kv.total_bytes // 4,), float("nan"))
     pool = pool_pages(kv.layer_views(memory))
     src = data.draw(st.permutations(range(pages)))

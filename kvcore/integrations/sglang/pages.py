@@ -90,17 +90,21 @@ def unflat_page(data: torch.Tensor, layout: str, shape: torch.Size) -> torch.Ten
 
 def pool_pages(layer_views: list[torch.Tensor]) -> torch.Tensor:
     """kvcore's per-layer views (``Client.kv_caches``: ``[pages, parts, ps, heads, d]``
-    each, one region, layer after layer) as ``[pages, layers, parts, ps, heads, d]``;
-    a float8 pool as its uint8 bytes (SGLang's host pool holds fp8 as uint8)."""
+    each, layers at one stride of one region, in any physical order) as
+    ``[pages, layers, parts, ps, heads, d]``, zero-copy; a float8 pool as its uint8
+    bytes (SGLang's host pool holds fp8 as uint8)."""
     import torch
 
     first = raw(layer_views[0])
-    if len(layer_views) > 1:
-        step = raw(layer_views[1]).storage_offset() - first.storage_offset()
-        if step != first.numel():
-            raise ValueError("kvcore's layer views are not one region, layer after layer")
+    step = raw(layer_views[1]).storage_offset() - first.storage_offset() if layer_views[1:] else 0
+    if any(
+        raw(view).storage_offset() != first.storage_offset() + i * step
+        or view.stride() != layer_views[0].stride()
+        for i, view in enumerate(layer_views)
+    ):
+        raise ValueError("kvcore's layer views are not one region, a layer stride apart")
     shape = (len(layer_views), *first.shape)
-    full = torch.as_strided(first, shape, (first.numel(), *first.stride()), first.storage_offset())
+    full = torch.as_strided(first, shape, (step, *first.stride()), first.storage_offset())
     return full.permute(1, 0, 2, 3, 4, 5)
 
 
