@@ -118,7 +118,7 @@ class Client:
         self._curve = curve_server_key
         self._keypair = curve_keypair
         self._name = name
-        self.shard = shard  # the region mapped (a tensor-parallel rank); kept by reconnect
+        self.shard = shard  # the region mapped (a pipeline stage); kept by reconnect
         self.shards = 1  # the pool's regions, from AttachOk
         self._expected_shards = shards
         self._codec = ClientCodec()
@@ -154,7 +154,7 @@ class Client:
         ``curve_keypair`` (tcp://: the daemon's public key, this client's key pair
         as ``kvcore keys`` writes it), ``trusted_uids`` (ipc://: uids besides this
         one and root whose daemon socket to trust), ``name``, ``shard`` (the region of
-        a sharded pool to map: the tensor-parallel rank; BadRequest if the pool has no
+        a sharded pool to map: a pipeline stage; BadRequest if the pool has no
         such shard) and ``shards`` (the shard count expected, LayoutMismatch if the
         pool's differs; 0: any; for an ephemeral pool, its count).
         """

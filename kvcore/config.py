@@ -81,7 +81,7 @@ from kvcore.sizes import parse_size
 MAX_LEASE_S = 86_400.0  # a day: lease_ms must fit the wire's ints
 MAX_FRAME_BYTES = 1 << 31  # ZeroMQ's message-size limit is an int64; 2 GiB is plenty
 MAX_BATCH = 1 << 20  # operations
-MAX_SHARDS = 64  # regions of one pool (tensor-parallel ranks)
+MAX_SHARDS = 64  # regions of one pool (pipeline stages)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")  # json: one object per line, for log shippers
 EVENTS_FORMATS = ("kvcore", "vllm")  # spec/protocol.md, spec/vllm-events.md
@@ -212,9 +212,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One pool. Its page count is ``num_pages`` if given, else as many pages as ``size`` holds
     in all its shards together.
 
-    ``shards`` > 1 serves tensor parallelism: the layout (``num_kv_heads`` = heads of one
-    rank) describes one shard, the daemon allocates ``shards`` regions of it and one
-    Manager, so page p is page p of every shard and one prefix index serves all ranks."""
+    ``shards`` > 1 serves pipeline parallelism: the layout (``num_layers`` = layers of one
+    stage; ``num_kv_heads`` every KV head, whatever the tensor-parallel size, each TP rank
+    copying its own) describes one shard, the daemon allocates ``shards`` regions of it and
+    one Manager, so page p is page p of every shard and one prefix index serves all ranks."""
 
     name: str = "default"
     device: str = "cpu"  # or "cuda:N": allocated on that GPU, shared by CUDA IPC
@@ -229,7 +230,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     order: str = DEFAULT_ORDER
     size: int | str = "256MiB"  # bytes (an int or "512MiB"), or give num_pages instead
     num_pages: int | None = None
-    shards: int = 1  # regions of the layout (tensor-parallel ranks); cuda: on consecutive GPUs
+    shards: int = 1  # regions of the layout (pipeline stages); cuda: on consecutive GPUs
     # Which evictable page goes first when the pool is full (kvcore.eviction; docs/concepts.md,
     # "Eviction"). Not part of any key or of the wire: it changes what stays, never what a key means.
     eviction: str = DEFAULT_EVICTION
@@ -258,8 +259,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         quota is a count >= 0."""
         if not 1 <= self.shards <= MAX_SHARDS:
             raise BadRequest(
-                f"pool {self.name!r}: shards is 1 to {MAX_SHARDS} (one a tensor-parallel "
-                f"rank), not {self.shards}"
+                f"pool {self.name!r}: shards is 1 to {MAX_SHARDS} (one a pipeline stage), "
+                f"not {self.shards}"
             )
         if self.shards > 1 and self.tiers.enabled:
             raise BadRequest(

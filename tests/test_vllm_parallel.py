@@ -1,9 +1,10 @@
 """The connector refuses context parallelism at start-up, in both roles, and lets
 tensor and pipeline parallelism through.
 
-kvcore shards a pool by worker (tensor-parallel rank and pipeline stage,
-kvcore/integrations/vllm/ranks.py); a context rank's worker has the shard of another
-context rank's and would save other tokens' K/V into the same slots. The connector
+kvcore shards a pool by pipeline stage, and a tensor-parallel rank copies its own
+heads of each page (kvcore/integrations/vllm/ranks.py); a context rank's worker has
+the heads of another context rank's and would save other tokens' K/V into the same
+slots. The connector
 refuses such an engine with Unsupported naming the setting, before it connects to
 anything (the endpoint here has no daemon: a Timeout would mean it tried). The configs
 are vLLM's own (EngineArgs.create_engine_config), as an engine builds them. Pipeline

@@ -1,14 +1,21 @@
-"""Tensor parallelism end to end: two vLLM engines of tensor_parallel_size=2 share a
-prefix through a pool of two shards (one per rank), and generate what a plain
-tensor_parallel_size=1 engine does.
+"""Pages shared across tensor-parallel sizes, end to end: a vLLM engine at
+tensor_parallel_size=1 and one at 2 on one daemon each hit the other's prefix, and
+generate what plain vLLM (no connector) does.
 
-vLLM's CPU build runs TP=2 with the ``mp`` executor (two worker processes, gloo).
-Engine A computes and saves the prompts (every rank its own heads into its own
-shard; a page is committed once both ranks saved it); engine B, with vLLM's own
-prefix cache off, loads them on both ranks (external hits of the whole prefix) and
-continues; with a page of the pool wrong in both shards (the negative
-control, vllm_helpers.overwrite_page), B's check fails. Slow (three engines start,
-minutes on 2 cores)."""
+A pool page holds every KV head of the model (kvcore/integrations/vllm/ranks.py): the
+TP=1 worker copies both of the tiny model's KV heads, each TP=2 rank its one (rank 1
+head 1), in a head-outer pool order (``LPHKT``), so each rank's head of a page and
+layer is one run of bytes. vLLM's CPU build runs TP=2 with the ``mp`` executor (two
+worker processes, gloo). Both engines run with vLLM's own prefix cache off, so that a
+prompt asked again is loaded from kvcore.
+
+Negative controls: one KV head of a committed page overwritten with another page's
+(in the daemon's real shared-memory pool), and the engine that loads it decodes other
+tokens: head 1 (TP=2 rank 1's, read by the TP=1 engine) and head 0 (rank 0's, read by
+the TP=2 engine). Must-not-share: a pool of one shard per TP rank (kvcore's earlier
+layout, whose bytes are one rank's heads) and a pool of another head count are
+refused with the pool to start (tests/test_vllm_ranks.py, no engine). Slow (three
+engines start, minutes on 2 cores)."""
 
 from __future__ import annotations
 
@@ -18,12 +25,18 @@ from typing import Any
 
 import pytest
 from vllm_helpers import (
+    CPU_ORDER,
     MODEL,
     OTHER_TOKENS,
     PAGE_SIZE,
     Engine,
-    overwrite_page,
-    same_tokens,
+    decodes_as_plain,
+    hits,
+    loadable,
+    pinned_pages,
+    pool_flag,
+    running,
+    settle,
     vllm_available,
     write_model,
 )
@@ -32,11 +45,18 @@ from kvcore import KeySpace
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed")
 
-PROMPTS = [
-    [(7 * i + 3) % MODEL.vocab_size for i in range(3 * PAGE_SIZE + 5)],  # 3 full pages + 5
-    [(11 * i + 1) % MODEL.vocab_size for i in range(2 * PAGE_SIZE + 9)],  # 2 full pages + 9
-]
 SIZING: dict[str, Any] = {"kv_bytes": 32 << 20, "max_num_seqs": 4, "max_model_len": 512}
+
+
+def prompt(a: int, b: int, pages: int) -> list[int]:
+    """``pages`` full pages and 5 tokens more: tokens no other prompt here shares."""
+    return [(a * i + b) % MODEL.vocab_size for i in range(pages * PAGE_SIZE + 5)]
+
+
+BY_TP1 = prompt(7, 3, 3)  # the TP=1 engine computes it, the TP=2 engine hits it
+BY_TP2 = prompt(11, 1, 3)  # and the other way round
+CONTROL_1 = prompt(13, 5, 3)  # computed by TP=2, head 1 made wrong, loaded by TP=1
+CONTROL_2 = prompt(17, 2, 3)  # computed by TP=1, head 0 made wrong, loaded by TP=2
 
 
 @pytest.fixture(scope="module")
@@ -46,77 +66,82 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One pool of every KV head (the model's 2), in the head-outer order of vLLM's CPU
+    blocks, one shard: what both engines attach to."""
     from kvcore.daemon_process import DaemonProcess
 
     tmp = tmp_path_factory.mktemp("tp")
-    heads = MODEL.num_kv_heads // 2  # one rank's
-    pool = MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=256).replace(
-        f"num_kv_heads={MODEL.num_kv_heads}", f"num_kv_heads={heads}"
-    )
-    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", pool + ",shards=2") as d:
+    pool = pool_flag(256, order=CPU_ORDER)
+    with DaemonProcess("--endpoint", f"ipc://{tmp / 'd.sock'}", "--pool", pool) as d:
         yield d.endpoint
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path, daemon: str) -> dict[str, Any]:
-    """A plain tensor_parallel_size=1 engine's outputs of PROMPTS, which engine A
-    (tensor_parallel_size=2) decodes too, committing their pages; both closed after."""
-    with (
-        Engine(model, None, **SIZING) as plain,
-        Engine(model, {"endpoint": daemon}, tensor_parallel_size=2, **SIZING) as a,
-    ):
-        expected = plain.generate(PROMPTS, max_tokens=6)
-        same_tokens(a.generate(PROMPTS, max_tokens=6)["tokens"], expected["tokens"])
-    return expected
-
-
-@pytest.fixture(scope="module")
-def b(model: Path, daemon: str, expected: dict[str, Any]) -> Iterator[Engine]:
-    """Engine B (tensor_parallel_size=2), started once A is gone; vLLM's own prefix cache
-    off, so that it loads the prompts' pages from kvcore at each call."""
+def engines(model: Path, daemon: str) -> Iterator[dict[str, Engine]]:
+    """Plain vLLM (no connector), a TP=1 and a TP=2 engine on the daemon, loading at once."""
     connector = {"endpoint": daemon}
-    with Engine(model, connector, tensor_parallel_size=2, prefix_caching=False, **SIZING) as b:
-        yield b
+    started = {
+        "plain": Engine(model, None, wait=False, **SIZING),
+        "tp1": Engine(model, connector, prefix_caching=False, wait=False, **SIZING),
+        "tp2": Engine(
+            model, connector, tensor_parallel_size=2, prefix_caching=False, wait=False, **SIZING
+        ),
+    }
+    with running(list(started.values())):
+        yield started
 
 
-def b_decodes(b: Engine, expected: dict[str, Any]) -> None:
-    """B loads the full pages of PROMPTS on both ranks and decodes ``expected``."""
-    before = b.stats()["external_hit_tokens"]
-    second = b.generate(PROMPTS, max_tokens=6)
-    prefix = sum(len(p) // PAGE_SIZE * PAGE_SIZE for p in PROMPTS)
-    assert b.stats()["external_hit_tokens"] - before >= prefix
-    assert sum(second["cached"]) >= prefix
-    same_tokens(second["tokens"], expected["tokens"])  # both ranks loaded their own heads
+def computes(engine: Engine, plain: Engine, tokens: list[int], daemon: str) -> None:
+    """``engine`` decodes ``tokens`` as plain vLLM does, loading nothing, and commits its
+    full pages (the daemon holds no sequence after)."""
+    decodes_as_plain(engine, plain, tokens, 0)
+    settle(daemon)
 
 
-def test_two_tp2_engines_share_a_prefix_through_a_sharded_pool(
-    b: Engine, expected: dict[str, Any]
+def overwrite_head(daemon: str, tokens: list[int], space: KeySpace, head: int) -> None:
+    """KV head ``head`` of the first page committed for ``tokens``, every layer, gets the
+    bytes of that head of the third page; the other head stays right."""
+    with pinned_pages(daemon, tokens, space) as (shards, pages):
+        assert len(shards) == 1 and len(pages) == 3, (len(shards), pages)
+        for layer in shards[0]:
+            wrong, right = layer[pages[0], :, :, head], layer[pages[2], :, :, head]
+            assert not bool((wrong == right).all()), "the heads are equal"
+            wrong.copy_(right)
+
+
+def test_both_engines_key_their_pages_alike(engines: dict[str, Engine]) -> None:
+    """The identity names no TP size (kvcore/integrations/identity.py)."""
+    assert engines["tp1"].model() == engines["tp2"].model()
+
+
+def test_tp2_hits_what_tp1_computed(engines: dict[str, Engine], daemon: str) -> None:
+    computes(engines["tp1"], engines["plain"], BY_TP1, daemon)
+    decodes_as_plain(engines["tp2"], engines["plain"], BY_TP1, loadable(BY_TP1))
+
+
+def test_tp1_hits_what_tp2_computed(engines: dict[str, Engine], daemon: str) -> None:
+    """Both ranks of the TP=2 engine saved their head into the one page before it was
+    committed: the TP=1 engine loads both heads from it."""
+    computes(engines["tp2"], engines["plain"], BY_TP2, daemon)
+    decodes_as_plain(engines["tp1"], engines["plain"], BY_TP2, loadable(BY_TP2))
+    assert hits(engines["tp2"]) >= loadable(BY_TP1)  # the other test's, if it ran first
+
+
+def test_tp1_decodes_other_tokens_from_a_wrong_head_saved_by_rank_1(
+    engines: dict[str, Engine], daemon: str
 ) -> None:
-    b_decodes(b, expected)
-
-
-def test_b_decodes_other_tokens_from_a_wrong_page_in_both_shards(
-    b: Engine, expected: dict[str, Any], daemon: str
-) -> None:
-    """The control of the test above: page 0 of the first prompt holds page 2's K/V,
-    both ranks' halves of it (each shard's)."""
-    overwrite_page(daemon, PROMPTS[0], KeySpace(model=b.model()), 0, 2)
+    plain, tp1, tp2 = engines["plain"], engines["tp1"], engines["tp2"]
+    computes(tp2, plain, CONTROL_1, daemon)
+    overwrite_head(daemon, CONTROL_1, KeySpace(model=tp1.model()), head=1)
     with pytest.raises(AssertionError, match=OTHER_TOKENS):
-        b_decodes(b, expected)
+        decodes_as_plain(tp1, plain, CONTROL_1, loadable(CONTROL_1))
 
 
-def test_a_pool_of_other_shards_than_ranks_is_a_layout_mismatch(daemon: str) -> None:
-    from kvcore import Client
-    from kvcore.errors import LayoutMismatch
-    from kvcore.integrations.vllm.ranks import WorkerRank
-
-    with pytest.raises(LayoutMismatch, match=r"2 shard.*expects 4.*shards=4"):
-        Client.connect(daemon, map_memory=False, **WorkerRank(3, 4).connect_options())
-    with (
-        Client.connect(daemon, map_memory=False) as any_count,  # asks for no count
-        pytest.raises(LayoutMismatch, match=r"2 shard.*tensor_parallel_size=1.*shards=1"),
-    ):
-        WorkerRank(0, 1).check(any_count, "default")
-    with Client.connect(daemon, map_memory=False, **WorkerRank(1, 2).connect_options()) as rank1:
-        WorkerRank(1, 2).check(rank1, "default")
-    assert WorkerRank.current() == WorkerRank(0, 1)  # no vLLM process group here
+def test_tp2_decodes_other_tokens_from_a_wrong_head_saved_by_tp1(
+    engines: dict[str, Engine], daemon: str
+) -> None:
+    plain, tp1, tp2 = engines["plain"], engines["tp1"], engines["tp2"]
+    computes(tp1, plain, CONTROL_2, daemon)
+    overwrite_head(daemon, CONTROL_2, KeySpace(model=tp2.model()), head=0)
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        decodes_as_plain(tp2, plain, CONTROL_2, loadable(CONTROL_2))

@@ -269,7 +269,7 @@ class Handler:
         if body.shards and body.shards != pool.shards:
             raise LayoutMismatch(
                 f"pool {pool.name!r} has {pool.shards} shard(s); the client expects "
-                f"{body.shards} (one per worker: tensor-parallel rank x pipeline stage): "
+                f"{body.shards} (one per pipeline stage): "
                 f"serve it with --pool ...,shards={body.shards}"
             )
         memory = pool.memory(body.shard)  # BadRequest past the last shard

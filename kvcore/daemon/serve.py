@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K=V,...",
         help="a pool, e.g. name=default,device=cpu,num_layers=16,size=256MiB "
         "(repeatable; replaces the configured pools); shards=N: one region per "
-        "tensor-parallel rank, num_kv_heads being one rank's",
+        "pipeline stage, num_layers being one stage's (num_kv_heads: every head)",
     )
     flags.add_setting_flags(groups)
 

@@ -54,10 +54,15 @@ What enters, and why:
   first batches it runs (an older vLLM's ``calculate_kv_scales``; vLLM 0.32 has
   no such setting): two instances get other scales, so such an engine shares
   with no other process, and says so once in a warning naming the setting.
-* The shard: ``tp_size`` and ``pp_size`` always; ``tp_rank`` and ``pp_rank`` where
-  the pool's layout does not separate ranks already. In vLLM every TP rank writes
-  its own shard of one sharded pool under one key, so its ranks are ``None``; each
-  SGLang rank is a client of its own on an unsharded pool, so its rank enters.
+* The shard, where a page's bytes depend on it: ``tp_size`` and ``pp_size``, and
+  ``tp_rank`` and ``pp_rank`` where the pool's layout does not separate ranks
+  already. A vLLM pool page holds every KV head of the model, each TP rank copying
+  its own (kvcore/integrations/vllm/ranks.py): a head's K/V are the model's on
+  whichever rank computes them (TP changes float rounding only, as a batch size
+  does), so vLLM's identity names no TP size (the default 1: a TP=2 engine shares
+  with a TP=1 one), and its ranks are ``None``; ``pp_size`` still enters (a stage's
+  shard holds its layers). Each SGLang rank is a client of its own on a pool of its
+  own heads, so its ``tp_size`` and rank enter: those bytes differ by TP size.
 * ``kv_format``: the byte format the engine's kernels write K/V in, where it is not
   kvcore's page order element by element (spec/hashing.md, "Byte formats"): an
   engine whose pages hold packed or permuted K/V names its writer, so that no
@@ -384,9 +389,9 @@ def vllm_model(vllm_config: Any, model_id: str = "") -> str:
     ``model_config`` (``model``, ``revision``, ``code_revision``, ``hf_config``,
     ``dtype``, ``quantization``), ``load_config`` (``load_format``,
     ``download_dir``), ``cache_config.cache_dtype`` (and ``calculate_kv_scales``,
-    where a vLLM has it: :func:`kv_scales_of`), ``parallel_config``'s TP and PP
-    sizes, and the byte format its attention backend writes (``kv_format``). Equal
-    on every rank (the sharded pool separates them)."""
+    where a vLLM has it: :func:`kv_scales_of`), ``parallel_config``'s PP size (not
+    its TP size: module docstring), and the byte format its attention backend writes
+    (``kv_format``). Equal on every rank (the sharded pool separates them)."""
     return space_model(vllm_identity(vllm_config, model_id))
 
 
@@ -431,8 +436,7 @@ def vllm_identity(vllm_config: Any, model_id: str = "") -> ModelIdentity:
             str(cache.cache_dtype), computed=computed, setting="calculate_kv_scales"
         ),
         quantization=str(mc.quantization or ""),
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_size=int(parallel.pipeline_parallel_size),
+        pp_size=int(parallel.pipeline_parallel_size),  # no tp_size: a page has every head
         kv_format=kv_format(vllm_config),
     )
 

@@ -27,8 +27,9 @@ vLLM's blocks (:mod:`.pages`); :mod:`.metadata` is what passes between them. vLL
 backend; an unknown one is refused). The byte format the backend writes is part of
 the model identity, and an engine whose vLLM refuses to reuse cached context on its
 backend (CPU MLA's reference backend) saves pages but loads none (:mod:`.backends`).
-Tensor and pipeline parallelism shard the pool
-by worker (:mod:`.ranks`); context parallelism is refused at start-up
+A pool page holds every KV head of the model, each tensor-parallel rank copying its
+own, so engines of other TP sizes share pages; pipeline stages are the pool's shards
+(:mod:`.ranks`); context parallelism is refused at start-up
 (:func:`~.ranks.check_parallelism`).
 
 Faults: no daemon at start-up is a :class:`~kvcore.errors.Timeout` naming the
@@ -87,7 +88,7 @@ from kvcore.integrations.vllm.metadata import (
     StepReport,
 )
 from kvcore.integrations.vllm.orders import layout_name
-from kvcore.integrations.vllm.pages import head_layout
+from kvcore.integrations.vllm.pages import LATENT, head_layout
 from kvcore.integrations.vllm.ranks import check_parallelism
 
 if TYPE_CHECKING:
@@ -276,7 +277,9 @@ class KvcoreConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         vllm_layout = layout_name(self._vllm_config)
         backend = head_layout(ctx[name].attn_backend)
-        self._worker.register(kv_caches, backend, cache_dtype, vllm_layout)
+        # a pool page holds every KV head (MLA: the one latent, on every rank): .ranks
+        total = 1 if backend == LATENT else self._vllm_config.model_config.get_total_num_kv_heads()
+        self._worker.register(kv_caches, backend, cache_dtype, vllm_layout, total)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -265,11 +265,17 @@ class VllmGeometry:
 
 
 def check_layout(
-    pool: KVLayout, model: VllmGeometry, pool_name: str, order: str | None = None
+    pool: KVLayout,
+    model: VllmGeometry,
+    pool_name: str,
+    order: str | None = None,
+    shards: int = 1,
 ) -> None:
     """LayoutMismatch naming every field that differs and the ``--pool`` flag that fits,
-    with ``order`` (the order matching vLLM's blocks, :mod:`.orders`) where one does. A
-    pool of another order fits: its pages copy strided, never wrongly."""
+    with ``order`` (the order matching vLLM's blocks, :mod:`.orders`) where one does and
+    ``shards`` (pipeline stages) where over 1. ``model``: the geometry of a pool page,
+    every KV head of the model (:mod:`.ranks`: each tensor-parallel rank copies its
+    own). A pool of another order fits: its pages copy strided, never wrongly."""
     wanted = {
         "num_layers": model.num_layers,
         "num_kv_heads": model.num_kv_heads,
@@ -281,9 +287,11 @@ def check_layout(
     have = pool.to_dict()
     wrong = [f"{k}: pool {have[k]}, vLLM {v}" for k, v in wanted.items() if have[k] != v]
     if wrong:
-        flag = ",".join(f"{k}={v}" for k, v in {**wanted, "order": order}.items() if v)
+        extra = {"order": order, "shards": shards if shards > 1 else None}
+        flag = ",".join(f"{k}={v}" for k, v in {**wanted, **extra}.items() if v)
         raise LayoutMismatch(
             f"kvcore pool {pool_name!r} does not fit vLLM's KV cache ({'; '.join(wrong)}; "
-            f"page_size is vLLM's block_size); start the daemon with "
+            f"page_size is vLLM's block_size, num_kv_heads every KV head of the model "
+            f"whatever the tensor-parallel size); start the daemon with "
             f"`kvcore serve --pool name={pool_name},{flag},num_pages=<pages>`"
         )

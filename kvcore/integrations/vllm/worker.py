@@ -8,7 +8,8 @@ loaded before attention reads it), saves after it (``wait_for_save``; one
 for there; a slice copy per run of adjacent pages on the CPU), counts each copy's
 bytes and seconds (:class:`~.metadata.KvcoreStats`), and reports each save, once
 its copy is complete, in a :class:`StepReport` that the scheduler turns into
-commits. A worker of a tensor- or pipeline-parallel engine maps the shard of its rank
+commits. A worker of a pipeline-parallel engine maps the shard of its stage, and a
+tensor-parallel rank copies its own KV heads of each page, the pool holding them all
 (:mod:`.ranks`). No K/V crosses the socket; no Python loop runs per token.
 
 Generations: a plan runs only on the pool of its epoch (the daemon start the
@@ -31,6 +32,7 @@ every plan with a copy is reported, refused or not.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 from kvcore.client import Client
-from kvcore.errors import Timeout
+from kvcore.errors import LayoutMismatch, Timeout
 from kvcore.integrations.reconnect import Reconnector
 from kvcore.integrations.vllm.metadata import (
     NO_BLOCK,
@@ -58,7 +60,7 @@ from kvcore.integrations.vllm.pages import (
     block_view,
     check_layout,
 )
-from kvcore.integrations.vllm.ranks import WorkerRank
+from kvcore.integrations.vllm.ranks import HeadRange, WorkerRank
 from kvcore.integrations.vllm.runs import ByteRuns, Side
 
 log = logging.getLogger("kvcore.vllm")
@@ -102,15 +104,20 @@ class WorkerSide:
         self.groups = groups or KvGroups()
         self._layer_groups: list[int] = []  # per layer (as in _blocks): its KV cache group
         self._recv: tuple[set[str], set[str]] = (set(), set())  # hybrid loads: done, failed
-        rank = rank or WorkerRank.current()
-        self.client = attach(config, map_memory=True, **rank.connect_options())
-        rank.check(self.client, config.pool)
+        self.rank = rank or WorkerRank.current()
+        try:
+            self.client = attach(config, map_memory=True, **self.rank.connect_options())
+        except LayoutMismatch as refused:  # a pool of other shards: name the one to serve
+            raise self.rank.refused(refused, config.pool) from None
+        self.rank.check(self.client, config.pool)
+        self.heads = HeadRange(0, 1, 1)  # this rank's of a page (register: vLLM's heads)
         self._reconnect = Reconnector.of(self.client, retry_s=config.retry_s, what="vLLM worker")
         self._retired: OrderedDict[int, None] = OrderedDict()  # epochs left behind, oldest first
         self.stats = KvcoreStats()
         self._blocks: list[torch.Tensor] = []  # per layer: [B, parts, N, H, D] views of vLLM caches
         self._block_side: Side | None = None  # vLLM's caches as runs (None: strided copies)
         self._pool_side: tuple[list[torch.Tensor], Side | None] = ([], None)  # per mapping
+        self._pool_heads: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # ditto
         self._report = StepReport()
         self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
         self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
@@ -123,11 +130,13 @@ class WorkerSide:
         layout: HeadLayout,
         cache_dtype: str = "auto",
         vllm_layout: str = CPU_LAYOUT,
+        total_heads: int | None = None,
     ) -> None:
         """Map vLLM's per-layer caches (ordered by layer index) and check the layouts;
         ``cache_dtype`` is vLLM's ``kv_cache_dtype`` (the format of fp8 bytes),
         ``vllm_layout`` its ``KVCacheLayout`` name (the pool order that matches it:
-        :func:`~.orders.matching_order`)."""
+        :func:`~.orders.matching_order`), ``total_heads`` the model's KV heads, a pool
+        page's (None: this rank's times the TP size, no head replicated; :mod:`.ranks`)."""
         from vllm.model_executor.models.utils import extract_layer_index
         from vllm.platforms import current_platform
 
@@ -136,8 +145,18 @@ class WorkerSide:
         ordered = [caches[name] for name in sorted(caches, key=extract_layer_index)]
         fnuz = current_platform.is_fp8_fnuz()
         geometry = VllmGeometry.of(ordered, layout, cache_dtype, fp8_fnuz=fnuz)
+        total = total_heads or geometry.num_kv_heads * self.rank.tp_size
+        heads = self.rank.heads(total)
+        if heads.count != geometry.num_kv_heads:
+            raise LayoutMismatch(
+                f"vLLM's KV cache holds {geometry.num_kv_heads} head(s) on tensor-parallel "
+                f"rank {self.rank.tp_rank} of {self.rank.tp_size}, not the {heads.count} of "
+                f"a model of {total} KV heads"
+            )
         order = matching_order(vllm_layout, layout)
-        check_layout(self.client.layout, geometry, self.config.pool, order)
+        page = dataclasses.replace(geometry, num_kv_heads=total)
+        check_layout(self.client.layout, page, self.config.pool, order, self.rank.shards)
+        self.heads = heads
         pool, model = self.client.kv_caches[0].device, ordered[0].device
         if model != pool:
             log.info(
@@ -189,11 +208,13 @@ class WorkerSide:
         pending: torch.cuda.Event | None = None
         if plan.save_pages and plan.step != self._refused_step and self._maps(plan.epoch):
             start = time.perf_counter()
-            pages = self._copy(plan, save=True)
+            pages = self._copy(plan, save=True) if self.heads.writes else 0  # else a replica's
             self._count("save", pages, time.perf_counter() - start)
             if self._pool_device.type == "cuda":
                 pending = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                pending.record()
+                # the pool's device: its stream runs the scatter (another GPU than vLLM's
+                # for a TP rank whose stage's shard is elsewhere)
+                pending.record(torch.cuda.current_stream(self._pool_device))
             if not self.client.lease_lost:  # a fenced mapping took scratch: never commit it
                 saved = plan.saved
                 self.stats.add("saved_pages", len(plan.save_pages))
@@ -230,6 +251,7 @@ class WorkerSide:
         its layers. Returns the pages copied, summed over layers."""
         pages = plan.save_pages if save else plan.load_pages
         sides = self._runs()
+        kv = self._pool_layers()
         copied = 0
         for g in range(self.groups.count):
             layers = [i for i, group in enumerate(self._layer_groups) if group == g]
@@ -239,18 +261,25 @@ class WorkerSide:
             if not pairs or not layers:
                 continue
             if sides is None:
-                self._copy_strided(layers, pairs, save)
+                self._copy_strided(kv, layers, pairs, save)
             elif save:
                 ByteRuns.plan(sides[1], sides[0], layers, [(b, p) for p, b in pairs]).run()
             else:
                 ByteRuns.plan(sides[0], sides[1], layers, pairs).run()
         return copied
 
-    def _copy_strided(self, layers: list[int], pairs: list[tuple[int, int]], save: bool) -> None:
-        """One :class:`~.pages.PageCopy` of ``pairs`` (pool page, vLLM block), run on each
-        of ``layers``: slices of adjacent pages on the CPU, a gather and a scatter on a GPU."""
+    def _copy_strided(
+        self,
+        kv: list[torch.Tensor],
+        layers: list[int],
+        pairs: list[tuple[int, int]],
+        save: bool,
+    ) -> None:
+        """One :class:`~.pages.PageCopy` of ``pairs`` (pool page, vLLM block) between
+        ``kv`` (the pool's layers, this rank's heads) and vLLM's blocks, run on each of
+        ``layers``: slices of adjacent pages on the CPU, a gather and a scatter on a GPU."""
         ps, bs = [p for p, _ in pairs], [b for _, b in pairs]
-        pool, model, kv = self._pool_device, self._blocks[0].device, self.client.kv_caches
+        pool, model = self._pool_device, self._blocks[0].device
         if save:
             copy = PageCopy.plan(bs, ps, model, pool)
             for layer in layers:
@@ -268,16 +297,28 @@ class WorkerSide:
             return None
         mapped, pool_side = self._pool_side
         if mapped is not kv:  # a new mapping (attached again): its addresses and order
-            pool_side = Side.of(kv)
+            pool_side = Side.of(self._pool_layers())
             self._pool_side = (kv, pool_side)
         if pool_side is None or not pool_side.runs_with(block_side):
             return None
         return pool_side, block_side
 
+    def _pool_layers(self) -> list[torch.Tensor]:
+        """The mapped pool's layers ``[P, parts, N, H, D]``, of this rank's heads only
+        (views, ``H`` = ``self.heads.count``); computed once per mapping."""
+        kv = self.client.kv_caches
+        mapped, views = self._pool_heads
+        if mapped is not kv:  # a new mapping (attached again)
+            first, count = self.heads.first, self.heads.count
+            views = kv if self.heads.whole else [t[:, :, :, first : first + count] for t in kv]
+            self._pool_heads = (kv, views)
+        return views
+
     def _count(self, what: str, pages: int, seconds: float) -> None:
         """Add one step's ``what`` ("load" or "save") copies to the stats: ``pages``
-        pages of one layer each (summed over layers), and the seconds they took."""
-        page_bytes = self.client.kv_caches[0][0].nbytes  # one page of one layer
+        pages of one layer each (summed over layers, this rank's heads), and the seconds
+        they took."""
+        page_bytes = self._pool_layers()[0][0].nbytes  # this rank's heads of a page, a layer
         self.stats.add(f"{what}_bytes", pages * page_bytes)
         self.stats.add(f"{what}_copy_s", seconds)
 
