@@ -270,3 +270,21 @@ def test_the_identity_names_the_pipeline_size_and_not_the_tp_size(
     assert vllm_model(two) == vllm_model(one)
     assert vllm_identity(two).tp_size == 1 and vllm_identity(two).tp_rank is None
     assert vllm_model(engine_config(model, pipeline_parallel_size=2)) != vllm_model(one)
+
+
+def test_the_gather_and_scatter_copy_moves_a_ranks_heads_only() -> None:
+    """The copy a GPU (or a pool on another device) runs, on a rank's head slice of a
+    pool page, both ways: the other heads of every page are untouched."""
+    from kvcore.integrations.vllm.pages import PageCopy
+
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.zeros(6, 2, PAGE_SIZE, 4, 8)  # [P, 2, N, H, D], 4 heads
+    blocks = torch.randn(3, 2, PAGE_SIZE, 2, 8, generator=gen)  # rank 1 of 2: heads 2, 3
+    mine = pool[:, :, :, 2:4]
+    index = torch.tensor([0, 1, 2]), torch.tensor([4, 0, 5])
+    PageCopy(3, src_index=index[0], dst_index=index[1]).run(blocks, mine)
+    assert torch.equal(mine[[4, 0, 5]], blocks)
+    assert not bool(pool[:, :, :, :2].any()) and not bool(pool[[1, 2, 3]].any())
+    back = torch.zeros_like(blocks)
+    PageCopy(3, src_index=index[1], dst_index=index[0]).run(mine, back)
+    assert torch.equal(back, blocks)
