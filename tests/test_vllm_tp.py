@@ -14,8 +14,9 @@ Negative controls: one KV head of a committed page overwritten with another page
 tokens: head 1 (TP=2 rank 1's, read by the TP=1 engine) and head 0 (rank 0's, read by
 the TP=2 engine). Must-not-share: a pool of one shard per TP rank (kvcore's earlier
 layout, whose bytes are one rank's heads) and a pool of another head count are
-refused with the pool to start (tests/test_vllm_ranks.py, no engine). Slow (three
-engines start, minutes on 2 cores)."""
+refused with the pool to start (tests/test_vllm_ranks.py, no engine). A TP=4 engine
+(two ranks per KV head: replicas) shares both ways too (marked slow: a fourth engine,
+of four worker processes). Three engines start at once (about a minute on 2 cores)."""
 
 from __future__ import annotations
 
@@ -145,3 +146,24 @@ def test_tp2_decodes_other_tokens_from_a_wrong_head_saved_by_tp1(
     overwrite_head(daemon, CONTROL_2, KeySpace(model=tp2.model()), head=0)
     with pytest.raises(AssertionError, match=OTHER_TOKENS):
         decodes_as_plain(tp2, plain, CONTROL_2, loadable(CONTROL_2))
+
+
+BY_TP4 = prompt(19, 4, 3)  # computed by a TP=4 engine (heads replicated), hit by TP=1
+FOR_TP4 = prompt(23, 6, 3)  # computed by TP=1, hit by TP=4
+
+
+@pytest.mark.slow
+def test_a_tp4_engine_of_replicated_heads_shares_both_ways(
+    engines: dict[str, Engine], model: Path, daemon: str
+) -> None:
+    """Four ranks over the model's two KV heads: ranks 0 and 1 hold head 0, ranks 2 and
+    3 head 1; ranks 0 and 2 save, all four load. A fourth engine (four worker
+    processes), hence slow."""
+    plain, tp1 = engines["plain"], engines["tp1"]
+    computes(tp1, plain, FOR_TP4, daemon)
+    connector = {"endpoint": daemon}
+    with Engine(model, connector, tensor_parallel_size=4, prefix_caching=False, **SIZING) as tp4:
+        assert tp4.model() == tp1.model()
+        decodes_as_plain(tp4, plain, FOR_TP4, loadable(FOR_TP4))
+        computes(tp4, plain, BY_TP4, daemon)
+    decodes_as_plain(tp1, plain, BY_TP4, loadable(BY_TP4))
