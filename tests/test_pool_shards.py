@@ -1,6 +1,6 @@
-"""Sharded pools (tensor parallelism): one region per rank, one Manager and prefix index.
+"""Sharded pools (pipeline stages): one region per stage, one Manager and prefix index.
 
-Two rank processes map shards 0 and 1 of one pool and write different bytes into
+Two stage processes map shards 0 and 1 of one pool and write different bytes into
 the same pages; each reads its own back, and one allocate/commit of the
 controller (the connector's scheduler side) is one prefix hit for both. A shard
 past the last, or a shard count the client did not expect, is refused; every
@@ -38,7 +38,7 @@ client = Client.connect(endpoint, pool="kv", shard=rank, shards=2, name=f"rank{r
 pages = json.loads(sys.stdin.readline())
 for layer, cache in enumerate(client.kv_caches):
     for page in pages:
-        cache[page] = 100.0 * (rank + 1) + layer  # this rank's heads: its own value
+        cache[page] = 100.0 * (rank + 1) + layer  # this stage's layers: its own value
 print(json.dumps({"written": True}), flush=True)
 hit = json.loads(sys.stdin.readline())  # the pages of another sequence's prefix hit
 own = all(
