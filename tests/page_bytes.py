@@ -21,10 +21,10 @@ BYTE_LAYOUTS = [
     pytest.param(KVLayout(2, 1, 24, 4, "float8_e4m3fn", 8, kind="latent"), id="latent-e4m3fn"),
 ]
 ORDERS = [
-    pytest.param("LPKTH", id="LPKTH"),  # layer-major, the default: a page is L runs
+    pytest.param("LPKTH", id="LPKTH"),  # layer-major: a page is L runs
     pytest.param("PLKTH", id="PLKTH"),  # page-major: a page is one run
     pytest.param("LPHKT", id="LPHKT"),  # head-outer, layer-major
-    pytest.param("PLHKT", id="PLHKT"),  # head-outer, page-major
+    pytest.param("PLHKT", id="PLHKT"),  # head-outer, page-major: the default
 ]
 """Physical orders (kvcore.layout) a tier must carry pages of, each in its stored form."""
 FP8_SPECIALS = (0x7F, 0xFF, 0x7C, 0xFC, 0x7E, 0x80)
@@ -45,7 +45,11 @@ def byte_pages(layout: KVLayout, count: int, salt: int = 0) -> torch.Tensor:
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes, one uint8 row per leading index."""
-    return tensor.contiguous().reshape(len(tensor), -1).view(torch.uint8)
+    return (
+        tensor.contiguous()
+        .reshape(len(tensor), tensor[0].numel() if len(tensor) else 0)
+        .view(torch.uint8)
+    )
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

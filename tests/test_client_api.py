@@ -56,14 +56,18 @@ def test_results_have_the_manager_types(client: Client) -> None:
 
 
 def test_kv_caches_are_per_layer_views_of_the_pool(client: Client) -> None:
+    """Each layer view is the pool's memory in the pool's order (the default's strides):
+    a write through layer 1 lands one layer stride past layer 0's page."""
     assert len(client.kv_caches) == 2
-    assert (
-        client.kv_caches[0].shape == LAYOUT.layer_shape
-        and str(client.kv_caches[0].dtype) == "torch.bfloat16"
-    )
-    client.kv_caches[1][7, 1, 1, 1, 3] = 2.5
-    flat = client.kv_caches[0].reshape(-1)  # layer 0 ends where layer 1 begins
-    assert client.kv_caches[1].data_ptr() == flat.data_ptr() + LAYOUT.layer_bytes
+    first, second = client.kv_caches
+    assert first.shape == LAYOUT.layer_shape and str(first.dtype) == "torch.bfloat16"
+    strides = LAYOUT.strides
+    assert first.stride() == second.stride() == tuple(strides[axis] for axis in "PKTHD")
+    assert second.data_ptr() == first.data_ptr() + strides["L"] * first.element_size()
+    second[7, 1, 1, 1, 3] = 2.5
+    offset = sum(strides[axis] * i for axis, i in zip("LPKTHD", (1, 7, 1, 1, 1, 3), strict=True))
+    assert first.as_strided((1,), (1,), first.storage_offset() + offset).item() == 2.5
+    second[7, 1, 1, 1, 3] = 0.0
 
 
 def test_batch_results_and_partial_failure(client: Client) -> None:

@@ -222,7 +222,7 @@ def test_promote_rows_rejects_bad_input() -> None:
         promote_rows(pool, [0, 1], store, [0])
     with pytest.raises(BadRequest):
         spill_rows(pool, [0], store, [2])
-    wide = KVLayout(2, 3, 8, 4, "float16", NUM_PAGES)  # another order: another row shape
+    wide = KVLayout(2, 3, 8, 4, "float16", NUM_PAGES, order="LPKTH")  # LPHKT: another row shape
     _, rows = _pool(wide)
     with pytest.raises(BadRequest):
         promote_rows(rows, [0], byte_pages(dataclasses.replace(wide, order="LPHKT"), 1), [0])
