@@ -73,6 +73,7 @@ from kvcore.results import (
     Allocation,
     Extension,
     PageManager,
+    PagesAllocation,
     PrefixHit,
     PrefixPlan,
     Stats,
@@ -87,6 +88,7 @@ __all__ = [
     "Extension",
     "Manager",
     "PageManager",
+    "PagesAllocation",
     "PrefixHit",
     "PrefixPlan",
     "Stats",
@@ -666,6 +668,47 @@ class Manager:
             for at in range(0, len(token_bytes), stride)
         ]
 
+    def adopt_pages(
+        self,
+        tokens: Sequence[int],
+        chains: Sequence[int],
+        space: KeySpace = KeySpace(),
+        *,
+        medium: str = "",
+    ) -> list[int]:
+        """:meth:`adopt` for one-page chains (kvcore.daemon.tiering): index a fresh page
+        for each one-page chain ``chains[i]`` of ``tokens`` (an index of its page, keyed
+        as :meth:`allocate_pages` keys it), as if committed, for the caller to fill with
+        bytes found below the pool before anyone reads them. Every page indexed for a
+        chain of ``tokens`` stays pinned meanwhile, so neither they nor the pages adopted
+        are evicted for the fresh ones. Adopts the leading chains that fit beside those
+        pins; returns their pages, in order of ``chains`` (fewer when the room runs
+        out). The adopted pages (and the evictable indexed ones) end up evictable, most
+        recently used; ``medium`` labels their stored events. BadRequest, changing
+        nothing, unless ``tokens`` is whole pages and each of ``chains`` names a chain
+        of them not indexed now, its tokens unlike every other's of ``chains``."""
+        space, root = self._resolve(space)
+        token_bytes, stride = self._whole_pages(tokens, "adopt_pages")
+        chunks = [token_bytes[at : at + stride] for at in range(0, len(token_bytes), stride)]
+        get = self._by_content.get
+        wanted = [chunks[i] if 0 <= i < len(chunks) else b"" for i in chains]
+        if b"" in wanted or len(set(wanted)) != len(wanted) or any(get((root, c)) for c in wanted):
+            raise BadRequest(
+                "adopt_pages takes distinct chains of the tokens, none indexed, "
+                f"got {list(chains)} of {len(chunks)}"
+            )
+        found = (get((root, chunk)) for chunk in chunks)
+        hit_pages = list(dict.fromkeys(entry.page for entry in found if entry is not None))
+        wanted = wanted[: self._room(hit_pages)]
+        if not wanted:
+            return []
+        self._pages.retain(hit_pages)  # so that the take below cannot evict them
+        pages = self._pages.take(len(wanted), self._evict)
+        for page, chunk in zip(pages, wanted, strict=True):
+            self._index.insert_chain(root, (page_key(root, chunk),), (page,), chunk, space, medium)
+        self._pages.release(reversed(hit_pages + pages), self._key_by_page)
+        return list(pages)
+
     def _whole_pages(self, tokens: Sequence[int], op: str) -> tuple[bytes, int]:
         """``tokens`` as u32 bytes and the bytes of one page of them; BadRequest (naming
         ``op``) unless they are whole pages or a token is not an int in [0, 2**32)."""
@@ -688,13 +731,3 @@ def _hit_limit(num_tokens: int, page_size: int, compute_last: bool = True) -> in
     """Pages a prefix hit of ``num_tokens`` tokens may cover: every full page, less
     the last token when the caller computes it (``compute_last``)."""
     return max(num_tokens - compute_last, 0) // page_size
-
-
-@dataclass(slots=True)
-class PagesAllocation:
-    """Result of :meth:`Manager.allocate_pages`: ``pages[i]`` holds one-page chain i;
-    ``hits[i]``: that page is indexed under chain i's key (its K/V is there: read it,
-    never write it), else it is fresh (write it, then :meth:`Manager.commit_pages`)."""
-
-    pages: list[int]
-    hits: list[bool]

@@ -43,7 +43,6 @@ from kvcore_ipc import messages as msg
 from msgspec import Struct
 from msgspec.structs import astuple
 
-from kvcore.errors import Unsupported
 from kvcore.layout import cdiv
 from kvcore.manager import (
     Allocation,
@@ -264,14 +263,6 @@ def _commit_pages(seq_id: int, tokens: Sequence[int]) -> msg.CommitPages:
     return msg.CommitPages(seq_id, _tokens(tokens))
 
 
-def _paged(manager: PageManager) -> Manager:
-    """The pool's Manager, for the one-page-chain ops; Unsupported on a pool with
-    lower tiers (its TieredManager would have to spill what they evict)."""
-    if not isinstance(manager, Manager):
-        raise Unsupported("the *_pages operations need a pool without lower tiers")
-    return manager
-
-
 # -- work and growth, read from the books (units: tokens) -------------------------------
 
 
@@ -398,9 +389,9 @@ allocate_pages = Operation(
     msg.AllocatePages,
     _allocate_pages,
     serve=lambda m, r, ns: msg.AllocatePagesOk(
-        *_pages_allocation(_paged(m).allocate_pages(r.seq, r.tokens, _space(r, ns)))
+        *_pages_allocation(m.allocate_pages(r.seq, r.tokens, _space(r, ns)))
     ),
-    decode=lambda r: PagesAllocation(r.pages, r.hits),
+    decode=lambda r: PagesAllocation(r.pages, r.hits, r.media),
     creates="seq",
     work=lambda r, b: len(r.tokens),
     grows=lambda r, b: (r.seq, len(r.tokens)),
@@ -409,7 +400,7 @@ lookup_pages = Operation(
     Manager.lookup_pages,
     msg.LookupPages,
     _lookup_pages,
-    serve=lambda m, r, ns: msg.LookupPagesOk(_paged(m).lookup_pages(r.tokens, _space(r, ns))),
+    serve=lambda m, r, ns: msg.LookupPagesOk(m.lookup_pages(r.tokens, _space(r, ns))),
     decode=lambda r: r.hits,
     work=lambda r, b: len(r.tokens),
     grows=_grows_none,
@@ -418,7 +409,7 @@ commit_pages = Operation(
     Manager.commit_pages,
     msg.CommitPages,
     _commit_pages,
-    serve=lambda m, r, ns: msg.CommitPagesOk(_paged(m).commit_pages(r.seq, r.tokens)),
+    serve=lambda m, r, ns: msg.CommitPagesOk(m.commit_pages(r.seq, r.tokens)),
     decode=lambda r: r.num_indexed,
     owns=("seq",),
     work=lambda r, b: len(r.tokens),
@@ -426,8 +417,8 @@ commit_pages = Operation(
 )
 
 
-def _pages_allocation(a: PagesAllocation) -> tuple[list[int], list[bool]]:
-    return a.pages, a.hits
+def _pages_allocation(a: PagesAllocation) -> tuple[list[int], list[bool], list[str]]:
+    return a.pages, a.hits, a.media
 
 
 def _allocation(a: Allocation) -> tuple[list[int], int, list[tuple[str, int]]]:

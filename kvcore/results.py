@@ -13,7 +13,7 @@ fraction of a dataclass's Python ``__init__`` on the Manager's hottest path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -105,6 +105,20 @@ class Stats:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
 
+@dataclass(slots=True)
+class PagesAllocation:
+    """Result of :meth:`Manager.allocate_pages`: ``pages[i]`` holds one-page chain i;
+    ``hits[i]``: that page is indexed under chain i's key (its K/V is there: read it,
+    never write it), else it is fresh (write it, then :meth:`Manager.commit_pages`).
+    ``media``: where each hit was when asked, "pool" or the lower tier that brought it
+    up ("host", "disk", "remote"; kvcore.daemon.tiering), "" for a fresh page; empty
+    when every hit was in the pool."""
+
+    pages: list[int]
+    hits: list[bool]
+    media: list[str] = field(default_factory=list)
+
+
 class PageManager(Protocol):
     """What serves one pool's operations, with :class:`~kvcore.manager.Manager`'s
     signatures and promises: the Manager, or a wrapper that holds one
@@ -149,3 +163,8 @@ class PageManager(Protocol):
     def take_events(self) -> list[PageEvent]: ...
     def prefix_snapshot(self) -> list[PageStored]: ...
     def check_integrity(self) -> None: ...
+    def allocate_pages(
+        self, seq_id: int, tokens: Sequence[int], space: KeySpace = KeySpace()
+    ) -> PagesAllocation: ...
+    def commit_pages(self, seq_id: int, tokens: Sequence[int]) -> int: ...
+    def lookup_pages(self, tokens: Sequence[int], space: KeySpace = KeySpace()) -> list[bool]: ...

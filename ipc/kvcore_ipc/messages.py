@@ -197,6 +197,9 @@ class AllocatePagesOk(_Message):
 
     pages: list[int]  # the new block table, one page per chain
     hits: list[bool]
+    # Where each hit was when asked: "pool", or the lower tier that brought it up
+    # ("host", "disk", "remote"); "" for a fresh page. Empty: every hit in the pool.
+    media: list[str] = []
 
 
 class LookupPagesOk(_Message):

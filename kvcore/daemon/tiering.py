@@ -16,8 +16,12 @@ public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
         then the Manager's own allocate or lookup, whose hit now covers the promoted pages;
         spill              what it evicted: pool pages -> host slots (one copy per byte,
                            TierStack.spill_from), the host's own evictions -> disk
+    allocate_pages /       one-page chains (SGLang's storage): each chain the pool
+      lookup_pages         misses and the host or disk tier holds is promoted on its
+                           own (Manager.adopt_pages pins the call's pool pages); then
+                           the Manager's op, and spill what it evicted, as above
     extend                 the Manager's extend, then spill what it evicted (the same)
-    commit                 the Manager's commit, then a copy of the pages it indexed (its
+    commit, commit_pages   the Manager's commit, then a copy of the pages it indexed (its
                            PageStored events) queued for the remote store (published by
                            the store's thread)
     close                  the host tier's entries and the pool's cached pages written
@@ -54,12 +58,21 @@ from kvcore.allocator import PageId
 from kvcore.config import TierConfig
 from kvcore.errors import OutOfPages
 from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
-from kvcore.hits import Histogram, HitBook
+from kvcore.hits import MEDIA, Histogram, HitBook
 from kvcore.layout import KVLayout
-from kvcore.manager import Allocation, Extension, Manager, PrefixHit, Stats
-from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
+from kvcore.manager import Allocation, Extension, Manager, PagesAllocation, PrefixHit, Stats
+from kvcore.prefix import (
+    KeySpace,
+    PageEvent,
+    PageRemoved,
+    PageStored,
+    PrefixKey,
+    encode_tokens,
+    page_key,
+    root_key,
+)
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
-from kvcore.tiers.base import layout_fingerprint, tier_keys
+from kvcore.tiers.base import layout_fingerprint, tier_key, tier_keys
 from kvcore.tiers.secret import keyring_of
 from kvcore.tiers.transfer import gather_pages, scatter_pages
 
@@ -200,17 +213,127 @@ class TieredManager:
         """:meth:`Manager.commit`; with a remote tier, the pages it indexed are copied
         out and queued for the store (the reply does not wait for the store)."""
         end = self.manager.commit(seq_id, tokens, start=start)
-        remote = self.tiers.remote
-        if remote is not None:
-            # Every commit takes the Manager's events, so its committed PageStored
-            # events (medium "") are exactly the pages this commit indexed.
-            events = self.manager.take_events()
-            self._events += events
-            new = [e for e in events if isinstance(e, PageStored) and not e.medium]
-            if new:
-                pages = gather_pages(self._pool, [e.page for e in new], device="cpu")
-                remote.put_many(tier_keys(self._fingerprint, [e.key for e in new]), pages)
+        self._publish()
         return end
+
+    # -- one-page chains (SGLang's storage): each promoted on its own ----------------------
+
+    def allocate_pages(
+        self, seq_id: int, tokens: Sequence[int], space: KeySpace = KeySpace()
+    ) -> PagesAllocation:
+        """:meth:`Manager.allocate_pages`, after promoting the chains the pool misses and
+        the host or disk tier holds (each chain is its own: a miss ends nothing);
+        ``media`` says where each hit was. OutOfPages before any I/O if the fresh pages
+        cannot fit anyway."""
+        self.manager.check_new(seq_id)  # bad input fails before any I/O
+        media = self._promote_pages(tokens, space, for_allocate=True)
+        try:
+            allocation = self.manager.allocate_pages(seq_id, tokens, space)
+        finally:
+            self._spill()
+        if media:
+            ps = self.layout.page_size
+            allocation.media = [
+                media.get(tuple(tokens[i * ps : (i + 1) * ps]), "pool") if hit else ""
+                for i, hit in enumerate(allocation.hits)
+            ]
+            for medium in MEDIA[1:]:
+                count = allocation.media.count(medium)
+                if count:
+                    self.manager.hits.lower(space.namespace, medium, count * ps)
+        return allocation
+
+    def lookup_pages(self, tokens: Sequence[int], space: KeySpace = KeySpace()) -> list[bool]:
+        """:meth:`Manager.lookup_pages`, after promoting what the host or disk tier holds
+        of the chains the pool misses (not read-only: see :meth:`lookup`)."""
+        self._promote_pages(tokens, space, for_allocate=False)
+        self._spill()
+        return self.manager.lookup_pages(tokens, space)
+
+    def commit_pages(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """:meth:`Manager.commit_pages`; what it indexed goes to the remote store as
+        :meth:`commit`'s pages do."""
+        indexed = self.manager.commit_pages(seq_id, tokens)
+        self._publish()
+        return indexed
+
+    def _promote_pages(
+        self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool
+    ) -> dict[tuple[int, ...], str]:
+        """:meth:`_promote` for one-page chains: bring the chains of ``tokens`` that the
+        pool misses and the host or disk tier holds into adopted pool pages, as many as
+        the room beside the chains' pool pages allows (Manager.adopt_pages pins those).
+        Disk entries are read and verified first, one by one, so that a bad one costs
+        only its own chain. The remote store is not asked (one round trip per chain).
+        Returns the tokens of each chain promoted -> the medium it came from."""
+        found = self.manager.lookup_pages(tokens, space)  # BadRequest before any I/O
+        if for_allocate:
+            stats = self.manager.stats()
+            room = stats.free_pages + stats.evictable_pages
+            if found.count(False) > room:
+                raise OutOfPages(f"need {found.count(False)} pages, {room} free or evictable")
+        host, disk = self.tiers.host, self.tiers.disk
+        if all(found) or (host is None and disk is None):
+            return {}
+        ps = self.layout.page_size
+        missing: dict[tuple[int, ...], int] = {}  # a chain's tokens -> its first index
+        for i, hit in enumerate(found):
+            if not hit:
+                missing.setdefault(tuple(tokens[i * ps : (i + 1) * ps]), i)
+        root = root_key(space.resolved())
+        keys = {
+            i: tier_key(self._fingerprint, page_key(root, encode_tokens(chunk)))
+            for chunk, i in missing.items()
+        }
+        took: dict[str, float] = {}  # medium -> seconds spent bringing its pages up
+        on_host = [i for i, key in keys.items() if host is not None and key in host]
+        read: list[tuple[int, torch.Tensor]] = []  # disk chains and their verified pages
+        if disk is not None:
+            start = time.perf_counter()
+            for i, key in keys.items():
+                if (host is None or key not in host) and key in disk:
+                    data = disk.get_many([key])
+                    if len(data):
+                        read.append((i, data[0]))
+            took["disk"] = time.perf_counter() - start
+        host_pages = self.manager.adopt_pages(tokens, on_host, space, medium="host")
+        disk_pages = self.manager.adopt_pages(tokens, [i for i, _ in read], space, medium="disk")
+        evicted = self.manager.take_evicted()  # adopt took them from the LRU: copy out first
+        spilled = self._gather(evicted)
+        if host_pages:
+            assert host is not None
+            start = time.perf_counter()
+            got = host.promote([keys[i] for i in on_host], self._pool, host_pages)
+            assert got == len(host_pages), "the host tier lost entries inside one request"
+            took["host"] = time.perf_counter() - start
+        if disk_pages:
+            import torch
+
+            start = time.perf_counter()
+            data = torch.stack([page for _, page in read[: len(disk_pages)]])
+            scatter_pages(self._pool, disk_pages, data)
+            took["disk"] += time.perf_counter() - start
+        self._put_down(evicted, spilled)
+        for medium, seconds in took.items():
+            self.promotions.setdefault(medium, Histogram()).observe(seconds)
+        chains = {i: "host" for i in on_host[: len(host_pages)]}
+        chains.update((i, "disk") for i, _ in read[: len(disk_pages)])
+        return {chunk: chains[i] for chunk, i in missing.items() if i in chains}
+
+    def _publish(self) -> None:
+        """With a remote tier, copy the pages the last commit indexed out and queue them
+        for the store (the reply does not wait for the store)."""
+        remote = self.tiers.remote
+        if remote is None:
+            return
+        # Every commit takes the Manager's events, so its committed PageStored
+        # events (medium "") are exactly the pages this commit indexed.
+        events = self.manager.take_events()
+        self._events += events
+        new = [e for e in events if isinstance(e, PageStored) and not e.medium]
+        if new:
+            pages = gather_pages(self._pool, [e.page for e in new], device="cpu")
+            remote.put_many(tier_keys(self._fingerprint, [e.key for e in new]), pages)
 
     # -- the Manager's, unchanged (never allocate, so never evict) ------------------------
 
