@@ -2,8 +2,8 @@
 ``lookup_pages``, ``commit_pages``; spec/protocol.md): each page a chain of its own,
 one sequence a call. In-process on the Manager (keys, hits, all-or-nothing), and on
 a real daemon (ownership, quotas, typed errors, a failed op changes nothing, pages
-visible only after their commit, pools with tiers refuse them); and the SGLang
-backend on both kinds of pool (in SGLang's venv; skips without it)."""
+visible only after their commit, a pool with tiers brings pages up from them); and
+the SGLang backend on both kinds of pool (in SGLang's venv; skips without it)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from kvcore.errors import (
     KVCoreError,
     OutOfPages,
     QuotaExceeded,
-    Unsupported,
 )
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
@@ -233,19 +232,30 @@ def test_on_a_daemon_ownership_quota_and_visibility(daemon: DaemonProcess) -> No
         a.check_integrity()
 
 
-def test_a_pool_with_tiers_refuses_them(daemon: DaemonProcess) -> None:
-    with Client.connect(daemon.endpoint, pool="tiered", map_memory=False) as c:
-        for call in (
-            lambda: c.allocate_pages(1, pages(10), SPACE),
-            lambda: c.lookup_pages(pages(10), SPACE),
-        ):
-            with pytest.raises(Unsupported):
-                call()
-        assert c.stats().num_sequences == 0
-        c.allocate(1, page(10), SPACE, compute_last=False)  # the per-page ops still serve it
-        with pytest.raises(Unsupported):
-            c.commit_pages(1, page(10))
+def test_a_pool_with_tiers_serves_them_from_its_host_tier(daemon: DaemonProcess) -> None:
+    """The tiered pool (16 pages, a host tier) serves the *_pages ops: chains pushed out
+    of the pool into the host tier are hits again, with their bytes and medium "host"."""
+    with Client.connect(daemon.endpoint, pool="tiered") as c:
+        view = c.kv_caches[0]
+        first = pages(*range(100, 108))  # 8 chains
+        got = c.allocate_pages(1, first, SPACE)
+        assert got.hits == [False] * 8
+        for n, p in enumerate(got.pages):
+            view[p].fill_(float(n + 1))
+        c.commit_pages(1, first)
         c.free(1)
+        for r in range(2):  # 16 other chains fill the pool: the first 8 go to the host tier
+            other = pages(*range(200 + 8 * r, 208 + 8 * r))
+            c.allocate_pages(10 + r, other, SPACE)
+            c.commit_pages(10 + r, other)
+            c.free(10 + r)
+        again = c.allocate_pages(2, first, SPACE)
+        assert again.hits == [True] * 8 and again.media == ["host"] * 8
+        assert [float(view[p].flatten()[0]) for p in again.pages] == [n + 1.0 for n in range(8)]
+        c.free(2)
+        assert c.lookup_pages(first, SPACE) == [True] * 8  # in the pool again
+        assert c.stats().num_sequences == 0
+        c.check_integrity()
 
 
 SCRIPT = """
@@ -265,7 +275,7 @@ for pool in ("plain", "tiered"):
     hit = store.batch_exists(keys + ["never"])
     got = store.batch_get_v1(keys, dst)
     same = b._pages_equal(host, src, dst, torch)
-    out[pool] = [all(stored), all(again), hit, all(got), same, store._paged]
+    out[pool] = [all(stored), all(again), hit, all(got), same]
     out[pool].append(store.get_stats().prefetch_pgs_by_source)
     if pool == "tiered":  # 64 other pages push the 8 out of the pool, into its host tier
         for seed in range(2, 10):
@@ -281,14 +291,12 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(300)
-def test_sglang_storage_on_a_pool_with_tiers_falls_back_to_one_op_per_page(
-    tmp_path: Path,
-) -> None:
+def test_sglang_storage_on_a_pool_with_tiers(tmp_path: Path) -> None:
     """KVCoreStorage (SGLang's host pool and factory, in its venv) stores, finds and
-    fetches the same bytes on a plain pool (the ``*_pages`` ops) and on a pool with a
-    host tier, which refuses them ``unsupported``: one op per page there. Its stats say
-    where the fetched pages were: the pool, and, once other pages pushed them out of the
-    tiered pool, its host tier (the same bytes, brought back)."""
+    fetches the same bytes with the ``*_pages`` ops on a plain pool and on a pool with a
+    host tier. Its stats say where the fetched pages were: the pool, and, once other
+    pages pushed them out of the tiered pool, its host tier (the same bytes, brought
+    back)."""
     venv = sglang_venv()
     pool = "num_layers=1,num_kv_heads=1,head_dim=8,page_size=16,dtype=float16,num_pages=64"
     with DaemonProcess(
@@ -311,7 +319,7 @@ def test_sglang_storage_on_a_pool_with_tiers_falls_back_to_one_op_per_page(
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out == {
-        "plain": [True, True, 8, True, True, True, {"pool": 8}],
-        "tiered": [True, True, 8, True, True, False, {"pool": 8}],
+        "plain": [True, True, 8, True, True, {"pool": 8}],
+        "tiered": [True, True, 8, True, True, {"pool": 8}],
         "promoted": [True, True, [8], {"host": 8}],
     }

@@ -3,7 +3,9 @@ factory loads ``kvcore.integrations.sglang.KVCoreStorage`` by name, its cache
 controller's backup and prefetch threads call it (tests/sglang_harness.py, in SGLang's
 venv), and separate processes share pages through one real daemon, byte for byte: MHA
 models in kv pools, MLA models (SGLang's own MLA pools) in latent pools, fp8 caches in
-fp8 pools. Skips without the SGLang venv (tests/install.sh builds it)."""
+fp8 pools. Each host layout has its pool order (kvcore.integrations.sglang.pages.
+HOST_ORDERS); a pool of another order is refused, never read as another layout's.
+Skips without the SGLang venv (tests/install.sh builds it)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from sglang_helpers import HarnessError, run_harness, sglang_venv
 
 from kvcore import Client
 from kvcore.daemon_process import DaemonProcess
+from kvcore.integrations.sglang.pages import HOST_ORDERS
 
 PAGE = 16
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "bfloat16"}
@@ -26,10 +29,20 @@ SHARED_HEAD = WRITTEN[: 2 * PAGE] + list(range(7000, 7000 + 2 * PAGE))  # 2 page
 NEVER = list(range(9000, 9000 + 3 * PAGE))
 MLA = {"kv_lora_rank": 32, "qk_rope_head_dim": 16}  # one latent vector of 48 a token
 LATENT = "num_layers=2,num_kv_heads=1,head_dim=48,page_size=16,kind=latent,num_pages=32"
+ORDERED = {  # host layout -> the pool of its order (the default pool: layer_first's)
+    "page_first": "pf",
+    "page_first_direct": "pfd",
+    "page_head": "ph",
+}
 OTHER_POOLS = (
+    *(
+        POOL.replace("name=default", f"name={name}") + f",order={HOST_ORDERS[layout]}"
+        for layout, name in ORDERED.items()
+    ),
     f"name=mla,{LATENT},dtype=bfloat16",
-    f"name=mla8,{LATENT},dtype=float8_e4m3fn",
-    POOL.replace("name=default", "name=fp8").replace("bfloat16", "float8_e5m2"),
+    f"name=mla8,{LATENT},dtype=float8_e4m3fn,order={HOST_ORDERS['page_first_direct']}",
+    POOL.replace("name=default", "name=fp8").replace("bfloat16", "float8_e5m2")
+    + f",order={HOST_ORDERS['page_head']}",
 )
 
 
@@ -103,56 +116,71 @@ def stats(daemon: DaemonProcess, pool: str = "default") -> tuple[int, int]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    ("wrote_in", "read_in", "v1", "seed"),
+    ("host_layout", "write_v1", "read_v1", "seed"),
     [
-        ("layer_first", "page_first", 1, 1),
-        ("page_first_direct", "page_head", 1, 2),
-        ("page_head", "layer_first", 0, 3),  # SGLang's generic calls: flat page tensors
+        ("layer_first", 1, 0, 1),  # v0: SGLang's generic calls, flat page tensors
+        ("page_first", 1, 1, 2),
+        ("page_first_direct", 0, 1, 3),
+        ("page_head", 1, 0, 4),
     ],
 )
 def test_two_sglang_processes_share_pages_through_one_daemon(
     daemon: DaemonProcess,
     models: dict[str, str],
-    wrote_in: str,
-    read_in: str,
-    v1: int,
+    host_layout: str,
+    write_v1: int,
+    read_v1: int,
     seed: int,
 ) -> None:
-    """Process 1 backs a prompt up, process 2 (another host layout) prefetches it and two
-    other prompts: exactly the written pages hit, byte for byte; nothing stays held."""
+    """Process 1 backs a prompt up, process 2 (the same host layout, maybe the other
+    interface) prefetches it and two other prompts, on the pool of the layout's order:
+    exactly the written pages hit, byte for byte; nothing stays held."""
     prompts = [[t + 100_000 * seed for t in p] for p in (WRITTEN, SHARED_HEAD, NEVER)]
-    extra = {"interface_v1": v1}
+    pool = ORDERED.get(host_layout, "default")
     model = models["base"]
-    w = run_harness(
-        spec("write", daemon.endpoint, wrote_in, prompts[:1], extra, seed=seed, model_path=model)
-    )
-    assert w["backend_class"] == "kvcore.integrations.sglang.storage.KVCoreStorage"
-    page_set, page_get = (
-        ("_page_set_zero_copy", "_page_get_zero_copy")
-        if v1
-        else (
-            "_generic_page_set",
-            "_generic_page_get",
+
+    def run(op: str, v1: int, prompts: list[list[int]]) -> dict[str, Any]:
+        extra = {"interface_v1": v1, "pool": pool}
+        return run_harness(
+            spec(op, daemon.endpoint, host_layout, prompts, extra, seed=seed, model_path=model)
         )
-    )
+
+    w = run("write", write_v1, prompts[:1])
+    assert w["backend_class"] == "kvcore.integrations.sglang.storage.KVCoreStorage"
+    page_set = "_page_set_zero_copy" if write_v1 else "_generic_page_set"
     assert (w["page_set"], w["controller"]) == (page_set, "HybridCacheController")
     (wrote,) = w["prompts"]
     assert wrote["completed_tokens"] == 4 * PAGE
-    held, cached = stats(daemon)
+    held, cached = stats(daemon, pool)
     assert held == 0 and cached >= 4
 
-    f = run_harness(
-        spec("fetch", daemon.endpoint, read_in, prompts, extra, seed=seed, model_path=model)
-    )
+    f = run("fetch", read_v1, prompts)
     full, head, never = f["prompts"]
-    assert f["page_get"] == page_get
+    assert f["page_get"] == ("_page_get_zero_copy" if read_v1 else "_generic_page_get")
     assert full["keys"] == wrote["keys"]
     assert full["hit_tokens"] == full["fetched_tokens"] == 4 * PAGE
     assert full["sha256"] == wrote["sha256"] == full["expected_sha256"]
     assert head["hit_tokens"] == head["fetched_tokens"] == 2 * PAGE
     assert head["page_sha256"] == wrote["page_sha256"][:2]
     assert never["hit_tokens"] == never["fetched_tokens"] == 0
-    assert stats(daemon)[0] == 0  # the fetch pinned pages only while it copied
+    assert stats(daemon, pool)[0] == 0  # the fetch pinned pages only while it copied
+
+
+@pytest.mark.timeout(300)
+def test_a_host_layout_of_another_order_never_reads_the_pool(daemon: DaemonProcess) -> None:
+    """A page_first process backs a prompt up into the pool of its order; a layer_first
+    process on that pool is refused at attach (a LayoutMismatch naming its host layout
+    and the order to serve a pool in), never fed another layout's bytes."""
+    written = [t + 900_000 for t in WRITTEN[: 4 * PAGE]]
+    extra = {"pool": ORDERED["page_first"]}
+    run_harness(spec("write", daemon.endpoint, "page_first", [written], extra))
+    assert stats(daemon, ORDERED["page_first"])[1] >= 4
+    with pytest.raises(
+        HarnessError,
+        match=r"LayoutMismatch.*layer_first host pool.*order=LPKTH.*kvcore serve --pool "
+        r"name=pf,.*,order=LPKTH",
+    ):
+        run_harness(spec("fetch", daemon.endpoint, "layer_first", [written], extra))
 
 
 @pytest.mark.timeout(300)
@@ -186,9 +214,9 @@ def test_other_models_shards_and_namespaces_never_share(
 @pytest.mark.parametrize(
     ("pool", "dtype", "kv_cache_dtype", "wrote_in", "read_in", "v1"),
     [
-        ("mla", "bfloat16", "auto", "layer_first", "page_first", 1),
-        ("mla8", "float8_e4m3fn", "fp8_e4m3", "page_first_direct", "layer_first", 0),
-        ("fp8", "float8_e5m2", "fp8_e5m2", "page_head", "page_first", 1),  # MHA, fp8
+        ("mla", "bfloat16", "auto", "layer_first", "layer_first", 1),
+        ("mla8", "float8_e4m3fn", "fp8_e4m3", "page_first_direct", "page_first_direct", 0),
+        ("fp8", "float8_e5m2", "fp8_e5m2", "page_head", "page_head", 1),  # MHA, fp8
     ],
 )
 def test_mla_and_fp8_caches_share_pages_byte_for_byte(
@@ -201,7 +229,8 @@ def test_mla_and_fp8_caches_share_pages_byte_for_byte(
     read_in: str,
     v1: int,
 ) -> None:
-    """TP rank 0 of 2 backs a prompt up, rank 1 (another host layout) prefetches it: an
+    """TP rank 0 of 2 backs a prompt up, rank 1 prefetches it (a pool of the host
+    layout's order): an
     MLA model's ranks share the one latent cache SGLang writes from rank 0 (its
     is_mla_model); fp8 pages are SGLang's uint8 bytes, any bit pattern, in an fp8 pool."""
     extra = {"interface_v1": v1, "pool": pool}

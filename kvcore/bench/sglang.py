@@ -6,7 +6,8 @@ this drives the storage backend as SGLang's cache controller does: SGLang's real
 ``MHATokenToKVPoolHost`` (CPU) holds the pages; the backend is built by SGLang's
 ``StorageBackendFactory`` (``dynamic``) and attached to a private daemon; keys are
 SGLang's page hashes. The pool holds one round's pages, so from the second round on
-every page stored evicts one (the steady state of a full cache). Per round (after
+every page stored evicts one (the steady state of a full cache; LRU, so that the
+pages evicted are the last round's, never this one's). Per round (after
 one untimed round that touches every page once), fresh pages:
 
 * backup: ``batch_set_v1`` of ``STORAGE_BATCH_SIZE`` (128) pages per call, as the
@@ -15,9 +16,11 @@ one untimed round that touches every page once), fresh pages:
   threads, into other host pages; the fetched bytes must equal the stored ones
   (``bytes_match``).
 
-The baseline is :class:`HostCopyStore`: the same calls on a dict of slots in one
-preallocated host tensor, copied with the same gather/scatter, so the ratios are
-what the daemon costs (round trips, keys, commit). ``set_ratio`` / ``get_ratio``
+The pool's order is the one ``--host-layout`` matches (kvcore.integrations.sglang.
+pages.HOST_ORDERS), as the backend requires. The baseline is :class:`HostCopyStore`:
+the same calls on a dict of slots in one preallocated host tensor in that same page
+order, copied with the same copy, so the ratios are what the daemon costs (round
+trips, keys, commit). ``set_ratio`` / ``get_ratio``
 = kvcore's pages/s / the baseline's (target >= 0.5); the median over rounds.
 """
 
@@ -75,14 +78,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.layers, args.kv_heads, args.head_dim, args.pages, args.rounds = 2, 2, 64, 64, 2
     import torch
 
+    from kvcore.integrations.sglang.pages import HOST_ORDERS
+
+    order = HOST_ORDERS[args.host_layout]
     layout = KVLayout(
-        args.layers, args.kv_heads, args.head_dim, args.page_size, args.dtype, args.pages
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        args.page_size,
+        args.dtype,
+        args.pages,
+        "kv",
+        order,
     )
-    pool = ",".join(f"{k}={v}" for k, v in {"name": "default", **layout.to_dict()}.items())
+    fields = {"name": "default", **layout.to_dict(), "eviction": "lru"}  # the oldest go first
+    pool = ",".join(f"{k}={v}" for k, v in fields.items())
     with DaemonProcess.private("--pool", pool) as daemon:
         host = host_pool(layout, args.host_layout, 2 * args.pages)
         kvcore_store = kvcore_backend(daemon.endpoint, host)
-        plain = HostCopyStore(host, args.pages)
+        plain = HostCopyStore(host, layout)
         rounds = []
         for r in range(-1, args.rounds):  # round -1 warms up: every page touched once
             keys = page_keys(layout.page_size, args.pages, seed=r + 1)
@@ -145,16 +159,18 @@ def _round(store: Any, host: Any, keys: list[str], torch: Any) -> tuple[float, f
 
 class HostCopyStore:
     """The baseline: SGLang's storage calls on a plain in-process host store (a dict of
-    slots in one preallocated tensor), with the copies kvcore's backend makes."""
+    slots in one preallocated tensor, a pool of ``layout``: its pages in its order),
+    with the copies kvcore's backend makes."""
 
-    def __init__(self, host: Any, num_pages: int) -> None:
+    def __init__(self, host: Any, layout: KVLayout) -> None:
         import torch
 
-        from kvcore.integrations.sglang.pages import host_pages
+        from kvcore.integrations.sglang.pages import host_pages, pool_pages
 
         self.page_size = host.page_size
         self.host = host_pages(host.kv_buffer, host.layout, host.page_size)
-        self.slots = torch.empty((num_pages, *self.host.shape[1:]), dtype=self.host.dtype)
+        memory = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        self.slots = pool_pages(layout.layer_views(memory))
         self.index: dict[str, int] = {}
 
     def clear(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from kvcore.client import Client
 from kvcore.errors import LayoutMismatch, Timeout
-from kvcore.integrations.sglang.pages import LAYOUTS
+from kvcore.integrations.sglang.pages import HOST_ORDERS, LAYOUTS
 from kvcore.layout import DTYPE_SIZES, KVLayout
 from kvcore.prefix import DEFAULT_NAMESPACE
 
@@ -47,7 +47,8 @@ MLA_LAYOUTS = LAYOUTS[:3]  # SGLang's MLA host pool has no page_head
 
 
 def expected_layout(host: Any, kv_cache_dtype: str = "") -> tuple[KVLayout, str]:
-    """The kvcore layout one rank's SGLang host pool has, and its layout name: an MHA
+    """The kvcore layout one rank's SGLang host pool has, in the order whose pages copy
+    as SGLang's do (:data:`~.pages.HOST_ORDERS`), and its layout name: an MHA
     pool (``layer_num``, ``head_num``, ``head_dim``, ``page_size``, ``dtype``) is a
     ``kv`` layout, an MLA pool (``kv_lora_rank``, ``qk_rope_head_dim``,
     ``kv_cache_dim``) a ``latent`` one of one head ``kv_cache_dim`` wide. SGLang's
@@ -97,6 +98,7 @@ def expected_layout(host: Any, kv_cache_dtype: str = "") -> tuple[KVLayout, str]
         dtype=dtype,
         num_pages=1,  # the daemon's choice
         kind="latent" if mla else "kv",
+        order=HOST_ORDERS[layout],
     )
     return kv, layout
 
@@ -108,10 +110,12 @@ def _rocm() -> bool:
     return bool(torch.version.hip)
 
 
-def connect(config: StorageConfig, layout: KVLayout) -> Client:
-    """The backend's session on a pool of ``layout``. Timeout naming the endpoint if no
-    daemon answers; LayoutMismatch with the ``--pool`` flag that fits SGLang's host
-    pool if the daemon's pool differs."""
+def connect(config: StorageConfig, layout: KVLayout, host_layout: str) -> Client:
+    """The backend's session on a pool of ``layout`` (SGLang's ``host_layout`` host
+    pool's). Timeout naming the endpoint if no daemon answers; LayoutMismatch with the
+    ``--pool`` flag that fits the host pool if the daemon's pool differs, its order
+    included: a pool in another order is refused, never copied run by run
+    (kvcore.integrations.sglang.storage says why)."""
     try:
         return Client.connect(
             config.endpoint,
@@ -131,5 +135,7 @@ def connect(config: StorageConfig, layout: KVLayout) -> Client:
         fields = {"name": config.pool, **layout.to_dict(), "num_pages": "N"}
         flag = ",".join(f"{k}={v}" for k, v in fields.items())
         raise LayoutMismatch(
-            f"{exc}; SGLang's host pool needs `kvcore serve --pool {flag}`"
+            f"{exc}; SGLang's {host_layout} host pool (--hicache-mem-layout) needs a pool "
+            f"in order={layout.order}, whose pages copy as SGLang's: `kvcore serve --pool "
+            f"{flag}`"
         ) from None

@@ -25,19 +25,32 @@ flat order and copy below serves both. An fp8 cache is uint8 bytes on SGLang's s
 (its ``store_dtype``) and float8 in kvcore's pool: the pool is seen through its
 uint8 view, so copies move bytes.
 
-A copy of n pages is n strided page copies, whatever the layouts (no staging).
+A copy of n pages is one memmove per contiguous run of each page (no staging):
+kvcore.tiers.transfer plans the runs from both sides' strides. A page of a pool in
+the order its host layout matches (:data:`HOST_ORDERS`) is SGLang's page byte for
+byte, part by part: one run per part, so two memmoves per MHA page (SGLang keeps K
+and V in the two halves of ``kv_buffer``) and one per MLA page. ``layer_first`` and
+a layer-major pool share ``2 x layers`` runs per page, whatever the pool's order.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvcore.tiers.transfer import raw
+from kvcore.tiers.transfer import copy_rows, raw
 
 if TYPE_CHECKING:
     import torch
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+HOST_ORDERS = {
+    "layer_first": "LPKTH",  # a page: per part and layer [ps, H, D]
+    "page_first": "PKTLH",  # a page: per part [ps, L, H, D]
+    "page_first_direct": "PKLTH",  # a page: per part [L, ps, H, D]
+    "page_head": "PKHTL",  # a page: per part [H, ps, L, D]
+}
+"""The pool order (kvcore.layout) whose page is each host layout's page, run for run:
+a part of a page-major one is one run on both sides (module docstring)."""
 
 
 def host_pages(
@@ -112,11 +125,18 @@ def copy_pages(
     dst: torch.Tensor, dst_pages: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor
 ) -> None:
     """``dst[dst_pages[i]] = src[src_pages[i]]`` for every i, both ``[pages, ...]`` views
-    of equal page shape. One strided copy per page: each is a few contiguous runs
-    (a layer's K or V of the page), which copies 2-6x faster than a gather of all
-    pages through the 6-D views and needs no staging buffer."""
-    for d, s in zip(dst_pages.tolist(), src_pages.tolist(), strict=True):
-        dst[d].copy_(src[s])
+    of equal page shape and dtype (float8 as bytes), any strides. The page's axes are
+    put in ``src``'s memory order on both sides first, so the axes contiguous on both
+    merge into one run (kvcore.tiers.transfer.plan_rows): on the CPU one memmove per
+    run, split over threads only above 1 MiB a thread (copy_rows)."""
+    strides = list(zip(src.stride(), dst.stride(), strict=True))
+    axes = sorted(range(1, src.dim()), key=lambda a: (-strides[a][0], -strides[a][1]))
+    copy_rows(
+        raw(dst).permute(0, *axes),
+        dst_pages.tolist(),
+        raw(src).permute(0, *axes),
+        src_pages.tolist(),
+    )
 
 
 # [layers, parts, ps, heads, d] -> the flat page order of each layout

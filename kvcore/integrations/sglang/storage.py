@@ -15,10 +15,21 @@ pages, not one per page:
   visible to other instances only after its commit, so nobody reads one half
   written.
 
-A pool with lower tiers answers those ops ``unsupported``; the backend then uses
-one ``lookup`` or ``allocate`` (and ``commit``, ``free``) per key, in one batch per
-round trip. So does a call whose ``allocate_pages`` was refused (the pool full of
-held pages, a quota): the keys then stored or fetched are the leading ones that fit.
+A pool with lower tiers serves them too: a key the pool misses and its host or disk
+tier holds is brought up into the pool first (kvcore.daemon.tiering). A call whose
+``allocate_pages`` is refused room (the pool full of held pages, a quota) tries its
+leading half, halving while refused: the keys then stored or fetched are the leading
+ones that fit, the rest misses.
+
+The pool's order is the one SGLang's host layout matches (:data:`.pages.HOST_ORDERS`:
+``layer_first`` -> ``LPKTH``, ``page_first`` -> ``PKTLH``, ``page_first_direct`` ->
+``PKLTH``, ``page_head`` -> ``PKHTL``), so a page copies as one run per part (K, V)
+of each side, or ``2 x layers`` runs for ``layer_first``. A pool in another order is
+refused at attach, a LayoutMismatch naming the ``order=`` to start it with: the
+copies could serve any order (they are planned from strides), but a page would
+then cost up to one copy per token, several times the daemon's own work, which
+nobody should pay by accident; and SGLang instances of one host layout share a
+pool, their pages byte for byte, and its tiers (whose keys carry the order).
 
 The session's lease frees whatever a dead process held. Keys map onto kvcore
 prefix keys as :mod:`.keys` says; pages move as :mod:`.pages` says; the config, the
@@ -31,11 +42,13 @@ A page read from a mapping fenced meanwhile (the lease lost) is a miss too.
 
 Figures (:meth:`KVCoreStorage.get_stats`): SGLang's own (pages fetched and stored
 per call) and the pages fetched by where they were when the daemon was asked
-(:class:`~.metrics.KVCoreStorageMetrics`). The ``*_pages`` ops run only on pools
-without lower tiers, so what they fetch was in the pool: "pool", all of it (there is
-nothing to split). On a pool with lower tiers, each key's ``allocate`` says where its
-page was (``Allocation.sources``: "pool", or the tier that brought it up, "host",
-"disk", "remote"), and the split is that.
+(:class:`~.metrics.KVCoreStorageMetrics`): ``allocate_pages`` says so per page
+(``PagesAllocation.media``: "pool", or the tier that brought it up, "host" or
+"disk").
+
+The file is one class of a little over 400 lines on purpose: SGLang's two
+interfaces, the round trips and the remap of the pool after a reconnect share one
+lock and one mapping, whose rules (no remap while a copy reads it) read together.
 """
 
 from __future__ import annotations
@@ -52,9 +65,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvcore.client import Batch, Client
-from kvcore.errors import BatchFailed, KVCoreError, UnknownOp, Unsupported
+from kvcore.errors import BatchFailed, KVCoreError, OutOfPages, QuotaExceeded
 from kvcore.integrations.extra_config import parse_extra
-from kvcore.integrations.hit_media import POOL, media_in
+from kvcore.integrations.hit_media import POOL
 from kvcore.integrations.identity import space_model
 from kvcore.integrations.reconnect import Attachment, Reconnector, daemon_gone
 from kvcore.integrations.sglang.attach import (
@@ -78,7 +91,6 @@ from kvcore.integrations.sglang.pages import (
 )
 from kvcore.layout import KVLayout
 from kvcore.prefix import KeySpace
-from kvcore.results import Allocation
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +121,12 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._layout: KVLayout | None = None
         self._host_layout = ""
         self._lock = threading.Lock()  # one round trip at a time: SGLang calls from threads
+        self._refusal = threading.local()  # .room: this thread's last failure was for room
         self._copies = 0  # copies running on the mapping (outside the lock): no remap meanwhile
         self._seq_ids = itertools.count(random.getrandbits(62) or 1)  # ids are per pool
         self._fetched_pages: list[int] = []
         self._fetched_by_source: dict[str, int] = {}  # medium -> pages fetched (get_stats')
         self._last_keys: tuple[list[str], list[int]] = ([], [])  # _all's memo
-        self._paged = True  # the pool serves allocate_pages (until it answers unsupported)
         self._stored_pages: list[int] = []
 
     # -- set-up ------------------------------------------------------------------------
@@ -142,7 +154,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         assert self._layout is not None
         if self.client is not None:
             self.close()
-        self.client = connect(self.config, self._layout)
+        self.client = connect(self.config, self._layout, self._host_layout)
         self._reconnect = Reconnector.of(
             self.client, retry_s=self.config.retry_s, what="SGLang storage"
         )
@@ -164,18 +176,9 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading ``keys`` kvcore holds (committed) now."""
-        if self._paged:
-            got, _ = self._round_trip(lambda batch: batch.lookup_pages(self._all(keys), self.space))
-            if got:
-                found: list[bool] = got[0]
-                return found.index(False) if False in found else len(found)
-        hits, _ = self._round_trip(
-            lambda batch: [
-                batch.lookup(self._tokens(key), self.space, compute_last=False) for key in keys
-            ]
-        )
-        full = [hit.num_cached_tokens == self.page_size for hit in hits]
-        return full.index(False) if False in full else len(full)
+        got, _ = self._round_trip(lambda batch: batch.lookup_pages(self._all(keys), self.space))
+        found: list[bool] = got[0] if got else []
+        return found.index(False) if False in found else len(found)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -262,14 +265,12 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
     # -- the work --------------------------------------------------------------------
 
     def _get(self, keys: Sequence[str], dst: torch.Tensor, dst_pages: torch.Tensor) -> list[bool]:
-        if not self._paged:
-            return self._get_each(keys, dst, dst_pages)
         seq = next(self._seq_ids)
         got, on = self._round_trip(
             lambda batch: batch.allocate_pages(seq, self._all(keys), self.space)
         )
-        if not got:  # refused, unsupported or the daemon gone: the per-key path says which
-            return self._get_each(keys, dst, dst_pages)
+        if not got:  # refused (then the leading half, as far as it fits) or the daemon gone
+            return self._leading(keys, self._get, dst, dst_pages)
         found = list(got[0].hits)
         hits = [i for i, hit in enumerate(found) if hit]
         if hits:
@@ -280,17 +281,16 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
                 if pool is None or self._fenced():  # what was read is not the pages'
                     found, hits = [False] * len(keys), []
         self._round_trip(lambda batch: batch.free(seq), on)
-        self._fetched([POOL] * len(hits))  # the *_pages ops: a pool without lower tiers
+        media = got[0].media or [POOL] * len(keys)  # empty: every hit was in the pool
+        self._fetched([media[i] for i in hits])
         return found
 
     def _set(self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor) -> list[bool]:
-        if not self._paged:
-            return self._set_each(keys, src, src_pages)
         seq = next(self._seq_ids)
         tokens = self._all(keys)
         got, on = self._round_trip(lambda batch: batch.allocate_pages(seq, tokens, self.space))
-        if not got:  # refused, unsupported or the daemon gone: the per-key path says which
-            return self._set_each(keys, src, src_pages)
+        if not got:  # refused (then the leading half, as far as it fits) or the daemon gone
+            return self._leading(keys, self._set, src, src_pages)
         held = list(got[0].hits)
         fresh = [i for i, hit in enumerate(held) if not hit]
         if fresh:
@@ -316,78 +316,23 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._stored(sum(held))
         return held
 
-    def _get_each(
-        self, keys: Sequence[str], dst: torch.Tensor, dst_pages: torch.Tensor
+    def _leading(
+        self,
+        keys: Sequence[str],
+        call: Callable[[Sequence[str], torch.Tensor, torch.Tensor], list[bool]],
+        host: torch.Tensor,
+        host_pages: torch.Tensor,
     ) -> list[bool]:
-        """:meth:`_get` on a pool without ``allocate_pages``: one allocate per key."""
-        seqs = [next(self._seq_ids) for _ in keys]
-        got, on = self._round_trip(
-            lambda batch: [
-                batch.allocate(seq, self._tokens(key), self.space, compute_last=False)
-                for seq, key in zip(seqs, keys, strict=True)
-            ]
-        )
-        found = [a.num_cached_tokens == self.page_size for a in got]
-        hits = [i for i, hit in enumerate(found) if hit]
-        if hits:
-            with self._pool_of(on) as pool:
-                if pool is not None:
-                    src = torch.tensor([got[i].pages[0] for i in hits], device=pool.device)
-                    copy_pages(dst, dst_pages[hits].to(dst.device), pool, src)
-                if pool is None or self._fenced():  # what was read is not the pages'
-                    found, hits = [False] * len(got), []
-        self._round_trip(lambda batch: [batch.free(seq) for seq in seqs[: len(got)]], on)
-        self._fetched([_page_medium(got[i]) for i in hits])
-        return found + [False] * (len(keys) - len(got))
-
-    def _set_each(
-        self, keys: Sequence[str], src: torch.Tensor, src_pages: torch.Tensor
-    ) -> list[bool]:
-        """:meth:`_set` on a pool without ``allocate_pages``: one allocate per key."""
-        seqs = [next(self._seq_ids) for _ in keys]
-        tokens = [self._tokens(key) for key in keys]
-        got, on = self._round_trip(
-            lambda batch: [
-                batch.allocate(seq, page, self.space, compute_last=False)
-                for seq, page in zip(seqs, tokens, strict=True)
-            ]
-        )
-        held = [a.num_cached_tokens == self.page_size for a in got]
-        fresh = [i for i, hit in enumerate(held) if not hit]
-        if fresh:
-            with self._pool_of(on) as pool:
-                if pool is not None:
-                    dst = torch.tensor([got[i].pages[0] for i in fresh], device=pool.device)
-                    copy_pages(pool, dst, src, src_pages[fresh].to(src.device))
-                    if pool.is_cuda:  # the bytes are in place before anyone may read them
-                        torch.cuda.current_stream(pool.device).synchronize()
-                if pool is None or self._fenced():  # not written: commit nothing
-                    fresh = []
-        written = set(fresh)
-
-        order = [
-            (op, i)
-            for i in range(len(got))
-            for op in ("commit", "free")
-            if op == "free" or i in written
-        ]
-
-        def finish(batch: Batch) -> None:  # commit each fresh page, then free; page by page
-            for op, i in order:
-                if op == "commit":
-                    batch.commit(seqs[i], tokens[i])
-                else:
-                    batch.free(seqs[i])
-
-        done, _ = self._round_trip(finish, on)
-        for (op, i), result in zip(order, done, strict=False):
-            if op == "commit":
-                held[i] = result == 1
-        live = [seqs[i] for op, i in order[len(done) :] if op == "free"]
-        if live:  # the batch stopped early: free the rest (the lease would, at the latest)
-            self._round_trip(lambda batch: [batch.free(seq) for seq in live], on)
-        self._stored(sum(held))
-        return held + [False] * (len(keys) - len(got))
+        """After ``call`` of ``keys`` was refused room (the pool full of held pages, a
+        quota): ``call`` of the leading half, halved again while refused, so the keys
+        stored or fetched are the leading ones that fit (a round trip per halving).
+        Misses for the rest; all misses after any other failure."""
+        if len(keys) < 2 or not getattr(self._refusal, "room", False):
+            if call == self._set:
+                self._stored(0)
+            return [False] * len(keys)
+        half = len(keys) // 2
+        return call(keys[:half], host, host_pages[:half]) + [False] * (len(keys) - half)
 
     def _round_trip(
         self, fill: Callable[[Batch], object], on: Attachment | None = None
@@ -397,6 +342,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         they ran on. Runs nothing and answers ``[]`` while the daemon is gone, or when
         ``on`` (the attachment the ops' sequences were made on) is not the current one:
         those sequences died with their session."""
+        self._refusal.room = False
         with self._lock:
             client = self._connected()
             attachment = self._mapped
@@ -449,10 +395,8 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _failed(self, exc: KVCoreError) -> None:
         assert self._reconnect is not None
-        if isinstance(exc, Unsupported | UnknownOp):  # a pool with tiers: one op per key
-            self._paged = False
-            log.info("kvcore: %s; storing one op per page", exc)
-        elif daemon_gone(exc):
+        self._refusal.room = isinstance(exc, OutOfPages | QuotaExceeded)
+        if daemon_gone(exc):
             self._reconnect.gone(exc, "storage call")
         elif isinstance(exc, BatchFailed):
             log.debug("kvcore: %s", exc.error)
@@ -472,9 +416,6 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
             self._fetched_pages.append(len(media))
             for medium in media:
                 self._fetched_by_source[medium] = self._fetched_by_source.get(medium, 0) + 1
-
-    def _tokens(self, key: str) -> list[int]:
-        return page_tokens(key, self.page_size)
 
     def _all(self, keys: Sequence[str]) -> list[int]:
         """The tokens of ``keys``' pages, page after page (``*_pages`` ops). The last
@@ -499,9 +440,3 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
     def _staging(self, num_pages: int) -> torch.Tensor:
         assert self._host is not None, "register_mem_pool_host first"
         return torch.empty((num_pages, *self._host.shape[1:]), dtype=self._host.dtype)
-
-
-def _page_medium(hit: Allocation) -> str:
-    """The medium a one-page hit was in when asked (a page comes up whole, from one)."""
-    split = media_in(hit.sources, 0, hit.num_cached_tokens)
-    return max(split, key=split.__getitem__, default=POOL)
