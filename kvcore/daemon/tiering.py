@@ -44,6 +44,11 @@ an untiered lookup would not.
 
 Events: the stored event of a promoted page carries the medium it came from;
 the removed event of a spilled page carries the medium now holding it.
+
+The file is over 400 lines on purpose: TieredManager is one class whose promotions
+(chains and one-page chains), spills and write-back keep one rule over the same pool
+bytes (evicted pages are copied out before anything is written into them), so they
+read together; the metric families at the end are what its counters become.
 """
 
 from __future__ import annotations
