@@ -25,7 +25,7 @@ from itertools import islice, permutations
 from typing import TYPE_CHECKING
 
 from kvcore.errors import BadRequest
-from kvcore.layout import AXES, DEFAULT_ORDER, cdiv
+from kvcore.layout import AXES, cdiv
 
 if TYPE_CHECKING:
     import torch
@@ -81,7 +81,7 @@ def check_last_dim(t: torch.Tensor, name: str) -> None:
 
 # -- pool orders: which KVLayout.order a layer view's strides come from ----------------
 
-NAMED_ORDERS: tuple[str, ...] = (DEFAULT_ORDER, "PLKTH", "LPHKT", "PLHKT")
+NAMED_ORDERS: tuple[str, ...] = (AXES, "PLKTH", "LPHKT", "PLHKT")
 """The orders kvcore names (kvcore/layout.py): layer-major, page-major, head-outer, and
 page-major head-outer; listed first wherever a view fits several orders."""
 ALL_ORDERS: tuple[str, ...] = (

@@ -5,10 +5,11 @@ One pool is one allocation holding every layer. Its five outer axes are layer
 (``head_dim``) is always innermost. ``order`` names their physical order,
 outermost first, as vLLM's KVCacheLayout names a cache's stride permutation::
 
-    "LPKTH" (layer-major, the default): [num_layers][num_pages][parts][page_size][heads][D]
+    "LPKTH" (layer-major, the identity): [num_layers][num_pages][parts][page_size][heads][D]
     "PLKTH" (page-major): one page's bytes, all layers, are one run
     "LPHKT" / "PLHKT" (head-outer): a page's block per layer is [heads][parts][tokens][D],
-                vLLM's CPU attention block and FlashInfer's HND; a rank's head range is a run
+                vLLM's CPU attention block; a tensor-parallel rank's head range is a run
+    "PLHKT" (page-major head-outer) is the default: docs/architecture.md says why
 
 Whatever the order, one layer view is the logical ``[num_pages, parts, page_size,
 num_kv_heads, head_dim]`` with the order's strides (zero-copy), and a page's stored
@@ -57,7 +58,10 @@ KINDS: dict[str, int] = {"kv": 2, "latent": 1}
 MAX_PAGES = 1 << 31  # page ids are int32 in block tables
 AXES = "LPKTH"
 """The logical outer axes: layer, page, part, token, head (the element dim follows)."""
-DEFAULT_ORDER = AXES
+DEFAULT_ORDER = "PLHKT"
+"""A new pool's order: page-major (a tier moves a page in one copy) and head-outer
+(vLLM's CPU block, and one run per page and layer for a tensor-parallel rank's
+heads); docs/architecture.md, "Which order a new pool gets"."""
 
 
 def cdiv(a: int, b: int) -> int:

@@ -43,7 +43,7 @@ NEW = 8
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("hf-mla")
-    # page-major: latent pages in a physical order other than the layer-major default
+    # page-major without head-outer: latent pages in an order other than the default
     pool = SPEC.pool_flag(page_size=PAGE, num_pages=256) + ",order=PLKTH"
     args = ("--endpoint", f"ipc://{tmp / 'd.sock'}", "--allow-ephemeral", "--pool", pool)
     with DaemonProcess(*args) as d:

@@ -17,7 +17,8 @@ from sglang_helpers import sglang_venv
 from kvcore.daemon_process import DaemonProcess
 
 POOL = (
-    "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=16,dtype=bfloat16,num_pages=4"
+    "name=default,num_layers=2,num_kv_heads=2,head_dim=16,page_size=16,dtype=bfloat16,num_pages=4,"
+    "order=LPKTH"  # layer_first's
 )
 SCRIPT = Path(__file__).with_name("sglang_faults.py")
 

@@ -298,7 +298,9 @@ def test_sglang_storage_on_a_pool_with_tiers(tmp_path: Path) -> None:
     pages pushed them out of the tiered pool, its host tier (the same bytes, brought
     back)."""
     venv = sglang_venv()
-    pool = "num_layers=1,num_kv_heads=1,head_dim=8,page_size=16,dtype=float16,num_pages=64"
+    pool = (
+        "num_layers=1,num_kv_heads=1,head_dim=8,page_size=16,dtype=float16,num_pages=64,order=LPKTH"
+    )
     with DaemonProcess(
         "--endpoint",
         f"ipc://{tmp_path / 'd.sock'}",

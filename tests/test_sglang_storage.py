@@ -39,7 +39,7 @@ OTHER_POOLS = (
         POOL.replace("name=default", f"name={name}") + f",order={HOST_ORDERS[layout]}"
         for layout, name in ORDERED.items()
     ),
-    f"name=mla,{LATENT},dtype=bfloat16",
+    f"name=mla,{LATENT},dtype=bfloat16,order={HOST_ORDERS['layer_first']}",
     f"name=mla8,{LATENT},dtype=float8_e4m3fn,order={HOST_ORDERS['page_first_direct']}",
     POOL.replace("name=default", "name=fp8").replace("bfloat16", "float8_e5m2")
     + f",order={HOST_ORDERS['page_head']}",
@@ -49,7 +49,8 @@ OTHER_POOLS = (
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[DaemonProcess]:
     sglang_venv()  # skip before starting anything
-    pools = [arg for pool in (POOL, *OTHER_POOLS) for arg in ("--pool", pool)]
+    default = f"{POOL},order={HOST_ORDERS['layer_first']}"
+    pools = [arg for pool in (default, *OTHER_POOLS) for arg in ("--pool", pool)]
     with DaemonProcess.private(*pools) as d:
         yield d
 

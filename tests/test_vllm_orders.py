@@ -58,7 +58,7 @@ def test_vllm_names_the_layouts_kvcore_maps() -> None:
         ("BLHNC", KV_LAST, "PLHTK"),
         ("BLNHC", KV_LAST, "PLTHK"),
         ("BHLNC", KV_LAST, "PHLTK"),
-        ("LBHNC", LATENT, "LPKTH"),  # MLA: H = K = 1, the default order
+        ("LBHNC", LATENT, "LPKTH"),  # MLA: H = K = 1, named in the identity order
         ("BLNHC", LATENT, "PLKTH"),
     ],
 )

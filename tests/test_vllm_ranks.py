@@ -11,7 +11,7 @@ tests/test_vllm_tp.py.
 Here the real :class:`~kvcore.integrations.vllm.worker.WorkerSide` of every rank
 (vLLM's CPU block layout, stand-in values) saves pages into a real daemon's pool of
 each order: a head-outer one (``LPHKT``: a rank's heads of a page are one run of bytes)
-and the default token-outer one (strided copies). Another TP size loads them, head for
+and the token-outer ``LPKTH`` (strided copies). Another TP size loads them, head for
 head; a replica that is not its head's writer writes nothing (its cache holds NaN
 here, and no NaN reaches the pool). Must-not-share: a pool of one shard per rank
 (kvcore's earlier layout: one rank's heads per shard) and a pool of another head count
@@ -103,7 +103,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     pools = [
         MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=16, name="outer") + ",order=LPHKT",
-        MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=16, name="strided"),
+        MODEL.pool_flag(page_size=PAGE_SIZE, num_pages=16, name="strided") + ",order=LPKTH",
         one_rank.replace("name=default", "name=old") + ",shards=2",  # before: tp shards
         one_rank.replace("name=default", "name=half"),
     ]

@@ -148,7 +148,7 @@ class AttachOk(_Message):
     max_batch: int
     events: str = ""  # PUB endpoint of the event stream, "" if off
     shard: int = 0  # the shard mapped (Attach.shard)
-    shards: int = 1  # regions of the pool (tensor-parallel ranks); page p is p in each
+    shards: int = 1  # regions of the pool (pipeline stages); page p is p in each
 
 
 class Empty(_Message):
@@ -227,7 +227,7 @@ class PoolStats(_Message):
     ephemeral: bool = False
     event_seq_no: int = 0  # seq_no of the pool's last published event
     tiers: list[TierStats] = []  # the pool's lower tiers, top down (docs/concepts.md, "Tiers")
-    shards: int = 1  # regions of ``layout`` (one per tensor-parallel rank), pages shared
+    shards: int = 1  # regions of ``layout`` (one per pipeline stage), pages shared
     namespaces: list[NamespaceHits] = []  # those the requester's grant sees
     busiest: list[PrefixHeat] = []  # of those namespaces, hit tokens first
 
@@ -348,7 +348,7 @@ class Attach(_Op, tag="attach"):
     ephemeral: bool = False  # create a fresh private pool of ``layout`` (daemon flag needed)
     pid: NonNeg = 0  # informational
     name: Annotated[str, Meta(max_length=256)] = ""  # informational
-    shard: NonNeg = 0  # the region to map (tensor-parallel rank); bad_request if >= shards
+    shard: NonNeg = 0  # the region to map (pipeline stage); bad_request if >= shards
     shards: NonNeg = 0  # expected shard count (0: any); ephemeral: the new pool's (0: 1)
 
 

@@ -287,7 +287,7 @@ def copy_bandwidth(sizes: CopySizes = CopySizes()) -> dict[str, Any]:
     contiguous ``copy_`` per layer; all interleaved round by round. The headline keys
     are a pool in the order that matches vLLM's blocks (:data:`COPY_ORDER`: each page
     of a layer one ``memmove``, :mod:`kvcore.integrations.vllm.runs`); ``*_strided_*``
-    the default order (``LPKTH``: a strided ``copy_`` per run of adjacent pages,
+    layer-major ``LPKTH`` (a strided ``copy_`` per run of adjacent pages,
     transposing). Two kinds of steps: scattered (pages and blocks drawn at random:
     almost every page its own copy; ``*_copy_ratio``) and runs (a sequence's pages
     into a fresh request's blocks, both consecutive: ``*_copy_runs_ratio``). GiB/s of

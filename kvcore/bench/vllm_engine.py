@@ -58,7 +58,8 @@ def pool_flag(
     num_pages: int = 512, name: str = "default", model: TinyLlama = MODEL, order: str = ""
 ) -> str:
     """``kvcore serve --pool`` value that fits ``model`` at vLLM's block size, in pool
-    order ``order`` (default: the pool's default, ``LPKTH``: pages copy strided)."""
+    order ``order`` (default: the pool's default, ``PLHKT``: a page of a layer is one
+    run of vLLM's CPU block)."""
     flag = model.pool_flag(page_size=PAGE_SIZE, num_pages=num_pages, name=name)
     return f"{flag},order={order}" if order else flag
 

@@ -4,7 +4,7 @@ A tier stores *pages* below the pool: one page is one pool page across every
 layer, ``page_bytes`` bytes, in its stored form: a tensor of
 ``layout.stored_page_shape``, the page's elements in the pool's order with the page
 axis dropped (``[num_layers, parts, page_size, num_kv_heads, head_dim]`` for the
-default layer-major order; kvcore.layout). kvcore.tiers.transfer moves them out of
+layer-major order LPKTH; kvcore.layout). kvcore.tiers.transfer moves them out of
 and into a pool in bulk, one run per page when the order is page-major. A batch of
 ``n`` pages is one tensor ``[n, *stored_page_shape]``; ``parts`` is 2 (K and V) or 1
 (an MLA latent vector). Tiers store and return bytes: fp8 and latent pages travel

@@ -12,8 +12,8 @@ axis ``K`` and head_dim ``D`` the way the attention backend reads it
 
     kv_last   (FlashAttention, Triton, FlashInfer)  C = [K | V] = [K][D]: "C" -> "K"
     kv_blocks (CPU_ATTN)                             [N][C] = [K][N][D]:   "NC" -> "KT"
-    latent    (MLA: H = 1, K = 1, C = D)             any order of the size-1 axes; the
-                                                     one of the default "LPKTH"
+    latent    (MLA: H = 1, K = 1, C = D)             any order of the size-1 axes; named
+                                                     in the identity's ("LPKTH")
 
 so vLLM's CPU cache (``LBHNC``, ``kv_blocks``) is ``"LPHKT"``: per (layer, page)
 ``[H, 2, N, D]``, byte for byte vLLM's block; a FlashInfer ``HND`` cache
