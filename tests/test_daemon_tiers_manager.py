@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from page_bytes import BYTE_LAYOUTS, byte_pages, same_bytes
+from tiered_helpers import LAYOUT, PAGE, tiered
 
 from kvcore.daemon.tiering import TieredManager
 from kvcore.errors import OutOfPages
@@ -21,10 +22,6 @@ from kvcore.layout import KVLayout
 from kvcore.prefix import PageRemoved, PageStored
 from kvcore.tiers import DiskTier, HostTier, TierStack, gather_pages, scatter_pages
 
-PAGE = 2
-LAYOUT = KVLayout(
-    num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6
-)
 ORDERS = ["LPKTH", "PLKTH", "PLHKT"]  # layer-major, page-major, head-outer page-major
 
 
@@ -42,12 +39,8 @@ def test_hits_below_the_pool_return_the_written_bytes(
 ) -> None:
     directory = tmp_path_factory.mktemp("disk") / "tier"
     layout = dataclasses.replace(LAYOUT, order=data.draw(st.sampled_from(ORDERS)))
-    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    views = layout.layer_views(memory)  # the engine's side: one view per layer
-    host = HostTier(layout, host_pages, eviction=eviction) if host_pages else None
-    disk = DiskTier(layout, directory, 8 * (layout.page_bytes + 80), eviction=eviction)
-    stack = TierStack(host, disk)
-    manager = TieredManager(layout, memory, stack, eviction=eviction)
+    pool = tiered(layout, host_pages, eviction, directory)
+    manager, stack, views = pool.manager, pool.stack, pool.views
     prompts = st.lists(st.integers(0, 2), min_size=1, max_size=9)
     live: dict[int, list[int]] = {}
     try:

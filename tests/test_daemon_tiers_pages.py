@@ -13,19 +13,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiered_helpers import LAYOUT, PAGE, tiered
 
 from kvcore.daemon.tiering import TieredManager
 from kvcore.errors import BadRequest, OutOfPages
 from kvcore.eviction import POLICIES
-from kvcore.layout import KVLayout
 from kvcore.manager import Manager
 from kvcore.prefix import PageRemoved, PageStored
-from kvcore.tiers import DiskTier, HostTier, TierStack
+from kvcore.tiers import HostTier, TierStack
 
-PAGE = 2
-LAYOUT = KVLayout(
-    num_layers=2, num_kv_heads=1, head_dim=4, page_size=PAGE, dtype="float32", num_pages=6
-)
 ORDERS = ["LPKTH", "PKTLH", "PKLTH", "PKHTL"]  # layer-major and SGLang's page-major ones
 
 
@@ -43,12 +39,8 @@ def test_pages_below_the_pool_come_back_with_their_bytes(
 ) -> None:
     directory = tmp_path_factory.mktemp("disk") / "tier"
     layout = dataclasses.replace(LAYOUT, order=data.draw(st.sampled_from(ORDERS)))
-    memory = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-    views = layout.layer_views(memory)
-    host = HostTier(layout, host_pages, eviction=eviction) if host_pages else None
-    disk = DiskTier(layout, directory, 8 * (layout.page_bytes + 80), eviction=eviction)
-    stack = TierStack(host, disk)
-    manager = TieredManager(layout, memory, stack, eviction=eviction)
+    pool = tiered(layout, host_pages, eviction, directory)
+    manager, stack, views = pool.manager, pool.stack, pool.views
     chains = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 1)), min_size=1, max_size=4)
     written: set[tuple[int, ...]] = set()  # chains committed at least once
     try:
