@@ -38,7 +38,7 @@ spec/hashing.md), fixed when it is allocated (a fork inherits it), so commit,
 extend and fork take no key-space argument. Pages of different key spaces never
 share a key, hence never a page; equal key spaces share as one namespace did.
 
-The file is one class over ~400 lines on purpose: every method keeps these
+The file is one class of ~700 lines on purpose: every method keeps these
 invariants over the same private state, so they read together. The result types
 and the :class:`~kvcore.results.PageManager` protocol live in kvcore.results
 (re-exported here).
