@@ -38,7 +38,7 @@ spec/hashing.md), fixed when it is allocated (a fork inherits it), so commit,
 extend and fork take no key-space argument. Pages of different key spaces never
 share a key, hence never a page; equal key spaces share as one namespace did.
 
-The file is one class of ~700 lines on purpose: every method keeps these
+The file is one class of ~750 lines on purpose: every method keeps these
 invariants over the same private state, so they read together. The result types
 and the :class:`~kvcore.results.PageManager` protocol live in kvcore.results
 (re-exported here).
@@ -667,6 +667,17 @@ class Manager:
             (root, token_bytes[at : at + stride]) in found
             for at in range(0, len(token_bytes), stride)
         ]
+
+    def one_page_keys(
+        self, tokens: Sequence[int], chains: Sequence[int], space: KeySpace = KeySpace()
+    ) -> list[PrefixKey]:
+        """The prefix key of each one-page chain ``chains[i]`` of ``tokens`` (an index of
+        its page), as :meth:`allocate_pages` keys it: what a lower tier keeps it under
+        (kvcore.daemon.tiering). BadRequest unless ``tokens`` is whole pages, or for a
+        bad key space; ``chains`` are valid page indices (the caller's invariant)."""
+        _, root = self._resolve(space)
+        token_bytes, stride = self._whole_pages(tokens, "one_page_keys")
+        return [page_key(root, token_bytes[i * stride : (i + 1) * stride]) for i in chains]
 
     def adopt_pages(
         self,

@@ -66,18 +66,9 @@ from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.hits import MEDIA, Histogram, HitBook
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PagesAllocation, PrefixHit, Stats
-from kvcore.prefix import (
-    KeySpace,
-    PageEvent,
-    PageRemoved,
-    PageStored,
-    PrefixKey,
-    encode_tokens,
-    page_key,
-    root_key,
-)
+from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
-from kvcore.tiers.base import layout_fingerprint, tier_key, tier_keys
+from kvcore.tiers.base import layout_fingerprint, tier_keys
 from kvcore.tiers.secret import keyring_of
 from kvcore.tiers.transfer import gather_pages, scatter_pages
 
@@ -285,11 +276,9 @@ class TieredManager:
         for i, hit in enumerate(found):
             if not hit:
                 missing.setdefault(tuple(tokens[i * ps : (i + 1) * ps]), i)
-        root = root_key(space.resolved())
-        keys = {
-            i: tier_key(self._fingerprint, page_key(root, encode_tokens(chunk)))
-            for chunk, i in missing.items()
-        }
+        firsts = list(missing.values())  # one page index per chain
+        prefix_keys = self.manager.one_page_keys(tokens, firsts, space)
+        keys = dict(zip(firsts, tier_keys(self._fingerprint, prefix_keys), strict=True))
         took: dict[str, float] = {}  # medium -> seconds spent bringing its pages up
         on_host = [i for i, key in keys.items() if host is not None and key in host]
         read: list[tuple[int, torch.Tensor]] = []  # disk chains and their verified pages
