@@ -116,8 +116,8 @@ class WorkerSide:
         self.stats = KvcoreStats()
         self._blocks: list[torch.Tensor] = []  # per layer: [B, parts, N, H, D] views of vLLM caches
         self._block_side: Side | None = None  # vLLM's caches as runs (None: strided copies)
-        self._pool_side: tuple[list[torch.Tensor], Side | None] = ([], None)  # per mapping
-        self._pool_heads: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # ditto
+        # per mapping (kv_caches): its layers of this rank's heads, and those as runs
+        self._mapping: tuple[list[torch.Tensor], list[torch.Tensor], Side | None] = ([], [], None)
         self._report = StepReport()
         self._unsynced: list[tuple[torch.cuda.Event, StepReport]] = []  # GPU saves, to report
         self._step_saves: list[tuple[torch.cuda.Event, StepReport]] = []  # this step's
@@ -292,27 +292,31 @@ class WorkerSide:
     def _runs(self) -> tuple[Side, Side] | None:
         """The pool's and vLLM's sides where pages copy as byte runs (both in CPU memory,
         a page of a layer the same dense bytes on both); None: strided copies."""
-        block_side, kv = self._block_side, self.client.kv_caches
-        if block_side is None or not kv or kv[0].device.type != "cpu":
+        block_side = self._block_side
+        if block_side is None:
             return None
-        mapped, pool_side = self._pool_side
-        if mapped is not kv:  # a new mapping (attached again): its addresses and order
-            pool_side = Side.of(self._pool_layers())
-            self._pool_side = (kv, pool_side)
+        pool_side = self._mapped()[1]
         if pool_side is None or not pool_side.runs_with(block_side):
             return None
         return pool_side, block_side
 
     def _pool_layers(self) -> list[torch.Tensor]:
         """The mapped pool's layers ``[P, parts, N, H, D]``, of this rank's heads only
-        (views, ``H`` = ``self.heads.count``); computed once per mapping."""
+        (views, ``H`` = ``self.heads.count``)."""
+        return self._mapped()[0]
+
+    def _mapped(self) -> tuple[list[torch.Tensor], Side | None]:
+        """The mapped pool's layers of this rank's heads and, in CPU memory, their
+        :class:`~.runs.Side` (None: they copy strided); computed once per mapping (a new
+        one: attached again, other addresses, maybe another order)."""
         kv = self.client.kv_caches
-        mapped, views = self._pool_heads
-        if mapped is not kv:  # a new mapping (attached again)
+        mapped, views, side = self._mapping
+        if mapped is not kv:
             first, count = self.heads.first, self.heads.count
             views = kv if self.heads.whole else [t[:, :, :, first : first + count] for t in kv]
-            self._pool_heads = (kv, views)
-        return views
+            side = Side.of(views) if views and views[0].device.type == "cpu" else None
+            self._mapping = (kv, views, side)
+        return views, side
 
     def _count(self, what: str, pages: int, seconds: float) -> None:
         """Add one step's ``what`` ("load" or "save") copies to the stats: ``pages``
