@@ -599,8 +599,10 @@ class Manager:
         page's K/V; read it, never write it); every other page gets a fresh page to
         write and then publish with :meth:`commit_pages`. What as many one-page
         allocates with ``compute_last=False`` would do, in one sequence (one ownership,
-        one quota entry, one free). OutOfPages if the fresh pages do not fit;
-        BadRequest unless ``tokens`` is whole pages, or for a bad key space."""
+        one quota entry, one free). ``tokens`` may be packed (kvcore.prefix.PackedTokens:
+        no work per token), here and in the other ``*_pages`` methods. OutOfPages if the
+        fresh pages do not fit; BadRequest unless ``tokens`` is whole pages, or for a bad
+        key space."""
         self.check_new(seq_id)
         space, root = self._resolve(space)  # BadRequest for a bad key space
         token_bytes, stride = self._whole_pages(tokens, "allocate_pages")

@@ -52,7 +52,7 @@ from kvcore.manager import (
     PagesAllocation,
     PrefixHit,
 )
-from kvcore.prefix import KeySpace
+from kvcore.prefix import KeySpace, PackedTokens, count_tokens
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -201,6 +201,17 @@ def _tokens(tokens: Sequence[int]) -> list[int]:
     return tokens if isinstance(tokens, list) else list(tokens)
 
 
+def _page_tokens(tokens: Sequence[int]) -> list[int] | bytes:
+    """The wire's form of a one-page chain op's tokens: packed ones stay packed."""
+    return bytes(tokens) if isinstance(tokens, PackedTokens) else _tokens(tokens)
+
+
+def _unwire(tokens: list[int] | bytes) -> Sequence[int]:
+    """A one-page chain op's tokens as the wire carried them: packed bytes as
+    :class:`PackedTokens` (the Manager checks them: 4 bytes a token)."""
+    return PackedTokens(tokens) if isinstance(tokens, bytes) else tokens
+
+
 def _space(
     request: msg.Allocate | msg.Lookup | msg.AllocatePages | msg.LookupPages,
     session_namespace: str,
@@ -251,16 +262,16 @@ def _allocate_pages(
     seq_id: int, tokens: Sequence[int], space: KeySpace = KeySpace()
 ) -> msg.AllocatePages:
     ns, model, lora, salt = _parts(space)
-    return msg.AllocatePages(seq_id, _tokens(tokens), ns, salt, lora, model)
+    return msg.AllocatePages(seq_id, _page_tokens(tokens), ns, salt, lora, model)
 
 
 def _lookup_pages(tokens: Sequence[int], space: KeySpace = KeySpace()) -> msg.LookupPages:
     ns, model, lora, salt = _parts(space)
-    return msg.LookupPages(_tokens(tokens), ns, salt, lora, model)
+    return msg.LookupPages(_page_tokens(tokens), ns, salt, lora, model)
 
 
 def _commit_pages(seq_id: int, tokens: Sequence[int]) -> msg.CommitPages:
-    return msg.CommitPages(seq_id, _tokens(tokens))
+    return msg.CommitPages(seq_id, _page_tokens(tokens))
 
 
 # -- work and growth, read from the books (units: tokens) -------------------------------
@@ -270,7 +281,11 @@ def carried(request: msg.BatchOp) -> int:
     """The tokens ``request`` carries in its frame (its token lists): known before anything
     runs, and never more than its op's ``work`` (tests/test_ops_table.py), so a request
     that carries more than ``max_request_tokens`` is refused whole, before any work."""
-    return sum(len(v) for v in astuple(request) if isinstance(v, list))
+    return sum(
+        len(v) if isinstance(v, list) else len(v) // 4
+        for v in astuple(request)
+        if isinstance(v, list | bytes)
+    )
 
 
 def _no_work(request: Any, books: Books) -> int:
@@ -389,30 +404,30 @@ allocate_pages = Operation(
     msg.AllocatePages,
     _allocate_pages,
     serve=lambda m, r, ns: msg.AllocatePagesOk(
-        *_pages_allocation(m.allocate_pages(r.seq, r.tokens, _space(r, ns)))
+        *_pages_allocation(m.allocate_pages(r.seq, _unwire(r.tokens), _space(r, ns)))
     ),
     decode=lambda r: PagesAllocation(r.pages, r.hits, r.media),
     creates="seq",
-    work=lambda r, b: len(r.tokens),
-    grows=lambda r, b: (r.seq, len(r.tokens)),
+    work=lambda r, b: count_tokens(_unwire(r.tokens)),
+    grows=lambda r, b: (r.seq, count_tokens(_unwire(r.tokens))),
 )
 lookup_pages = Operation(
     Manager.lookup_pages,
     msg.LookupPages,
     _lookup_pages,
-    serve=lambda m, r, ns: msg.LookupPagesOk(m.lookup_pages(r.tokens, _space(r, ns))),
+    serve=lambda m, r, ns: msg.LookupPagesOk(m.lookup_pages(_unwire(r.tokens), _space(r, ns))),
     decode=lambda r: r.hits,
-    work=lambda r, b: len(r.tokens),
+    work=lambda r, b: count_tokens(_unwire(r.tokens)),
     grows=_grows_none,
 )
 commit_pages = Operation(
     Manager.commit_pages,
     msg.CommitPages,
     _commit_pages,
-    serve=lambda m, r, ns: msg.CommitPagesOk(m.commit_pages(r.seq, r.tokens)),
+    serve=lambda m, r, ns: msg.CommitPagesOk(m.commit_pages(r.seq, _unwire(r.tokens))),
     decode=lambda r: r.num_indexed,
     owns=("seq",),
-    work=lambda r, b: len(r.tokens),
+    work=lambda r, b: count_tokens(_unwire(r.tokens)),
     grows=_grows_none,
 )
 

@@ -67,13 +67,31 @@ _U32_PACKERS: dict[int, struct.Struct] = {}  # token count -> its "<nI" packer
 _MAX_PACKERS = 4096  # distinct counts kept (a packer is ~150 bytes whatever its count)
 
 
+class PackedTokens(bytes):
+    """Tokens as their little-endian u32 bytes, 4 a token (what :func:`encode_tokens`
+    returns): the one-page chain operations (``allocate_pages``, ``lookup_pages``,
+    ``commit_pages``) take them so, on the wire too (spec/protocol.md), with no work
+    per token on either side. ``len`` is in bytes: :func:`count_tokens` counts tokens.
+    Only those operations read the type; everything else takes a sequence of ints."""
+
+
+def count_tokens(tokens: Sequence[int]) -> int:
+    """How many tokens ``tokens`` holds, packed (:class:`PackedTokens`) or not."""
+    return len(tokens) // 4 if isinstance(tokens, PackedTokens) else len(tokens)
+
+
 def encode_tokens(tokens: Sequence[int]) -> bytes:
     """Tokens as little-endian u32 bytes; BadRequest if any is not an int in [0, 2**32)
-    (anything with ``__index__`` counts as an int, as for a list index).
+    (anything with ``__index__`` counts as an int, as for a list index), or if packed
+    tokens (:class:`PackedTokens`, returned as they are) are not 4 bytes each.
 
     One ``struct`` packer per token count, cached: a quarter fewer instructions per
     token than ``array("I", tokens)``, and this runs on every token a lookup or an
     allocate receives (their validation)."""
+    if isinstance(tokens, PackedTokens):
+        if len(tokens) % 4:
+            raise BadRequest(f"packed tokens are 4 bytes each, got {len(tokens)} bytes")
+        return tokens
     try:
         count = len(tokens)
         packer = _U32_PACKERS.get(count)

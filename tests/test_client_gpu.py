@@ -86,7 +86,7 @@ endpoint, page, fill = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect(endpoint)
 sock.send(msgpack.packb({"id": 1, "session": 0, "epoch": 0, "body": {"op": "attach",
-          "version": 3, "pool": "gpu", "namespace": "spec"}}))
+          "version": 4, "pool": "gpu", "namespace": "spec"}}))
 assert sock.poll(30000), "no reply"
 ok = msgpack.unpackb(sock.recv())["result"]
 memory, layout = ok["memory"], ok["layout"]

@@ -26,6 +26,7 @@ from kvcore.integrations.sglang.keys import (
     MIN_PAGE_SIZE,
     ServerModel,
     page_tokens,
+    pages_tokens,
     rank_identity,
     sglang_model,
 )
@@ -39,6 +40,7 @@ from kvcore.integrations.sglang.pages import (
     unflat_page,
 )
 from kvcore.layout import KVLayout
+from kvcore.prefix import PackedTokens, count_tokens, encode_tokens
 
 
 def kv_buffer(layout: str, pages: int, layers: int, ps: int, heads: int, dim: int) -> torch.Tensor:
@@ -392,3 +394,13 @@ def test_keys_fill_a_page() -> None:
     assert page_tokens("a" * 64, 64) == tokens != page_tokens("b" * 64, 64)
     with pytest.raises(BadRequest, match=f"at least {MIN_PAGE_SIZE} tokens"):
         page_tokens("a", MIN_PAGE_SIZE - 1)
+    with pytest.raises(BadRequest, match=f"at least {MIN_PAGE_SIZE} tokens"):
+        pages_tokens(["a"], MIN_PAGE_SIZE - 1)
+
+
+@given(keys=st.lists(st.text(max_size=70), max_size=5), page_size=st.sampled_from([8, 16, 64]))
+def test_packed_keys_are_the_keys_tokens(keys: list[str], page_size: int) -> None:
+    """What the backend sends packed is each key's page_tokens, page after page."""
+    packed = pages_tokens(keys, page_size)
+    assert isinstance(packed, PackedTokens) and count_tokens(packed) == len(keys) * page_size
+    assert packed == encode_tokens([t for key in keys for t in page_tokens(key, page_size)])

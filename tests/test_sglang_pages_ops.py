@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvcore.errors import (
 )
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager
+from kvcore.prefix import PackedTokens
 
 PS = 4  # tokens per page
 SPACE = KeySpace(model="m")
@@ -41,6 +43,11 @@ def page(n: int) -> list[int]:
 
 def pages(*ns: int) -> list[int]:
     return [t for n in ns for t in page(n)]
+
+
+def packed(tokens: list[int]) -> PackedTokens:
+    """``tokens`` as the packed form the ops also take (4 bytes a token, little-endian)."""
+    return PackedTokens(struct.pack(f"<{len(tokens)}I", *tokens))
 
 
 def manager(num_pages: int = 8) -> Manager:
@@ -103,6 +110,10 @@ def test_failed_ops_change_nothing() -> None:
         m.commit_pages(1, pages(10, 99))  # page 1 is indexed under chain 20's key
     with pytest.raises(BadRequest):
         m.allocate_pages(2, pages(10), KeySpace(model="x" * 300))
+    with pytest.raises(BadRequest, match="4 bytes each"):
+        m.allocate_pages(2, PackedTokens(bytes(4 * PS + 2)), SPACE)
+    with pytest.raises(BadRequest, match="whole pages"):
+        m.lookup_pages(packed([1, 2, 3]), SPACE)
     assert state(m) == before and m.take_events() == []
     assert m.allocate_pages(2, pages(10, 30), SPACE).hits == [True, False]  # 1 fresh fits
     m.check_integrity()
@@ -120,10 +131,10 @@ def test_a_commit_publishes_the_leading_pages_it_is_sent() -> None:
 CHAINS = st.lists(st.integers(0, 5).map(lambda n: 10 * n), max_size=4)
 STEPS = st.lists(
     st.one_of(
-        st.tuples(st.just("allocate_pages"), st.integers(1, 4), CHAINS),
-        st.tuples(st.just("commit_pages"), st.integers(1, 4), CHAINS),
-        st.tuples(st.just("free"), st.integers(1, 4), st.just([])),
-        st.tuples(st.just("allocate"), st.integers(1, 4), CHAINS),  # one-page chains too
+        st.tuples(st.just("allocate_pages"), st.integers(1, 4), CHAINS, st.booleans()),
+        st.tuples(st.just("commit_pages"), st.integers(1, 4), CHAINS, st.booleans()),
+        st.tuples(st.just("free"), st.integers(1, 4), st.just([]), st.just(False)),
+        st.tuples(st.just("allocate"), st.integers(1, 4), CHAINS, st.just(False)),
     ),
     max_size=30,
 )
@@ -132,25 +143,27 @@ STEPS = st.lists(
 @settings(max_examples=100, deadline=None)
 @given(steps=STEPS)
 def test_any_program_keeps_the_invariants_and_fails_whole(
-    steps: list[tuple[str, int, list[int]]],
+    steps: list[tuple[str, int, list[int], bool]],
 ) -> None:
-    """Random programs on a small pool: after every step the Manager's invariants
-    hold; a refused step changed nothing; ``lookup_pages`` answers what a one-page
-    ``lookup`` (``compute_last=False``) does; a chain's hit is its committed page."""
+    """Random programs on a small pool, each op's tokens packed or not at random:
+    after every step the Manager's invariants hold; a refused step changed nothing;
+    ``lookup_pages`` answers what a one-page ``lookup`` (``compute_last=False``) does,
+    packed or not; a chain's hit is its committed page."""
     m = manager(num_pages=5)
     written: dict[int, int] = {}  # chain -> the page committed for it (while indexed)
-    for op, seq, chains in steps:
+    for op, seq, chains, pack in steps:
         m.take_events()
         before = state(m)
+        tokens = packed(pages(*chains)) if pack else pages(*chains)
         try:
             if op == "allocate_pages":
-                got = m.allocate_pages(seq, pages(*chains), SPACE)
+                got = m.allocate_pages(seq, tokens, SPACE)
                 for n, p, hit in zip(chains, got.pages, got.hits, strict=True):
                     assert hit is (n in written and written[n] == p)
             elif op == "commit_pages":
                 if seq in m:
                     table = m.block_table(seq)[: len(chains)]
-                m.commit_pages(seq, pages(*chains))
+                m.commit_pages(seq, tokens)
                 for n, p in zip(chains, table, strict=False):
                     written.setdefault(n, p)
             elif op == "free":
@@ -163,6 +176,7 @@ def test_any_program_keeps_the_invariants_and_fails_whole(
         indexed = {e.page for e in m.prefix_snapshot()}
         written = {n: p for n, p in written.items() if p in indexed}  # evicted: gone
         every = [10 * n for n in range(6)]
+        assert m.lookup_pages(pages(*every), SPACE) == m.lookup_pages(packed(pages(*every)), SPACE)
         assert m.lookup_pages(pages(*every), SPACE) == [
             m.lookup(page(n), SPACE, compute_last=False).num_cached_tokens == PS for n in every
         ]
@@ -221,11 +235,14 @@ def test_on_a_daemon_ownership_quota_and_visibility(daemon: DaemonProcess) -> No
         assert a.stats().held_pages == held and a.stats().num_sequences == 1
         with pytest.raises(BadRequest, match="whole pages"):
             a.allocate_pages(2, [1, 2], SPACE)
+        with pytest.raises(BadRequest, match="4 bytes each"):
+            a.allocate_pages(2, PackedTokens(bytes(4 * PS + 1)), SPACE)
         batch = a.batch()
-        batch.commit_pages(1, pages(10, 20, 30))
+        batch.commit_pages(1, packed(pages(10, 20, 30)))  # packed or not: the same tokens
         batch.free(1)
         assert batch.run() == [3, None]
         assert b.lookup_pages(pages(10, 20, 30, 40), SPACE) == [True, True, True, False]
+        assert b.lookup_pages(packed(pages(40, 30)), SPACE) == [False, True]
         pinned = b.allocate_pages(7, pages(20, 40), SPACE)
         assert pinned.hits == [True, False] and pinned.pages[0] == got.pages[1]
         b.free(7)

@@ -39,12 +39,17 @@ R = TypeVar("R")
 # (Allocate.model, Lookup.model): a v1 daemon would ignore the field and share pages
 # across models, so the two refuse each other. 3: a pool has a physical order
 # (PoolLayout.order): a v2 client would ignore it and read a page-major pool as layer-major.
-PROTOCOL_VERSION = 3
+# 4: the one-page chain ops' tokens may be packed bytes (PageTokens), which a v3 daemon
+# would refuse op by op as bad requests.
+PROTOCOL_VERSION = 4
 
 U64 = Annotated[int, Meta(ge=0)]  # < 2**64; the daemon checks the upper bound
 U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 NonNeg = Annotated[int, Meta(ge=0)]
 Token = U32
+# The tokens of the one-page chain ops: a u32 array, or its little-endian u32 bytes
+# (packed: 4 bytes a token), which neither side then touches token by token.
+PageTokens = list[Token] | bytes
 # At most 256 UTF-8 *bytes* (the daemon checks bytes; a schema can bound only characters).
 Namespace = Annotated[str, Meta(max_length=256)]
 # A model identity, LoRA adapter name or cache salt: "" for none, else at most 256 UTF-8
@@ -444,7 +449,7 @@ class AllocatePages(_Op, tag="allocate_pages"):
     batchable = True
 
     seq: U64
-    tokens: list[Token]  # whole pages, one chain each
+    tokens: PageTokens  # whole pages, one chain each
     namespace: Namespace | None = None  # as Allocate
     salt: KeyPart = ""  # as Allocate
     lora: KeyPart = ""  # as Allocate
@@ -458,7 +463,7 @@ class LookupPages(_Op, tag="lookup_pages"):
     Result = LookupPagesOk
     batchable = True
 
-    tokens: list[Token]  # whole pages, one chain each
+    tokens: PageTokens  # whole pages, one chain each
     namespace: Namespace | None = None  # as Allocate
     salt: KeyPart = ""  # as Allocate
     lora: KeyPart = ""  # as Allocate
@@ -473,7 +478,7 @@ class CommitPages(_Op, tag="commit_pages"):
     batchable = True
 
     seq: U64
-    tokens: list[Token]  # the sequence's first tokens, whole pages
+    tokens: PageTokens  # the sequence's first tokens, whole pages
 
 
 class GetStats(_Op, tag="stats"):

@@ -66,7 +66,15 @@ from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.hits import MEDIA, Histogram, HitBook
 from kvcore.layout import KVLayout
 from kvcore.manager import Allocation, Extension, Manager, PagesAllocation, PrefixHit, Stats
-from kvcore.prefix import KeySpace, PageEvent, PageRemoved, PageStored, PrefixKey
+from kvcore.prefix import (
+    KeySpace,
+    PackedTokens,
+    PageEvent,
+    PageRemoved,
+    PageStored,
+    PrefixKey,
+    encode_tokens,
+)
 from kvcore.tiers import DiskTier, HostTier, RemoteConfig, RemoteTier, TierStack, TierStats
 from kvcore.tiers.base import layout_fingerprint, tier_keys
 from kvcore.tiers.secret import keyring_of
@@ -222,6 +230,7 @@ class TieredManager:
         ``media`` says where each hit was. OutOfPages before any I/O if the fresh pages
         cannot fit anyway."""
         self.manager.check_new(seq_id)  # bad input fails before any I/O
+        tokens = PackedTokens(encode_tokens(tokens))  # once: every step below slices bytes
         media = self._promote_pages(tokens, space, for_allocate=True)
         try:
             allocation = self.manager.allocate_pages(seq_id, tokens, space)
@@ -229,8 +238,9 @@ class TieredManager:
             self._spill()
         if media:
             ps = self.layout.page_size
+            stride = 4 * ps
             allocation.media = [
-                media.get(tuple(tokens[i * ps : (i + 1) * ps]), "pool") if hit else ""
+                media.get(tokens[i * stride : (i + 1) * stride], "pool") if hit else ""
                 for i, hit in enumerate(allocation.hits)
             ]
             for medium in MEDIA[1:]:
@@ -242,6 +252,7 @@ class TieredManager:
     def lookup_pages(self, tokens: Sequence[int], space: KeySpace = KeySpace()) -> list[bool]:
         """:meth:`Manager.lookup_pages`, after promoting what the host or disk tier holds
         of the chains the pool misses (not read-only: see :meth:`lookup`)."""
+        tokens = PackedTokens(encode_tokens(tokens))
         self._promote_pages(tokens, space, for_allocate=False)
         self._spill()
         return self.manager.lookup_pages(tokens, space)
@@ -254,14 +265,14 @@ class TieredManager:
         return indexed
 
     def _promote_pages(
-        self, tokens: Sequence[int], space: KeySpace, *, for_allocate: bool
-    ) -> dict[tuple[int, ...], str]:
+        self, tokens: PackedTokens, space: KeySpace, *, for_allocate: bool
+    ) -> dict[bytes, str]:
         """:meth:`_promote` for one-page chains: bring the chains of ``tokens`` that the
         pool misses and the host or disk tier holds into adopted pool pages, as many as
         the room beside the chains' pool pages allows (Manager.adopt_pages pins those).
         Disk entries are read and verified first, one by one, so that a bad one costs
         only its own chain. The remote store is not asked (one round trip per chain).
-        Returns the tokens of each chain promoted -> the medium it came from."""
+        Returns the (packed) tokens of each chain promoted -> the medium it came from."""
         found = self.manager.lookup_pages(tokens, space)  # BadRequest before any I/O
         if for_allocate:
             stats = self.manager.stats()
@@ -271,11 +282,11 @@ class TieredManager:
         host, disk = self.tiers.host, self.tiers.disk
         if all(found) or (host is None and disk is None):
             return {}
-        ps = self.layout.page_size
-        missing: dict[tuple[int, ...], int] = {}  # a chain's tokens -> its first index
+        stride = 4 * self.layout.page_size
+        missing: dict[bytes, int] = {}  # a chain's tokens -> its first index
         for i, hit in enumerate(found):
             if not hit:
-                missing.setdefault(tuple(tokens[i * ps : (i + 1) * ps]), i)
+                missing.setdefault(tokens[i * stride : (i + 1) * stride], i)
         firsts = list(missing.values())  # one page index per chain
         prefix_keys = self.manager.one_page_keys(tokens, firsts, space)
         keys = dict(zip(firsts, tier_keys(self._fingerprint, prefix_keys), strict=True))

@@ -36,11 +36,9 @@ own (every other process misses them), and a warning names ``model_id``.
 
 from __future__ import annotations
 
-import array
 import hashlib
 import logging
 import struct
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,6 +56,7 @@ from kvcore.integrations.identity import (
     source_of,
     space_model,
 )
+from kvcore.prefix import PackedTokens
 
 log = logging.getLogger(__name__)
 
@@ -199,16 +198,12 @@ def page_tokens(key: str, page_size: int) -> list[int]:
     return [*words, *([0] * (page_size - DIGEST_WORDS))]
 
 
-def pages_tokens(keys: Sequence[str], page_size: int) -> list[int]:
-    """:func:`page_tokens` of each of ``keys``, page after page, as one list (what
-    ``allocate_pages`` carries): built as bytes and converted once, ~2x faster than
-    joining the per-key lists. BadRequest as :func:`page_tokens`."""
+def pages_tokens(keys: Sequence[str], page_size: int) -> PackedTokens:
+    """:func:`page_tokens` of each of ``keys``, page after page, packed (what
+    ``allocate_pages`` carries as bytes): a key's page is its digest, which is its 8
+    words little-endian already, then the zeros; no work per token on either side.
+    BadRequest as :func:`page_tokens`."""
     page_tokens("", page_size)  # BadRequest for pages too small to key
     pad = bytes(4 * (page_size - DIGEST_WORDS))
     sha256 = hashlib.sha256
-    words = array.array("I")
-    assert words.itemsize == 4, "array 'I' is not 4 bytes here"
-    words.frombytes(b"".join([sha256(key.encode()).digest() + pad for key in keys]))
-    if sys.byteorder != "little":  # the digest's words are little-endian (module docstring)
-        words.byteswap()
-    return words.tolist()
+    return PackedTokens(b"".join([sha256(key.encode()).digest() + pad for key in keys]))

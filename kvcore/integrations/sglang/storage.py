@@ -90,7 +90,7 @@ from kvcore.integrations.sglang.pages import (
     unflat_page,
 )
 from kvcore.layout import KVLayout
-from kvcore.prefix import KeySpace
+from kvcore.prefix import KeySpace, PackedTokens
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
         self._seq_ids = itertools.count(random.getrandbits(62) or 1)  # ids are per pool
         self._fetched_pages: list[int] = []
         self._fetched_by_source: dict[str, int] = {}  # medium -> pages fetched (get_stats')
-        self._last_keys: tuple[list[str], list[int]] = ([], [])  # _all's memo
+        self._last_keys: tuple[list[str], PackedTokens] = ([], PackedTokens())  # _all's memo
         self._stored_pages: list[int] = []
 
     # -- set-up ------------------------------------------------------------------------
@@ -417,8 +417,8 @@ class KVCoreStorage(HiCacheStorage):  # type: ignore[misc]
             for medium in media:
                 self._fetched_by_source[medium] = self._fetched_by_source.get(medium, 0) + 1
 
-    def _all(self, keys: Sequence[str]) -> list[int]:
-        """The tokens of ``keys``' pages, page after page (``*_pages`` ops). The last
+    def _all(self, keys: Sequence[str]) -> PackedTokens:
+        """The tokens of ``keys``' pages, page after page, packed (``*_pages`` ops). The last
         call's are kept: SGLang's prefetch asks ``batch_exists`` then ``batch_get_v1``
         of the same keys."""
         last = self._last_keys  # one read: other threads may replace it meanwhile
