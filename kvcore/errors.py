@@ -208,13 +208,3 @@ def batch_failed(error: KVCoreError, batch_index: int, batch_results: list[Any])
     """The error of op ``batch_index`` of a batch, as a :class:`BatchFailed` that is also
     an instance of ``error``'s class (one of :data:`ERRORS`)."""
     return _IN_BATCH[type(error)](error, batch_index, batch_results)
-
-
-class RestoreRefused(Exception):
-    """A restarted daemon will not re-adopt a host pool's segments (daemon side only,
-    never on the wire, so not in :data:`ERRORS`): the pool starts empty instead.
-    ``reason`` names the object (manifest, segment) and the setting that refused it."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
