@@ -8,16 +8,40 @@ mappings stay valid until they are unmapped. An importer
 the resource tracker (the importer's exit never unlinks the daemon's pool).
 :func:`sweep` removes what a killed exporter left. Sizes and offsets are in bytes.
 
+Segments that outlive the daemon (a restart re-adopts them, kvcore.daemon.restore):
+
+* ``create(tracked=False)`` does not register the segment with multiprocessing's
+  resource tracker. A tracked one (the default) is unlinked by the tracker within
+  about a second when its creator alone is SIGKILLed; an untracked one stays, with
+  its bytes, until someone unlinks it (or the machine reboots).
+* :meth:`HostRegion.reopen` maps such a segment again, as its owner, refusing it
+  unless it is a regular file of this user, of exactly the mode it was made with
+  and of the expected size: PermissionError (owner, mode, not a regular file),
+  ValueError (size), FileNotFoundError (gone), as :meth:`~HostRegion.attach` does;
+  an OSError (ELOOP) for a symlink.
+* ``close(unlink=False)`` unmaps and keeps the segment (a tracked one is first
+  unregistered, so the tracker does not unlink it at exit).
+* ``sweep(prefix, keep=names)`` leaves the re-adopted segments alone. A re-adopted
+  segment keeps its creator's pid in its name, so "creator dead" no longer means
+  "nobody serves it": sweep only under the endpoint's lock, keeping what is served.
+* :func:`unlink_own` unlinks one segment only if it is a regular file of this user.
+
+Every segment is opened with O_NOFOLLOW and created with O_CREAT|O_EXCL, mode 0600
+(0660 of a group after :meth:`~HostRegion.share_with_group`).
+
 torch is imported only by :meth:`HostRegion.as_tensor`.
 """
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]  # CPython shm_open, as shared_memory uses
 import contextlib
 import mmap
 import os
 import secrets
-from multiprocessing import shared_memory
+import stat
+from collections.abc import Collection
+from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 from kvcore_ipc.messages import HostMemory
@@ -25,44 +49,90 @@ from kvcore_ipc.messages import HostMemory
 if TYPE_CHECKING:
     import torch
 
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX segments (for sweep and unlink_own)
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW
+_OPEN = os.O_RDWR | os.O_NOFOLLOW
+
 
 class HostRegion:
-    """A POSIX shm segment. The exporter (``create``) owns and unlinks it; an importer
-    (``attach``) maps it without telling the resource tracker, so the importer's exit
-    never unlinks the daemon's pool."""
+    """A mapped POSIX shm segment. The exporter (``create``, ``reopen``) owns it and
+    unlinks it at ``close`` unless told to keep it; an importer (``attach``) maps it
+    without telling the resource tracker, so the importer's exit never unlinks the
+    daemon's pool.
 
-    __slots__ = ("_map", "_name", "_shm", "offset", "owner", "size")
+    An owner keeps the segment's descriptor (``share_with_group`` changes its mode)
+    until ``close``; ``tracked`` says whether the resource tracker would unlink the
+    segment if this process died."""
+
+    __slots__ = ("_fd", "_map", "_name", "offset", "owner", "size", "tracked")
 
     def __init__(
         self,
         name: str,
         size: int,
-        shm: shared_memory.SharedMemory | None,
-        mm: mmap.mmap | None,
+        mm: mmap.mmap,
         offset: int = 0,
+        *,
+        fd: int | None = None,
+        tracked: bool = False,
     ) -> None:
         self._name = name
-        self._shm = shm  # set for the owner
-        self._map = mm  # set for an importer
+        self._map: mmap.mmap | None = mm  # None once closed
+        self._fd = fd  # the owner's descriptor; None for an importer
         self.size = size  # bytes of the region, from ``offset`` (bytes) into the segment
         self.offset = offset
-        self.owner = shm is not None
+        self.owner = fd is not None
+        self.tracked = tracked  # registered with this process's resource tracker
 
     @classmethod
-    def create(cls, size: int, prefix: str = "kvcore") -> HostRegion:
+    def create(cls, size: int, prefix: str = "kvcore", *, tracked: bool = True) -> HostRegion:
         """A new zero-filled segment of ``size`` bytes (mode 0600) named
-        ``<prefix>-<pid>-<random>``, so that :func:`sweep` can tell whose it was."""
+        ``<prefix>-<pid>-<random>``, so that :func:`sweep` can tell whose it was.
+        ``tracked=False``: not registered with the resource tracker, so it outlives
+        a SIGKILL of this process (see the module doc)."""
         name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-        return cls(name, size, shm, None)
+        fd = _posixshmem.shm_open("/" + name, _CREATE, mode=0o600)
+        try:
+            os.fchmod(fd, 0o600)  # exactly 0600 whatever the umask: reopen expects it
+            os.ftruncate(fd, max(size, 1))
+            mm = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            _posixshmem.shm_unlink("/" + name)
+            raise
+        if tracked:
+            resource_tracker.register("/" + name, "shared_memory")
+        return cls(name, size, mm, fd=fd, tracked=tracked)
+
+    @classmethod
+    def reopen(cls, name: str, size: int, *, group: str = "") -> HostRegion:
+        """Map an existing segment of this user again, as its owner (untracked; ``close``
+        unlinks it unless told not to). Refused, naming the segment and what differs,
+        unless it is a regular file (not a symlink: O_NOFOLLOW) owned by this uid, of
+        mode 0600 (``group``: 0660 and that group's gid) and of ``size`` bytes (1 for
+        0, as ``create`` makes it): PermissionError for the owner, mode, gid or file
+        type, ValueError for the size, FileNotFoundError if it is gone, OSError (ELOOP)
+        for a symlink. Never creates."""
+        expected_mode, gid = (0o660, _gid_of(group)) if group else (0o600, None)
+        fd = _posixshmem.shm_open("/" + name, _OPEN, mode=0o600)
+        try:
+            st = os.fstat(fd)
+            why = _refusal(st, expected_mode, gid)
+            if why is not None:
+                raise PermissionError(f"segment {name} {why}")
+            if st.st_size != max(size, 1):
+                raise ValueError(f"segment {name} has {st.st_size} bytes, not {max(size, 1)}")
+            mm = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, size, mm, fd=fd, tracked=False)
 
     @classmethod
     def attach(cls, memory: HostMemory, owners: set[int] | None = None) -> HostRegion:
         """Map an exported segment read-write; FileNotFoundError if it is gone,
         PermissionError if its owner is not in ``owners`` (uids; None: any)."""
-        import _posixshmem  # type: ignore[import-not-found]  # CPython shm_open, as shared_memory uses
-
-        fd = _posixshmem.shm_open("/" + memory.name, os.O_RDWR | os.O_NOFOLLOW, mode=0o600)
+        fd = _posixshmem.shm_open("/" + memory.name, _OPEN, mode=0o600)
         try:
             st = os.fstat(fd)
             if owners is not None and st.st_uid not in owners:
@@ -77,7 +147,7 @@ class HostRegion:
             mm = mmap.mmap(fd, total)
         finally:
             os.close(fd)
-        return cls(memory.name, memory.size, None, mm, memory.offset)
+        return cls(memory.name, memory.size, mm, memory.offset)
 
     @property
     def name(self) -> str:
@@ -88,13 +158,8 @@ class HostRegion:
 
     def buffer(self) -> memoryview:
         """The region's bytes: ``size`` bytes from ``offset`` into the segment."""
-        end = self.offset + self.size
-        if self._shm is not None:
-            buf = self._shm.buf
-            assert buf is not None, "region is closed"
-            return buf[self.offset : end]
         assert self._map is not None, "region is closed"
-        return memoryview(self._map)[self.offset : end]
+        return memoryview(self._map)[self.offset : self.offset + self.size]
 
     def as_tensor(self) -> torch.Tensor:
         """A flat uint8 CPU tensor over the region (zero-copy)."""
@@ -106,19 +171,15 @@ class HostRegion:
     def share_with_group(self, group: str) -> None:
         """Owner only: make the segment mode 0660 of ``group`` (a name or a gid), so that
         processes of other uids in that group can map it. KeyError if no such group."""
-        import grp
-
-        assert self._shm is not None, "only the owner shares a segment"
-        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        fd = self._shm._fd  # type: ignore[attr-defined]
-        os.fchown(fd, -1, gid)
-        os.fchmod(fd, 0o660)
+        assert self._fd is not None, "only the owner shares a segment"
+        os.fchown(self._fd, -1, _gid_of(group))
+        os.fchmod(self._fd, 0o660)
 
     def fence(self) -> None:
         """Replace an importer's mapping by private zero pages at the same address, so no
         later write of this process (a kernel still holding the tensors) reaches the
         segment. Views stay valid; what they show is scratch. Linux and macOS."""
-        if self._map is None:
+        if self._map is None or self.owner:
             return
         import ctypes
 
@@ -140,39 +201,83 @@ class HostRegion:
         if got != address:
             raise OSError(ctypes.get_errno(), "cannot fence the pool mapping")
 
-    def close(self) -> None:
-        """Unmap (and unlink, if owner). Mappings still exported by tensors stay valid:
+    def close(self, *, unlink: bool = True) -> None:
+        """Unmap; an owner also unlinks the segment, unless ``unlink`` is False: then it
+        stays for a later :meth:`reopen` (a tracked one is unregistered first, so the
+        resource tracker leaves it too). Mappings still exported by tensors stay valid:
         the segment is then unmapped when the last of them is collected."""
-        shm, mm, self._shm, self._map = self._shm, self._map, None, None
-        if shm is not None:
-            with contextlib.suppress(FileNotFoundError):
-                shm.unlink()
-            with contextlib.suppress(BufferError):
-                shm.close()
+        mm, fd, self._map, self._fd = self._map, self._fd, None, None
+        if fd is not None:
+            if unlink:
+                with contextlib.suppress(FileNotFoundError):
+                    _posixshmem.shm_unlink("/" + self._name)
+            if self.tracked:
+                resource_tracker.unregister("/" + self._name, "shared_memory")
+                self.tracked = False
+            os.close(fd)
         if mm is not None:
             with contextlib.suppress(BufferError):
                 mm.close()
 
 
-def sweep(prefix: str) -> list[str]:
+def sweep(prefix: str, keep: Collection[str] = ()) -> list[str]:
     """Unlink the segments ``<prefix>-<pid>-*`` of this user whose creator ``pid`` is dead
-    (a daemon of the same endpoint that was killed); the names removed. Linux (/dev/shm)."""
+    (a daemon of the same endpoint that was killed), except those named in ``keep``
+    (re-adopted ones); the names removed. Linux (/dev/shm)."""
     removed = []
     with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir("/dev/shm"):
+        for entry in os.scandir(SHM_DIR):
             head, _, rest = entry.name.partition(f"{prefix}-")
             pid = rest.split("-", 1)[0]
-            if head or not pid.isdigit() or _alive(int(pid)):
+            if head or not pid.isdigit() or entry.name in keep or pid_alive(int(pid)):
                 continue
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+            if unlink_own(entry.name):
                 removed.append(entry.name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def unlink_own(name: str) -> bool:
+    """Unlink segment ``name`` if it is a regular file of this user; whether it did.
+    /dev/shm is sticky, so a file of ours cannot be swapped for another's between the
+    check and the unlink (only its owner or root may rename or remove it)."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _refusal(st: os.stat_result, mode: int, gid: int | None) -> str | None:
+    """Why a reopened segment with status ``st`` is not ours as made, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not {os.getuid()}"
+    if stat.S_IMODE(st.st_mode) != mode:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, not {mode:04o}"
+    if gid is not None and st.st_gid != gid:
+        return f"belongs to group {st.st_gid}, not {gid}"
+    return None
+
+
+def _gid_of(group: str) -> int:
+    """The gid of ``group`` (a name or a number); KeyError if no such group."""
+    import grp
+
+    return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts: it cannot be signalled,
+    but it lives). A number no process can have (<= 0, over 2**31 - 1) is no process: a
+    name in /dev/shm, which anyone may create, must not make kill() signal our group or
+    overflow."""
+    if not 0 < pid < 1 << 31:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
