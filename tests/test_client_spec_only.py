@@ -33,11 +33,11 @@ def call(op, **fields):
     assert reply["id"] == request_id, reply
     return reply
 
-ok = call("attach", version=3, pool="default", namespace="spec",
+ok = call("attach", version=4, pool="default", namespace="spec",
           layout={"num_layers": 2, "num_kv_heads": 2, "head_dim": 4, "page_size": 2,
                   "dtype": "float32", "num_pages": 0, "order": order})["result"]
 session, epoch, layout, memory = ok["session"], ok["epoch"], ok["layout"], ok["memory"]
-assert memory["kind"] == "shm" and ok["version"] == 3 and layout["order"] == order
+assert memory["kind"] == "shm" and ok["version"] == 4 and layout["order"] == order
 
 fd = os.open("/dev/shm/" + memory["name"], os.O_RDWR)
 pool = mmap.mmap(fd, memory["size"], offset=memory.get("offset", 0))
