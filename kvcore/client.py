@@ -9,9 +9,12 @@ rebuilt from the error code of the reply.
 
 A background thread heartbeats on its own socket every third of the lease, so
 an idle but live engine keeps its sequences; a dead one loses them when the
-lease runs out. After a daemon restart every call raises StaleEpoch:
-:meth:`Client.reconnect` attaches again (old sequences are gone; the new pool
-is empty). A Client is not thread-safe: one engine thread drives it.
+lease runs out. After a daemon restart every call raises StaleEpoch, and the
+first one (or the heartbeat's) fences a host mapping (see below): the restarted
+daemon may have re-adopted the pool's segment, whose pages nobody committed are
+then another session's to write. :meth:`Client.reconnect` attaches again (old
+sequences are gone; the pool holds what the daemon re-adopted, or nothing). A
+Client is not thread-safe: one engine thread drives it.
 
 A client that was silent for longer than the lease (stopped, paused) while
 alive finds its session fenced: the daemon keeps its pages (nobody else gets
@@ -127,6 +130,7 @@ class Client:
         self._lost = False  # the lease was lost: every call raises LeaseLost (see module doc)
         self._acked = False  # the loss was acknowledged (the daemon freed the pages)
         self._lose_lock = threading.Lock()
+        self._fenced = False  # the host mapping shows scratch pages (fenced) until remapped
         self._region: HostRegion | CudaRegion | None = None
         self._owners = _check_endpoint(endpoint, {os.getuid(), 0, *trusted_uids})
         self._channel = self.open_channel()
@@ -188,6 +192,7 @@ class Client:
             name=self._name,
             shard=self.shard,
             shards=self._expected_shards,
+            maps=self._map_memory,
         )
         ok = self._call(body, msg.AttachOk)
         self.session, self.epoch = ok.session, ok.epoch
@@ -238,7 +243,7 @@ class Client:
 
     def _unmap(self) -> None:
         self.kv_caches = []
-        region, self._region = self._region, None
+        region, self._region, self._fenced = self._region, None, False
         if region is not None:
             region.close()
 
@@ -282,8 +287,22 @@ class Client:
             self._lost = True
             region = self._region
             if isinstance(region, HostRegion):
-                region.fence()
+                if not self._fenced:
+                    self._fenced = True
+                    region.fence()
                 self._acknowledge(channel)
+
+    def fence(self) -> None:
+        """Replace a host mapping by private scratch pages (what LeaseLost does), for a
+        session the daemon no longer knows: it restarted (StaleEpoch). Whatever this
+        process writes through its old views then reaches no page of the pool, which
+        the restarted daemon may have re-adopted and handed to other writers.
+        Idempotent; :meth:`reconnect` maps the pool again."""
+        with self._lose_lock:
+            region = self._region
+            if isinstance(region, HostRegion) and not self._fenced:
+                self._fenced = True
+                region.fence()
 
     def _acknowledge(self, channel: DealerChannel) -> None:
         """Tell the daemon this fenced session will write no more (a ``detach``)."""
@@ -420,6 +439,8 @@ class Client:
             error = error_from_code(reply.error.code, reply.error.message)
             if isinstance(error, LeaseLost):
                 self._lose(self._channel)
+            elif isinstance(error, StaleEpoch):
+                self.fence()
             elif self._lost and isinstance(error, NotAttached):  # the heartbeat acked first
                 raise LeaseLost("this session's lease was lost; reconnect() to attach again")
             raise error
@@ -555,6 +576,8 @@ class _Heartbeat:
                 code = reply.error.code if reply.error is not None else ""
                 if code in (LeaseLost.code, NotAttached.code) and session == client.session:
                     client._lose(channel)
+                elif code == StaleEpoch.code and session == client.session:
+                    client.fence()  # the daemon restarted (Client.fence)
         finally:
             channel.close()
 

@@ -355,6 +355,9 @@ class Attach(_Op, tag="attach"):
     name: Annotated[str, Meta(max_length=256)] = ""  # informational
     shard: NonNeg = 0  # the region to map (pipeline stage); bad_request if >= shards
     shards: NonNeg = 0  # expected shard count (0: any); ephemeral: the new pool's (0: 1)
+    # The client maps the pool's memory (a restarted daemon withholds the pages nobody
+    # committed until every process's mappings of it are its sessions': spec, "Restarts").
+    maps: bool = False
 
 
 class Detach(_Op, tag="detach"):

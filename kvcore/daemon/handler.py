@@ -276,7 +276,14 @@ class Handler:
         pid = peer.pid if peer is not None and peer.pid is not None else body.pid
         watch = peer is not None and peer.pid is not None  # the kernel's pid: safe to watch
         session = self.sessions.open(
-            pool.name, body.namespace, grant, pid, watch, body.name, time.monotonic()
+            pool.name,
+            body.namespace,
+            grant,
+            pid,
+            watch,
+            body.name,
+            time.monotonic(),
+            maps=body.maps,
         )
         log.info(
             "session %x attached to pool %r shard %d (pid %d, %r)",

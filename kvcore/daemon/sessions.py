@@ -84,6 +84,7 @@ class Session:
     deadline: float  # time.monotonic() after which the lease is over (seconds)
     last_seen: float  # time.monotonic() of the last request (seconds)
     peer: Watch | None = None  # the watch of its process: only for a kernel-reported pid
+    maps: bool = False  # it said it maps the pool's memory (Attach.maps)
     state: State = State.LIVE
     fenced_until: float = 0.0  # fenced: drained at this time.monotonic() (seconds)
     seqs: set[int] = field(default_factory=set)  # the sequences this session owns
@@ -151,12 +152,22 @@ class SessionTable:
         return iter(self._sessions.values())
 
     def open(
-        self, pool: str, namespace: str, grant: Grant, pid: int, watch: bool, name: str, now: float
+        self,
+        pool: str,
+        namespace: str,
+        grant: Grant,
+        pid: int,
+        watch: bool,
+        name: str,
+        now: float,
+        *,
+        maps: bool = False,
     ) -> Session:
-        """A new live session; QuotaExceeded past ``max_sessions``, past
-        ``max_sessions_per_process`` of process ``pid`` if ``watch`` (``pid`` is the kernel's
-        peer pid: the process is watched, sharing one pidfd with its other sessions), or
-        past ``max_sessions_per_tenant`` of the grant's tenant (not the operator)."""
+        """A new live session (``maps``: it said it maps the pool's memory); QuotaExceeded
+        past ``max_sessions``, past ``max_sessions_per_process`` of process ``pid`` if
+        ``watch`` (``pid`` is the kernel's peer pid: the process is watched, sharing one
+        pidfd with its other sessions), or past ``max_sessions_per_tenant`` of the
+        grant's tenant (not the operator)."""
         if len(self._sessions) >= self.max_sessions:
             raise QuotaExceeded(f"the daemon serves at most {self.max_sessions} sessions")
         if watch and self._watcher.held(pid) >= self.max_sessions_per_process:
@@ -183,10 +194,22 @@ class SessionTable:
             now + self.lease_s,
             now,
             peer,
+            maps=maps,
         )
         self._sessions[session.id] = session
         self._owner.setdefault(pool, {})
         return session
+
+    def mappers(self, pool: str) -> Counter[int]:
+        """Per process (the kernel's pid), how many of its sessions on ``pool`` said they
+        map its memory: what may account for that process's mappings of the pool
+        (kvcore.daemon.mappings). Sessions of a pid the kernel did not report count
+        for no process."""
+        return Counter(
+            s.pid
+            for s in self._sessions.values()
+            if s.pool == pool and s.maps and s.peer is not None
+        )
 
     def renew(self, session_id: int, now: float) -> Session:
         """The live session ``session_id`` with its lease renewed; LeaseLost if it is
