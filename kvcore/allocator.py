@@ -18,7 +18,7 @@ does, and is for tests).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
@@ -112,6 +112,19 @@ class PageAllocator:
                 whole = False
         if released:
             self._evictable.add(released, whole)
+
+    def restore(self, cached: Sequence[tuple[PageId, bytes]]) -> None:
+        """Make the free pages of ``cached`` (page, prefix key; indexed by the caller)
+        evictable, in order: the first is evicted first, the last is the most recent,
+        as one release of a chain's pages (tail first) leaves them. For re-adopting a
+        pool's cached pages after a restart (Manager.restore). O(free pages)."""
+        restored = {page for page, _ in cached}
+        assert len(restored) == len(cached), "a page restored twice"
+        kept = deque(page for page in self._free if page not in restored)
+        assert len(kept) + len(restored) == len(self._free), "restore() of a page not free"
+        self._free = kept
+        if cached:
+            self._evictable.add(cached, False)
 
     def hit(self, pages: list[PageId]) -> None:
         """Tell the eviction policy that a request was served ``pages`` (indexed)."""

@@ -135,6 +135,13 @@ class InternalError(KVCoreError):
     code = "internal"
 
 
+class RestoreRefused(KVCoreError):
+    """The daemon will not re-adopt what a dead daemon left (a manifest, segment or index
+    table of another format, layout or settings, not its own, or cut short): the
+    message names the object and what differs. The daemon's own decision at start,
+    never sent on the wire (so not in :data:`ERRORS`); that pool starts empty instead."""
+
+
 ERRORS: dict[str, type[KVCoreError]] = {
     cls.code: cls
     for cls in (

@@ -118,15 +118,19 @@ class Manager:
         *,
         eviction: str = DEFAULT_EVICTION,
         record_evictions: bool = False,
+        index: PrefixIndex | None = None,
     ) -> None:
         """A Manager of an empty pool of ``layout``, evicting by the policy named
-        ``eviction`` (kvcore.eviction; BadRequest for an unknown name)."""
+        ``eviction`` (kvcore.eviction; BadRequest for an unknown name). ``index``: an
+        empty prefix index to use (a subclass that mirrors its changes, as the daemon's
+        kvcore.daemon.index_table.MirroredIndex); None: a plain PrefixIndex."""
         self.layout = layout
         self.eviction = eviction  # the policy's name: it labels the eviction metrics
         self._page_size = layout.page_size
         self._pages = PageAllocator(layout.num_pages, make_policy(eviction, layout.num_pages))
         self._refcounts = self._pages.refcounts  # read only: the allocator writes it
-        self._index = PrefixIndex()
+        assert index is None or not len(index), "a Manager starts with an empty index"
+        self._index = PrefixIndex() if index is None else index
         self._entries = self._index.entries  # read only: the index writes them
         self._key_by_page = self._index.key_by_page  # read only, likewise
         self._by_content = self._index.by_content  # read only, likewise
@@ -415,6 +419,42 @@ class Manager:
         self._index.insert_chain(parent, new, pages, chain_bytes, space, medium)
         self._pages.release(reversed(hit_pages + pages), self._key_by_page)
         return list(pages)
+
+    def restore(self, entries: Sequence[PageStored]) -> None:
+        """Index ``entries`` as cached pages, oldest first: what a restarted daemon
+        found committed in its pool (kvcore.daemon.index_table). Each becomes
+        evictable, held by no sequence, and its PageStored event is queued (in the
+        order given); the oldest is evicted first, except that a page whose child is
+        restored too stays after it (a chain's head outlives its tails, as after a
+        release). Only on a Manager that has indexed nothing and holds no page;
+        BadRequest, changing nothing, unless the keys and the pages are distinct, each
+        page is in the pool and each entry holds one page of tokens. Each key must be
+        ``page_key(parent_key, tokens)``: the caller verified it (IndexTable.scan
+        does; hashing again would double a restart's time), check_integrity asserts it."""
+        if len(self._index) or self._pages.num_free != self.layout.num_pages:
+            raise BadRequest("restore() takes a Manager that has indexed nothing and holds no page")
+        stride = 4 * self._page_size
+        if (
+            len({entry.key for entry in entries}) != len(entries)
+            or len({entry.page for entry in entries}) != len(entries)
+            or any(not 0 <= entry.page < self.layout.num_pages for entry in entries)
+            or any(len(entry.tokens) != stride for entry in entries)
+        ):
+            raise BadRequest(
+                "restore() takes distinct keys and pages of the pool, each with one page "
+                f"({stride} bytes) of tokens"
+            )
+        insert = self._index.insert_chain
+        run: list[PageStored] = []  # entries each the child of the one before: one insert
+        for entry in entries:  # in the order given, so a parent's event precedes its child's
+            if run and (entry.parent_key != run[-1].key or entry.space != run[0].space):
+                insert(run[0].parent_key, *_chain_of(run), run[0].space)
+                run = []
+            run.append(entry)
+        if run:
+            insert(run[0].parent_key, *_chain_of(run), run[0].space)
+        order = _heads_after_tails(entries)
+        self._pages.restore([(entry.page, entry.key) for entry in order])
 
     @property
     def records_evictions(self) -> bool:
@@ -738,6 +778,30 @@ def _check_count(name: str, value: object) -> None:
     """BadRequest unless ``value`` is an int >= 0 and not a bool."""
     if not isinstance(value, int) or value.__class__ is bool or value < 0:
         raise BadRequest(f"{name} must be an int >= 0, got {value!r}")
+
+
+def _chain_of(run: list[PageStored]) -> tuple[list[PrefixKey], list[PageId], bytes]:
+    """The keys, pages and joined tokens of ``run``, a chain's consecutive entries."""
+    return [e.key for e in run], [e.page for e in run], b"".join([e.tokens for e in run])
+
+
+def _heads_after_tails(entries: Sequence[PageStored]) -> list[PageStored]:
+    """``entries`` (oldest first) reordered so that each entry whose parent is among
+    them comes before that parent: walking from the newest, each entry is placed
+    just after (older than) its not yet placed ancestors. O(entries)."""
+    by_key = {entry.key: entry for entry in entries}
+    placed: set[PrefixKey] = set()
+    newest_first: list[PageStored] = []
+    for newest in reversed(entries):
+        path: list[PageStored] = []
+        entry: PageStored | None = newest
+        while entry is not None and entry.key not in placed:
+            placed.add(entry.key)
+            path.append(entry)
+            entry = by_key.get(entry.parent_key)
+        newest_first.extend(reversed(path))  # the head-most first: the most recent
+    newest_first.reverse()
+    return newest_first
 
 
 def _hit_limit(num_tokens: int, page_size: int, compute_last: bool = True) -> int:

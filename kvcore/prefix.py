@@ -278,17 +278,19 @@ class PrefixIndex:
         token_bytes: bytes,
         space: KeySpace = KeySpace(""),
         medium: str = "",
-    ) -> None:
+    ) -> list[PageStored]:
         """Index each ``pages[i]`` under ``keys[i]``, a chain whose first key's parent
         is ``parent_key``, queuing a PageStored each. A key already indexed keeps its
         page (the first commit wins); the page passed for it stays private.
         ``token_bytes`` are the chain's tokens (u32 LE, the same number per page):
         ``keys[i]`` is ``page_key(keys[i - 1], tokens of page i)``, which the caller
         computed. They, the key space and ``medium`` (where the bytes came from: ""
-        for a commit) label the entries and their events."""
+        for a commit) label the entries and their events. Returns the entries this
+        call indexed, in chain order (a subclass mirrors them: kvcore.daemon.index_table)."""
         assert len(keys) == len(pages), f"{len(keys)} keys for {len(pages)} pages"
         stored, key_of, by_content = self._stored, self._key_of, self._by_content
         append = self._events.append
+        inserted: list[PageStored] = []
         stride = len(token_bytes) // len(keys) if keys else 0
         assert not keys or (stride and stride * len(keys) == len(token_bytes)), "not whole pages"
         at = 0
@@ -301,8 +303,10 @@ class PrefixIndex:
                 key_of[page] = key
                 by_content[parent_key, tokens] = entry
                 append(entry)
+                inserted.append(entry)
             parent_key = key
             at += stride
+        return inserted
 
     def remove(self, page: PageId) -> None:
         """Drop an indexed page (eviction)."""
