@@ -1,13 +1,14 @@
 """Page bookkeeping: refcounts, the free queue and the evictable pages' policy.
 
-Every page of a pool is in exactly one of three states::
+Every page of a pool is in exactly one of four states::
 
     state       refcount  indexed (prefix.py)  kept in
     free        0         no                   _free       FIFO queue
     evictable   0         yes                  _evictable  the eviction policy's order
     held        > 0       either               (block tables of live sequences)
+    withheld    0         no                   _withheld   (after a restart, until released)
 
-    free + evictable + held == num_pages       (the conservation law)
+    free + evictable + held + withheld == num_pages       (the conservation law)
 
 :meth:`take` serves free pages first and evicts evictable pages, in the order of
 the pool's eviction policy (kvcore.eviction), only when the free queue is empty.
@@ -34,7 +35,7 @@ class PageAllocator:
     copy-on-write test); only this class writes it.
     """
 
-    __slots__ = ("_evictable", "_free", "num_held", "num_pages", "refcounts")
+    __slots__ = ("_evictable", "_free", "_withheld", "num_held", "num_pages", "refcounts")
 
     def __init__(self, num_pages: int, evictable: EvictionPolicy[PageId]) -> None:
         self.num_pages = num_pages
@@ -42,10 +43,30 @@ class PageAllocator:
         self.refcounts = [0] * num_pages
         self._free: deque[PageId] = deque(PageId(p) for p in range(num_pages))
         self._evictable = evictable  # empty; only this class adds to it or takes from it
+        self._withheld: list[PageId] = []  # out of use until release_withheld()
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_withheld(self) -> int:
+        return len(self._withheld)
+
+    def withhold_free(self) -> int:
+        """Take every free page out of use (neither free nor evictable, refcount 0) until
+        :meth:`release_withheld`: after a restart, the pages nobody committed, which a
+        process of the last daemon's time may still write (kvcore.daemon.restart).
+        Returns how many."""
+        self._withheld.extend(self._free)
+        self._free.clear()
+        return len(self._withheld)
+
+    def release_withheld(self) -> int:
+        """Free every withheld page (after the free ones); returns how many."""
+        released, self._withheld = self._withheld, []
+        self._free.extend(released)
+        return len(released)
 
     @property
     def num_evictable(self) -> int:
@@ -138,16 +159,19 @@ class PageAllocator:
         ``indexed`` is every page the prefix index holds.
         """
         free, evictable, indexed_set = set(self._free), set(self._evictable), set(indexed)
+        withheld = set(self._withheld)
         assert len(free) == len(self._free), "a page is twice in the free queue"
+        assert len(withheld) == len(self._withheld), "a page is withheld twice"
         assert not free & evictable, f"pages both free and evictable: {free & evictable}"
+        assert not withheld & (free | evictable), "a withheld page is free or evictable"
         held = {p for p in range(self.num_pages) if self.refcounts[p] > 0}
         assert len(held) == self.num_held, f"num_held {self.num_held} != {len(held)}"
-        assert len(free) + len(evictable) + len(held) == self.num_pages, (
+        assert len(free) + len(evictable) + len(held) + len(withheld) == self.num_pages, (
             f"free {len(free)} + evictable {len(evictable)} + held {len(held)} "
-            f"!= total {self.num_pages}"
+            f"+ withheld {len(withheld)} != total {self.num_pages}"
         )
-        assert not held & (free | evictable), "a referenced page is free or evictable"
-        assert not free & indexed_set, f"free pages still indexed: {free & indexed_set}"
+        assert not held & (free | evictable | withheld), "a referenced page is not in use"
+        assert not (free | withheld) & indexed_set, "free or withheld pages still indexed"
         assert evictable <= indexed_set, f"evictable pages not indexed: {evictable - indexed_set}"
         for page in range(self.num_pages):
             expected = references.get(PageId(page), 0)

@@ -371,6 +371,14 @@ class ServiceConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             metavar="ENDPOINT",
         ),
     ] = ""
+    restore: Annotated[
+        bool,
+        _setting(
+            Group.WHERE,
+            "re-adopt the host pools and committed pages a previous daemon of this endpoint "
+            "left (killed, stopped or upgraded); off: every pool starts empty",
+        ),
+    ] = True
     lease_timeout_s: Annotated[
         float,
         _setting(

@@ -7,6 +7,7 @@ unlinks its pools and removes its socket).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,10 @@ class DaemonProcess:
 
     ``with DaemonProcess("--endpoint", ep) as daemon:`` returns once the daemon
     prints that it listens; leaving the block stops it with SIGTERM. Its output
-    (stdout and stderr) is collected in :attr:`lines`.
+    (stdout and stderr) is collected in :attr:`lines`. It starts cold and keeps
+    nothing for a next daemon (``KVCORE_RESTORE=false`` unless ``env`` or the
+    environment says otherwise, or ``--restore`` is passed): its endpoint is
+    usually a temporary one that nobody starts again.
     """
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0):
@@ -51,7 +55,7 @@ class DaemonProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=self.env,
+            env={"KVCORE_RESTORE": "false", **(os.environ if self.env is None else self.env)},
         )
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()

@@ -22,7 +22,7 @@ Every public method either succeeds or raises a :class:`~kvcore.errors.KVCoreErr
 having changed nothing (stats counters and the event queue included). Invariants,
 checked by :meth:`check_integrity` after every step of the conformance state machine:
 
-* free + evictable + held == total pages;
+* free + evictable + held + withheld == total pages (withheld: :meth:`Manager.withhold_free`);
 * a page's refcount equals the number of block-table entries naming it;
 * no page is both free and referenced; every evictable page is indexed;
 * every block table has exactly ceil(num_tokens / page_size) pages;
@@ -455,6 +455,18 @@ class Manager:
             insert(run[0].parent_key, *_chain_of(run), run[0].space)
         order = _heads_after_tails(entries)
         self._pages.restore([(entry.page, entry.key) for entry in order])
+
+    def withhold_free(self) -> int:
+        """Take every free page out of use until :meth:`release_withheld` (neither free
+        nor evictable: stats count it in none of the three): after :meth:`restore`, the
+        pages nobody committed, which a process of the last daemon's time may still
+        write (kvcore.daemon.restart). Allocations meanwhile evict restored pages, or
+        are OutOfPages. Returns how many."""
+        return self._pages.withhold_free()
+
+    def release_withheld(self) -> int:
+        """Free every withheld page; returns how many."""
+        return self._pages.release_withheld()
 
     @property
     def records_evictions(self) -> bool:

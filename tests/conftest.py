@@ -29,6 +29,10 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Test daemons are throwaway (temporary endpoints): they start cold and leave nothing in
+# /dev/shm when they stop (kvcore.daemon.restart). The restart tests pass --restore.
+os.environ.setdefault("KVCORE_RESTORE", "false")
+
 settings.register_profile(
     "default",
     database=None,

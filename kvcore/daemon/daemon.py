@@ -2,10 +2,11 @@
 
 A start builds, each part once and handed to the next::
 
-    config -> epoch, endpoint (trust checks), authority, CURVE key, sweep of a killed
-              daemon's segments, sessions, ledger
+    config -> epoch, endpoint (trust checks), authority, CURVE key, sessions, ledger
            -> publisher (events; None when off)
-           -> pools      (publish through the publisher)
+           -> pools      (publish through the publisher; host pools re-adopted from a
+                          previous daemon where kvcore.daemon.restart can), then the
+                          sweep of what a killed daemon left and nobody re-adopted
            -> handler    (answers frames against pools, sessions, ledger)
            -> server     (the ROUTER socket; calls the handler)
            -> metrics    (reads the handler's snapshot; None when off)
@@ -38,7 +39,7 @@ from kvcore.config import ServiceConfig
 from kvcore.errors import BadRequest
 from kvcore.paths import check_socket_path, default_endpoint, runtime_dir
 
-from . import metrics
+from . import metrics, restart
 from .auth import EVENTS_DOMAIN, REQUEST_DOMAIN, Authority, read_secret_key
 from .handler import Handler
 from .metrics_http import read_token
@@ -49,6 +50,7 @@ from .sessions import SessionTable
 DEAF_S = 0.25  # a gap between ticks longer than this was time the daemon could not listen
 REAP_BUDGET = 16384  # page references of ended sessions freed per reap call (~1 ms)
 REAP_SLICE_S = 0.1  # at most this long reaping in one loop turn (seconds; < DEAF_S - tick_ms)
+RELEASE_CHECK_S = 0.5  # how often withheld pages are checked for release (reads /proc)
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -73,7 +75,7 @@ class Daemon:
             check_socket_path(path, {os.getuid()}, creating=True)
         self.authority = Authority(config.tenants, keys_dir=config.authorized_keys_dir)
         secret = _server_key(config)
-        self.swept = sweep(segment_prefix(endpoint))  # what a killed daemon of this endpoint left
+        self.swept: list[str] = []  # what a killed daemon left and no pool re-adopted
         self.sessions = SessionTable(
             config.lease_timeout_s,
             config.fence_timeout_s,
@@ -85,7 +87,7 @@ class Daemon:
         self.publisher: Publisher | None = None
         self.metrics: metrics.Exchange | None = None
         self.metrics_server: metrics.MetricsServer | None = None
-        self._next_scan = self._last_tick = 0.0
+        self._next_scan = self._last_tick = self._next_release = 0.0
         self._closing = contextlib.ExitStack()  # the built parts' closes, last built first
         self._closing.callback(self.authority.stop_zap)
         self._closing.callback(self.sessions.close_all)
@@ -106,7 +108,8 @@ class Daemon:
             self._closing.callback(self.publisher.close)
         self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
         self._closing.callback(self.pools.close_all)  # publishes the removals: before the publisher
-        self._open_pools(config)
+        self._open_pools(config, segment_prefix(endpoint))
+        self.swept = sweep(segment_prefix(endpoint), keep=self.pools.kept_segments())
         self.server = RouterServer(
             endpoint,
             curve_secret_key=secret,
@@ -150,19 +153,27 @@ class Daemon:
         self._closing.callback(self.metrics_server.close)
         return timer
 
-    def _open_pools(self, config: ServiceConfig) -> None:
-        """Each configured pool: its memory and Manager, and its quotas in the ledger."""
+    def _open_pools(self, config: ServiceConfig, prefix: str) -> None:
+        """Each configured pool: its memory and Manager (kept across restarts where
+        kvcore.daemon.restart can, unless ``restore`` is off), and its quotas in the ledger."""
         for pool in config.pools:
             layout = pool.layout()
-            self.pools.open(
-                pool.name,
-                pool.device,
-                layout,
-                group=pool.group,
-                tiers=pool.tiers,
-                shards=pool.shards,
-                eviction=pool.eviction,
-            )
+            if config.restore and restart.keeps(pool):
+                regions, manager, kept = restart.open_kept(
+                    pool, prefix, self.epoch, config.fence_timeout_s
+                )
+                self.pools.adopt(pool.name, regions, manager, kept)
+            else:
+                restart.forget(pool, prefix)  # a kept pool's manifest: this start is cold
+                self.pools.open(
+                    pool.name,
+                    pool.device,
+                    layout,
+                    group=pool.group,
+                    tiers=pool.tiers,
+                    shards=pool.shards,
+                    eviction=pool.eviction,
+                )
             self.ledger.open_pool(pool.name, layout.page_size, Limits.of(pool))
             log.info(
                 "pool %r created: %s, %d pages x %d tokens, %d shard(s), %.1f MiB",
@@ -195,6 +206,9 @@ class Daemon:
         if self.sessions.draining():
             self._reap()
             self.pools.publish()
+        if now >= self._next_release:
+            self._next_release = now + RELEASE_CHECK_S
+            self.pools.release_withheld(self.sessions.mappers, now)
 
     def _reap(self) -> None:
         """Free what ended sessions held, REAP_BUDGET page references at a time: at least

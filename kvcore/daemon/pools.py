@@ -29,7 +29,9 @@ finds and removes what a killed one left (:func:`kvcore_ipc.memory.sweep`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from array import array
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +47,10 @@ from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
 from kvcore.prefix import PageEvent, PageStored
 
+from .restart import Kept
 from .tiering import TieredManager, open_stack
+
+log = logging.getLogger(__name__)
 
 MAX_EPHEMERAL_BYTES = 1 << 30
 MAX_EPHEMERAL_PAGES = 1 << 20
@@ -62,6 +67,7 @@ class Pool:
     manager: PageManager  # a Manager, or a TieredManager holding one
     regions: list[HostRegion | CudaRegion]  # one per shard, each of ``layout``
     ephemeral: bool = False  # created by an attach; closed when its last session leaves
+    kept: Kept | None = None  # kept across restarts (kvcore.daemon.restart): host regions
 
     @property
     def layout(self) -> KVLayout:
@@ -91,7 +97,15 @@ class Pool:
             )
         return self.regions[shard].describe()
 
+    def host_regions(self) -> list[HostRegion]:
+        return [region for region in self.regions if isinstance(region, HostRegion)]
+
     def close_regions(self) -> None:
+        """Unmap the pool's memory: unlinked, or kept for the next daemon if ``kept``."""
+        if self.kept is not None:
+            assert isinstance(self.manager, Manager), "a kept pool has no tiers"
+            self.kept.close(self.manager, self.host_regions())
+            return
         for region in self.regions:
             region.close()
 
@@ -201,6 +215,35 @@ class PoolTable:
         pool = Pool(name, device, manager, regions, ephemeral)
         self.pools[name] = pool
         return pool
+
+    def adopt(self, name: str, regions: list[HostRegion], manager: Manager, kept: Kept) -> Pool:
+        """Serve a host pool kvcore.daemon.restart made or re-adopted (its regions and
+        Manager, kept across restarts). BadRequest if the name is taken."""
+        if name in self.pools:
+            raise BadRequest(f"pool {name!r} exists")
+        pool = Pool(name, "cpu", manager, list(regions), kept=kept)
+        self.pools[name] = pool
+        return pool
+
+    def kept_segments(self) -> list[str]:
+        """The segments of every kept pool (its regions and its index table)."""
+        names: list[str] = []
+        for pool in self.pools.values():
+            if pool.kept is not None:
+                names += [region.name for region in pool.host_regions()]
+                names.append(pool.kept.index.name)
+        return names
+
+    def release_withheld(self, mappers: Callable[[str], Counter[int]], now: float) -> None:
+        """Free each kept pool's withheld pages once their release is due
+        (kvcore.daemon.restart.Kept.release_due; ``mappers``: SessionTable.mappers)."""
+        for pool in self.pools.values():
+            kept = pool.kept
+            if kept is not None and kept.release_due(pool.host_regions(), mappers(pool.name), now):
+                assert isinstance(pool.manager, Manager), "a kept pool has no tiers"
+                freed = pool.manager.release_withheld()
+                kept.withheld_until = 0.0
+                log.info("pool %r: %d withheld pages released", pool.name, freed)
 
     def _create_regions(
         self, device: str, size: int, shards: int, group: str

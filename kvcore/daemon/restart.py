@@ -1,0 +1,196 @@
+"""A host pool kept across daemon restarts: re-adopted at start, kept at stop.
+
+With ``restore`` on (the default; ``--no-restore``, ``restore = false``,
+``KVCORE_RESTORE=0`` turn it off), a configured host pool without lower tiers lives in
+segments that outlive the daemon (untracked: ``HostRegion.create(tracked=False)``),
+beside an index table (kvcore.daemon.index_table) in one more segment that only the
+daemon maps, recorded in the pool's manifest (kvcore.daemon.restore). A daemon
+started on the same endpoint then re-adopts them, however the last one ended:
+
+1. :func:`reopen_pool` checks the manifest and reopens the segments (or decides a cold
+   start, with a reason naming the object and the setting);
+2. :meth:`IndexTable.open` checks the table's header against the pool's settings and
+   scans it: only committed pages whose key is their tokens' come back, as cached
+   (evictable) pages, oldest first (``Manager.restore``, which queues their
+   ``stored`` events: routers learn them at the first tick);
+3. every other page is withheld (``Manager.withhold_free``): a process that attached
+   to the last daemon may still write pages nobody committed through its old mapping.
+   :meth:`Kept.release_due` frees them once every process's mappings of the segments
+   are its current sessions' (kvcore.daemon.mappings: a client fences its old mapping
+   at the first StaleEpoch), or ``fence_timeout_s`` after the start, whichever comes
+   first; a pool shared with a group waits for the timeout (its other users' mappings
+   cannot be read).
+
+At a clean stop the daemon marks the table clean and keeps the segments and the
+manifest (:meth:`Kept.close`); a cold start or ``restore`` off unlinks them.
+Ephemeral, CUDA and tiered pools are not kept (a CUDA allocation dies with its
+process; a tiered pool's host tier is private memory): they start empty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcore_ipc.shm import HostRegion
+
+from kvcore.config import PoolConfig
+from kvcore.errors import RestoreRefused
+from kvcore.manager import Manager
+
+from .index_table import IndexTable, MirroredIndex
+from .mappings import segment_mappings, stale_mappers
+from .restore import (
+    ColdStart,
+    Readopted,
+    manifest_for,
+    manifest_path,
+    remove_manifest,
+    reopen_pool,
+    settings_of,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+
+def keeps(pool: PoolConfig) -> bool:
+    """Whether ``pool`` (a configured one) can outlive the daemon: host memory, no tiers."""
+    return pool.device == "cpu" and not (pool.tiers is not None and pool.tiers.enabled)
+
+
+def settings_digest(pool: PoolConfig) -> bytes:
+    """SHA-256 of the settings that fix the pool's pages (restore.settings_of)."""
+    return hashlib.sha256(json.dumps(settings_of(pool), sort_keys=True).encode()).digest()
+
+
+@dataclass(slots=True, eq=False)
+class Kept:
+    """What keeps one host pool across restarts: its index table, the table's segment,
+    its manifest, and when its withheld pages are freed whatever still maps them."""
+
+    table: IndexTable
+    index: HostRegion  # the table's segment: the daemon's alone (0600), never described
+    manifest: Path
+    group: str  # the pool's group ("" for none): others' mappings cannot be read
+    withheld_until: float = 0.0  # time.monotonic(); 0: nothing withheld
+
+    def release_due(self, regions: list[HostRegion], mappers: Counter[int], now: float) -> bool:
+        """Whether the withheld pages may be freed now: no process maps ``regions``
+        through a mapping that ``mappers`` (pid -> its sessions that said they map the
+        pool) does not account for, or the deadline passed. Reads /proc: call it a few
+        times a second at most."""
+        if not self.withheld_until:
+            return False
+        if now >= self.withheld_until:
+            return True
+        if self.group:
+            return False
+        for region in regions:
+            found = segment_mappings(region.name)
+            if found is None or stale_mappers(found, mappers):
+                return False
+        return True
+
+    def close(self, manager: Manager, regions: list[HostRegion]) -> None:
+        """A clean stop: the table marked clean, every segment and the manifest kept."""
+        self.table.mark_clean()
+        self.table.close()
+        self.index.close(unlink=False)
+        for region in regions:
+            region.close(unlink=False)
+
+
+def forget(pool: PoolConfig, prefix: str) -> None:
+    """This start of ``pool`` is cold (``restore`` off, or a pool not kept): the manifest
+    a kept pool of the same name left goes (its segments: the sweep's)."""
+    if remove_manifest(manifest_path(prefix, pool.name)):
+        log.info("pool %r: starting empty (restore off or a pool not kept)", pool.name)
+
+
+def open_kept(
+    pool: PoolConfig, prefix: str, epoch: int, fence_s: float
+) -> tuple[list[HostRegion], Manager, Kept]:
+    """``pool``'s regions (one per shard) and its Manager: re-adopted from what the last
+    daemon of the endpoint with segment prefix ``prefix`` left, or created empty; the
+    manifest written for this daemon (``epoch``). Logs which, and why."""
+    layout = pool.layout()
+    digest = settings_digest(pool)
+    path = manifest_path(prefix, pool.name)
+    decision = reopen_pool(pool, prefix)
+    if isinstance(decision, Readopted):
+        if decision.index is None:
+            decision.close(unlink=True)
+            decision = ColdStart(f"pool {pool.name!r}: no index table: starting empty", [])
+        else:
+            index, started = decision.index, time.monotonic()
+            try:
+                table = IndexTable.open(
+                    index.buffer(),
+                    num_pages=layout.num_pages,
+                    page_size=layout.page_size,
+                    settings_digest=digest,
+                )
+            except RestoreRefused as exc:
+                names = decision.names
+                decision.close(unlink=True)
+                remove_manifest(path)
+                decision = ColdStart(f"pool {pool.name!r}: {exc}: starting empty", names)
+            else:
+                manager = Manager(layout, eviction=pool.eviction, index=MirroredIndex(table))
+                manager.restore(table.opened.entries)
+                withheld = manager.withhold_free()
+                kept = Kept(table, index, path, pool.group)
+                kept.withheld_until = time.monotonic() + fence_s if withheld else 0.0
+                write_manifest(path, manifest_for(pool, decision.regions, epoch, index))
+                dropped = sum(table.opened.dropped.values())
+                log.info(
+                    "pool %r: re-adopted %d committed pages of %s in %.3f s (%s stop; %d "
+                    "dropped: %s); %d pages withheld until the last daemon's clients let go",
+                    pool.name,
+                    len(table.opened.entries),
+                    decision.regions[0].name,
+                    time.monotonic() - started,
+                    "clean" if table.was_clean else "unclean",
+                    dropped,
+                    dict(table.opened.dropped) or "none",
+                    withheld,
+                )
+                return list(decision.regions), manager, kept
+    log.info("%s", decision.reason)
+    return _create(pool, prefix, epoch, digest, path)
+
+
+def _create(
+    pool: PoolConfig, prefix: str, epoch: int, digest: bytes, path: Path
+) -> tuple[list[HostRegion], Manager, Kept]:
+    """A new kept pool: untracked segments, an empty table, the manifest."""
+    layout = pool.layout()
+    made: list[HostRegion] = []
+    try:
+        for _ in range(pool.shards):
+            made.append(HostRegion.create(layout.total_bytes, prefix, tracked=False))
+            if pool.group:
+                made[-1].share_with_group(pool.group)
+        size = IndexTable.size_for(layout.num_pages, layout.page_size)
+        index = HostRegion.create(size, prefix, tracked=False)
+        made.append(index)
+        table = IndexTable.create(
+            index.buffer(),
+            num_pages=layout.num_pages,
+            page_size=layout.page_size,
+            settings_digest=digest,
+        )
+        regions = made[:-1]
+        write_manifest(path, manifest_for(pool, regions, epoch, index))
+    except BaseException:
+        for region in made:
+            region.close(unlink=True)
+        raise
+    manager = Manager(layout, eviction=pool.eviction, index=MirroredIndex(table))
+    return regions, manager, Kept(table, index, path, pool.group)
