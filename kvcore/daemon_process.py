@@ -41,10 +41,17 @@ class DaemonProcess:
         cls, *args: str, env: dict[str, str] | None = None, timeout_s: float = 30.0
     ) -> DaemonProcess:
         """A daemon on an ipc:// socket in a fresh temporary directory, which is removed
-        when the daemon stops (the demo and benchmarks: no clash with a user's daemon)."""
+        when the daemon stops (the demo and benchmarks: no clash with a user's daemon).
+        It never keeps its pools (``--no-restore``): no daemon can start on that endpoint
+        again."""
         tmpdir = tempfile.mkdtemp(prefix="kvcore-")
         daemon = cls(
-            "--endpoint", f"ipc://{tmpdir}/kvcore.sock", *args, env=env, timeout_s=timeout_s
+            "--endpoint",
+            f"ipc://{tmpdir}/kvcore.sock",
+            *args,
+            "--no-restore",
+            env=env,
+            timeout_s=timeout_s,
         )
         daemon._tmpdir = tmpdir
         return daemon

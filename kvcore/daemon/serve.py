@@ -135,13 +135,19 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: daemon.stop())
     _banner(daemon)
     gc.freeze()  # the pools' bookkeeping is long-lived: keep it out of every collection
+    kept = [p.name for p in daemon.pools.pools.values() if p.kept is not None]
     try:
         daemon.serve()
     finally:
         daemon.close()
         for lock in locks:
             lock.release()
-        print("kvcore serve: stopped; pools unlinked, socket removed", flush=True)
+        what = (
+            f"pools {', '.join(map(repr, kept))} kept for the next daemon"
+            if kept
+            else "pools unlinked"
+        )
+        print(f"kvcore serve: stopped; {what}, socket removed", flush=True)
     return 0
 
 
@@ -161,7 +167,7 @@ def _banner(daemon: Daemon) -> None:
             f"  pool {pool.name!r}: {pool.device}, {lay.num_pages} pages x {lay.page_size} "
             f"tokens, {lay.num_layers} layers x {lay.num_kv_heads} kv heads x {lay.head_dim} "
             f"{lay.dtype}, order {lay.order}{shards}, {pool.total_bytes / (1 << 20):.1f} MiB "
-            f"({where})"
+            f"({where}{'; kept across restarts' if pool.kept is not None else ''})"
         )
     if config.insecure and daemon.server.endpoint.startswith("tcp://"):
         print(
