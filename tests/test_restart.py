@@ -94,6 +94,8 @@ def test_committed_pages_come_back_after_the_daemon_ends(endpoint: str, sig: int
         assert "re-adopted 24 committed pages" in daemon.output, daemon.output
         with Client.connect(endpoint) as new:
             assert new.stats().free_pages == 0  # withheld: the old client still maps them
+            snapshot = new.snapshot()  # what a router that subscribes now rebuilds from
+            assert len(snapshot.pages) == 24 and snapshot.seq_no >= 24  # their stored events
             for n in range(4):
                 got = new.allocate(10 + n, prompt(n), compute_last=False)
                 assert got.num_cached_tokens == PAGES * PAGE, n

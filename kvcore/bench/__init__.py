@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "trace": "hit rates on a request trace per eviction policy, beside LRU and the offline optimum",
     "sglang": "SGLang's HiCache storage calls on kvcore vs a plain host store, pages/s (needs SGLang)",
     "serve": "vLLM's OpenAI servers driven by `vllm bench serve` and a chat client, with/without kvcore",
+    "restart": "a pool kept across daemon restarts: re-adopt time, restart pause, index cost",
 }
 
 

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 from array import array
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcore_ipc import messages as msg
@@ -273,7 +273,7 @@ class PoolTable:
         removed: list[msg.Event] = [
             msg.PageRemovedEvent(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()
         ]
-        self._send(name, [*map(_wire, pool.manager.take_events()), *removed])
+        self._send(name, [*pool.manager.take_events(), *removed])
         if isinstance(pool.manager, TieredManager):
             pool.manager.close()
         pool.close_regions()
@@ -287,7 +287,7 @@ class PoolTable:
         for pool in self.pools.values():
             events = pool.manager.take_events()
             if events:
-                self._send(pool.name, [_wire(event) for event in events])
+                self._send(pool.name, events)
 
     def last_seq_no(self, name: str) -> int:
         return self._seq_no.get(name, 0)
@@ -306,15 +306,16 @@ class PoolTable:
         for pool in self.pools.values():
             pool.manager.check_integrity()
 
-    def _send(self, name: str, events: list[msg.Event]) -> None:
-        """Number ``events`` on from the pool's last one; publish them if events are on."""
+    def _send(self, name: str, events: Sequence[PageEvent | msg.Event]) -> None:
+        """Number ``events`` on from the pool's last one; publish them if events are on
+        (converted to the wire's form only then: a re-adopted pool queues one a page)."""
         if not events:
             return
         first = self._seq_no.get(name, 0) + 1
         self._seq_no[name] = first + len(events) - 1
         if self._publisher is not None:
             for i in range(0, len(events), MAX_EVENTS_PER_MESSAGE):
-                chunk = events[i : i + MAX_EVENTS_PER_MESSAGE]
+                chunk = [_wire(e) for e in events[i : i + MAX_EVENTS_PER_MESSAGE]]
                 self._publisher.publish(msg.EventBatch(name, self.epoch, first + i, chunk))
 
 
@@ -341,7 +342,9 @@ def _close_all(regions: list[HostRegion | CudaRegion]) -> None:
         region.close()
 
 
-def _wire(event: PageEvent) -> msg.Event:
+def _wire(event: PageEvent | msg.Event) -> msg.Event:
+    if isinstance(event, msg.PageStoredEvent | msg.PageRemovedEvent):
+        return event
     if isinstance(event, PageStored):
         tokens = array("I", event.tokens)  # u32 little-endian (the host's order, checked)
         return msg.PageStoredEvent(
