@@ -202,6 +202,23 @@ def test_host_pools_larger_than_shared_memory_are_refused() -> None:
     check_shm(ServiceConfig(pools=[PoolConfig(num_pages=8)]))
 
 
+def test_what_the_endpoints_old_segments_hold_counts_as_free() -> None:
+    """A restart re-adopts (or unlinks) the last daemon's segments: their bytes are the
+    new pools' room, so a full pool that fit before still fits."""
+    prefix, held = "kvcore-test-check-shm", 64 << 20
+    path = f"/dev/shm/{prefix}-1-000000000000"
+    with open(path, "wb") as f:
+        f.write(b"\1" * held)
+    try:
+        free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+        config = ServiceConfig(pools=[PoolConfig(size=free + held // 2)])
+        with pytest.raises(BadRequest, match="GiB free"):
+            check_shm(config)
+        check_shm(config, prefix=prefix)
+    finally:
+        os.unlink(path)
+
+
 def test_debug_logs_the_effective_configuration() -> None:
     env = {**os.environ, "KVCORE_LEASE_TIMEOUT_S": "5"}
     pool = "num_layers=1,num_kv_heads=1,head_dim=576,dtype=float8_e4m3fn,kind=latent,num_pages=8"

@@ -100,7 +100,7 @@ class Daemon:
     def _build(self, config: ServiceConfig, endpoint: str, secret: bytes | None) -> None:
         """Publisher, pools, server (bound), metrics, handler: each built once, from the
         ones before (the handler gets the server's counters and the metrics' timer)."""
-        check_shm(config)
+        check_shm(config, prefix=segment_prefix(endpoint))
         if secret is not None:
             self.authority.start_zap()
         self.publisher = event_publisher(config, endpoint, secret)
@@ -263,16 +263,19 @@ def segment_prefix(endpoint: str) -> str:
     return f"kvcore-{hashlib.sha256(endpoint.encode()).hexdigest()[:12]}"
 
 
-def check_shm(config: ServiceConfig, shm: str = "/dev/shm") -> None:
+def check_shm(config: ServiceConfig, shm: str = "/dev/shm", prefix: str = "") -> None:
     """BadRequest, with the numbers, if the host pools (all their shards) need more shared
     memory than ``shm`` has free: a segment larger than its filesystem is created without complaint and
-    kills whoever touches the missing pages (SIGBUS)."""
+    kills whoever touches the missing pages (SIGBUS). What this user's segments of the
+    endpoint's ``prefix`` hold counts as free: the start re-adopts them or unlinks them."""
     need = sum(p.total_bytes() for p in config.pools if p.device == "cpu")  # every shard
     try:
         st = os.statvfs(shm)
     except OSError:
         return  # no such filesystem here: nothing to measure against
     free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if prefix:
+        free += _held_by(shm, f"{prefix}-")
     if need > free:
         gib = 1 << 30
         raise BadRequest(
@@ -280,6 +283,19 @@ def check_shm(config: ServiceConfig, shm: str = "/dev/shm") -> None:
             f"{free / gib:.2f} GiB free (of {size / gib:.2f} GiB): give the pools a smaller "
             f"size, or grow {shm} (containers: docker run --shm-size; docs/deploy.md)"
         )
+
+
+def _held_by(shm: str, head: str) -> int:
+    """Bytes that this user's files in ``shm`` named ``head...`` take (allocated, not size)."""
+    held = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(shm):
+            if entry.name.startswith(head):
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_uid == os.getuid():
+                        held += st.st_blocks * 512
+    return held
 
 
 def _server_key(config: ServiceConfig) -> bytes | None:
