@@ -275,3 +275,37 @@ def test_no_daemon_is_an_error_naming_the_endpoint(tmp_path: Any) -> None:
     gone = spec("write", endpoint, "layer_first", [WRITTEN], extra={"timeout_s": 1})
     with pytest.raises(HarnessError, match=r"no kvcore daemon answers at ipc://.*none\.sock"):
         run_harness(gone)
+
+
+@pytest.mark.timeout(300)
+def test_pages_backed_up_before_a_restart_are_fetched_after_it(
+    tmp_path: Any, models: dict[str, str]
+) -> None:
+    """SGLang process 1 backs a prompt up; the daemon is SIGKILLed and started again with
+    ``--restore``; process 2 fetches exactly those pages, byte for byte (issue 40)."""
+    import signal
+
+    sglang_venv()
+    endpoint = f"ipc://{tmp_path}/kv.sock"
+    flags = ("--endpoint", endpoint, "--pool", f"{POOL},order={HOST_ORDERS['layer_first']}")
+    prompts = [[t + 100_000 * 9 for t in p] for p in (WRITTEN, NEVER)]
+
+    def run(op: str, prompts: list[list[int]]) -> dict[str, Any]:
+        return run_harness(
+            spec(op, endpoint, "layer_first", prompts, seed=9, model_path=models["base"])
+        )
+
+    daemon = DaemonProcess(*flags, "--restore").start()
+    try:
+        (wrote,) = run("write", prompts[:1])["prompts"]
+        assert wrote["completed_tokens"] == 4 * PAGE
+        daemon.stop(signal.SIGKILL)
+        daemon = DaemonProcess(*flags, "--restore").start()
+        assert "re-adopted 4 committed pages" in daemon.output, daemon.output
+        full, never = run("fetch", prompts)["prompts"]
+        assert full["hit_tokens"] == full["fetched_tokens"] == 4 * PAGE
+        assert full["sha256"] == wrote["sha256"] == full["expected_sha256"]
+        assert never["hit_tokens"] == 0
+    finally:
+        daemon.stop()
+        DaemonProcess(*flags, "--no-restore").start().stop()  # unlinks what was kept
