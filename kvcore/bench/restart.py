@@ -96,6 +96,7 @@ def _daemon_figures(pool: str, restarts: int) -> dict[str, Any]:
         daemon.stop()
         DaemonProcess(*flags[:4], "--no-restore").start().stop()  # unlinks what was kept
     return {
+        "endpoint": endpoint,
         "committed_pages": committed,
         "readopted_pages": int(found.group(1)) if found else 0,
         "readopt_s": float(found.group(2)) if found else float("nan"),
