@@ -72,8 +72,9 @@ def serve(endpoint: str, *flags: str) -> DaemonProcess:
 
 def warm(endpoint: str) -> tuple[Client, list[int]]:
     """A client that committed prompts 0-3 and holds prompt 4 written, uncommitted; the
-    pages of prompt 4."""
-    client = Client.connect(endpoint)
+    pages of prompt 4. It does not heartbeat: it learns of a restart at its next call
+    (a beat would fence its mapping at a moment of the machine's choosing)."""
+    client = Client.connect(endpoint, heartbeat=False)
     for n in range(4):
         got = client.allocate(n + 1, prompt(n), compute_last=False)
         fill(client, got.pages, n)

@@ -103,8 +103,7 @@ class Pool:
     def close_regions(self) -> None:
         """Unmap the pool's memory: unlinked, or kept for the next daemon if ``kept``."""
         if self.kept is not None:
-            assert isinstance(self.manager, Manager), "a kept pool has no tiers"
-            self.kept.close(self.manager, self.host_regions())
+            self.kept.close(self.host_regions())
             return
         for region in self.regions:
             region.close()

@@ -97,7 +97,7 @@ class Kept:
                 return False
         return True
 
-    def close(self, manager: Manager, regions: list[HostRegion]) -> None:
+    def close(self, regions: list[HostRegion]) -> None:
         """A clean stop: the table marked clean, every segment and the manifest kept."""
         self.table.mark_clean()
         self.table.close()
