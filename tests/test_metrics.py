@@ -146,6 +146,7 @@ def test_health_fails_when_the_loop_is_stuck(tmp_path: Path) -> None:
         endpoint=f"ipc://{tmp_path}/k.sock",
         metrics_port=0,
         pools=[PoolConfig(num_layers=1, num_pages=8)],
+        restore=False,  # a throwaway endpoint: keep nothing in /dev/shm
     )
     daemon = Daemon(config)
     try:
@@ -165,11 +166,17 @@ def test_health_fails_when_the_loop_is_stuck(tmp_path: Path) -> None:
 
 def test_a_taken_metrics_port_is_refused_by_name(tmp_path: Path) -> None:
     pools = [PoolConfig(num_layers=1, num_pages=8)]
-    first = Daemon(ServiceConfig(endpoint=f"ipc://{tmp_path}/a.sock", metrics_port=0, pools=pools))
+    first = Daemon(
+        ServiceConfig(
+            endpoint=f"ipc://{tmp_path}/a.sock", metrics_port=0, pools=pools, restore=False
+        )
+    )
     try:
         assert first.metrics_server is not None
         port = first.metrics_server.port
-        taken = ServiceConfig(endpoint=f"ipc://{tmp_path}/b.sock", metrics_port=port, pools=pools)
+        taken = ServiceConfig(
+            endpoint=f"ipc://{tmp_path}/b.sock", metrics_port=port, pools=pools, restore=False
+        )
         with pytest.raises(BadRequest, match=f"--metrics-port {port} on 127.0.0.1"):
             Daemon(taken)
     finally:
@@ -199,7 +206,9 @@ def _served(tmp_path: Path, **options: Any) -> Iterator[tuple[Daemon, MetricsSer
     """An in-process daemon serving its loop in a thread, and a metrics server of its
     own started with ``options`` (what the daemon's flags will pass)."""
     config = ServiceConfig(
-        endpoint=f"ipc://{tmp_path}/k.sock", pools=[PoolConfig(num_layers=1, num_pages=64)]
+        endpoint=f"ipc://{tmp_path}/k.sock",
+        pools=[PoolConfig(num_layers=1, num_pages=64)],
+        restore=False,  # a throwaway endpoint: keep nothing in /dev/shm
     )
     daemon = Daemon(config)
     exchange, daemon.handler.timer, server = metrics_server.start(**options)
