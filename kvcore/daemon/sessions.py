@@ -85,6 +85,7 @@ class Session:
     last_seen: float  # time.monotonic() of the last request (seconds)
     peer: Watch | None = None  # the watch of its process: only for a kernel-reported pid
     maps: bool = False  # it said it maps the pool's memory (Attach.maps)
+    mapped: bool = False  # maps, and a request came after the attach: it has mapped by now
     state: State = State.LIVE
     fenced_until: float = 0.0  # fenced: drained at this time.monotonic() (seconds)
     seqs: set[int] = field(default_factory=set)  # the sequences this session owns
@@ -201,14 +202,16 @@ class SessionTable:
         return session
 
     def mappers(self, pool: str) -> Counter[int]:
-        """Per process (the kernel's pid), how many of its sessions on ``pool`` said they
-        map its memory: what may account for that process's mappings of the pool
-        (kvcore.daemon.mappings). Sessions of a pid the kernel did not report count
-        for no process."""
+        """Per process (the kernel's pid), how many of its sessions on ``pool`` have mapped
+        its memory: what may account for that process's mappings of the pool
+        (kvcore.daemon.mappings). A session counts once it said it maps and sent a
+        request after its attach (a client maps between the two: until then an old
+        mapping of its process could pass for its own). Sessions of a pid the kernel
+        did not report count for no process."""
         return Counter(
             s.pid
             for s in self._sessions.values()
-            if s.pool == pool and s.maps and s.peer is not None
+            if s.pool == pool and s.mapped and s.peer is not None
         )
 
     def renew(self, session_id: int, now: float) -> Session:
@@ -224,6 +227,7 @@ class SessionTable:
             )
         session.last_seen = now
         session.deadline = now + self.lease_s
+        session.mapped = session.maps
         return session
 
     def acknowledge(self, session_id: int) -> bool:
