@@ -100,16 +100,17 @@ class Daemon:
     def _build(self, config: ServiceConfig, endpoint: str, secret: bytes | None) -> None:
         """Publisher, pools, server (bound), metrics, handler: each built once, from the
         ones before (the handler gets the server's counters and the metrics' timer)."""
-        check_shm(config, prefix=segment_prefix(endpoint))
+        prefix = segment_prefix(endpoint)
+        check_shm(config, prefix=prefix)
         if secret is not None:
             self.authority.start_zap()
         self.publisher = event_publisher(config, endpoint, secret)
         if self.publisher is not None:
             self._closing.callback(self.publisher.close)
-        self.pools = PoolTable(self.epoch, self.publisher, segment_prefix(endpoint))
+        self.pools = PoolTable(self.epoch, self.publisher, prefix)
         self._closing.callback(self.pools.close_all)  # publishes the removals: before the publisher
-        self._open_pools(config, segment_prefix(endpoint))
-        self.swept = sweep(segment_prefix(endpoint), keep=self.pools.kept_segments())
+        self._open_pools(config, prefix)
+        self.swept = sweep(prefix, keep=self.pools.kept_segments())
         self.server = RouterServer(
             endpoint,
             curve_secret_key=secret,

@@ -45,7 +45,7 @@ from kvcore.eviction import DEFAULT as DEFAULT_EVICTION
 from kvcore.hits import Histogram
 from kvcore.layout import KVLayout
 from kvcore.manager import Manager, PageManager
-from kvcore.prefix import PageEvent, PageStored
+from kvcore.prefix import PageEvent, PageRemoved, PageStored
 
 from .restart import Kept
 from .tiering import TieredManager, open_stack
@@ -269,9 +269,7 @@ class PoolTable:
         """Remove a pool: publish its pending events and a removal of every cached page,
         then unlink its memory."""
         pool = self.pools.pop(name)
-        removed: list[msg.Event] = [
-            msg.PageRemovedEvent(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()
-        ]
+        removed = [PageRemoved(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()]
         self._send(name, [*pool.manager.take_events(), *removed])
         if isinstance(pool.manager, TieredManager):
             pool.manager.close()
@@ -305,7 +303,7 @@ class PoolTable:
         for pool in self.pools.values():
             pool.manager.check_integrity()
 
-    def _send(self, name: str, events: Sequence[PageEvent | msg.Event]) -> None:
+    def _send(self, name: str, events: Sequence[PageEvent]) -> None:
         """Number ``events`` on from the pool's last one; publish them if events are on
         (converted to the wire's form only then: a re-adopted pool queues one a page)."""
         if not events:
@@ -341,9 +339,7 @@ def _close_all(regions: list[HostRegion | CudaRegion]) -> None:
         region.close()
 
 
-def _wire(event: PageEvent | msg.Event) -> msg.Event:
-    if isinstance(event, msg.PageStoredEvent | msg.PageRemovedEvent):
-        return event
+def _wire(event: PageEvent) -> msg.Event:
     if isinstance(event, PageStored):
         tokens = array("I", event.tokens)  # u32 little-endian (the host's order, checked)
         return msg.PageStoredEvent(
