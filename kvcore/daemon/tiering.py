@@ -24,11 +24,16 @@ public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
     commit, commit_pages   the Manager's commit, then a copy of the pages it indexed (its
                            PageStored events) queued for the remote store (published by
                            the store's thread)
-    close                  the host tier's entries and the pool's cached pages written
-                           down to the disk tier (a new daemon on it serves them)
+    close                  the host tier's entries and (unless the pool is kept across
+                           restarts) the pool's cached pages written down to the disk
+                           tier (a new daemon on it serves them)
 
 So an engine only ever sees ordinary pool pages, written and committed, and a
 page evicted by a reply is in a lower tier before the engine can overwrite it.
+A promoted page is indexed (by adopt) before its bytes are copied in: a pool kept
+across restarts (kvcore.daemon.restart) mirrors it PENDING into its index table
+until ``placed`` (IndexTable.placed) marks it STORED after the copy, so a crash
+in between never brings it back.
 Every copy moves a page in its stored form, a row of the pool's
 :meth:`~kvcore.layout.KVLayout.pages_view` (kvcore.tiers.transfer): one run per
 page when the pool's order is page-major, one per page and layer when layer-major.
@@ -54,7 +59,7 @@ read together; the metric families at the end are what its counters become.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from kvcore_ipc import messages as msg
@@ -120,6 +125,10 @@ class TieredManager:
     :meth:`KVLayout.pages_view` takes); only
     this class reads or writes the pool's pages through it, and only on the daemon's
     thread. ``manager`` is driven by this class alone. Not thread-safe.
+
+    A pool kept across restarts passes its own ``manager`` (over its index table,
+    recording evictions, perhaps restored: kvcore.daemon.restart) and ``placed``
+    (IndexTable.placed), called with the pages of each promotion once its copy is done.
     """
 
     def __init__(
@@ -129,9 +138,15 @@ class TieredManager:
         tiers: TierStack,
         *,
         eviction: str = DEFAULT_EVICTION,
+        manager: Manager | None = None,
+        placed: Callable[[Iterable[PageId]], None] | None = None,
     ) -> None:
         self.layout = layout
-        self.manager = Manager(layout, eviction=eviction, record_evictions=True)
+        if manager is None:
+            manager = Manager(layout, eviction=eviction, record_evictions=True)
+        assert manager.records_evictions, "a tiered pool's Manager records its evictions"
+        self.manager = manager
+        self._placed = placed
         self.tiers = tiers
         self._pool = layout.pages_view(pool)  # [num_pages, *stored_page_shape]
         self._fingerprint = layout_fingerprint(layout)
@@ -318,6 +333,7 @@ class TieredManager:
             data = torch.stack([page for _, page in read[: len(disk_pages)]])
             scatter_pages(self._pool, disk_pages, data)
             took["disk"] += time.perf_counter() - start
+        self._mark_placed(host_pages + disk_pages)
         self._put_down(evicted, spilled)
         for medium, seconds in took.items():
             self.promotions.setdefault(medium, Histogram()).observe(seconds)
@@ -384,11 +400,13 @@ class TieredManager:
         """Counters per medium of the tiers present (host, disk, remote)."""
         return self.tiers.stats()
 
-    def close(self) -> None:
-        """Write what the pool and the host tier cache down to the disk tier (so a new
-        daemon on the same directory serves it), then close the tiers."""
+    def close(self, *, pool_pages: bool = True) -> None:
+        """Write what the host tier and (if ``pool_pages``) the pool cache down to the
+        disk tier (so a new daemon on the same directory serves it), then close the
+        tiers. A pool kept across restarts passes False: its pages stay in it, and
+        copies of them would push out disk entries it does not hold."""
         try:
-            self._write_back()
+            self._write_back(pool_pages=pool_pages)
         finally:
             self.tiers.close()
 
@@ -456,14 +474,15 @@ class TieredManager:
             else:
                 scatter_pages(self._pool, pages, data[: len(pages)])
             took[medium] = took.get(medium, 0.0) + time.perf_counter() - start
+        self._mark_placed([page for _, pages, _, _ in fetched for page in pages])
         self._put_down(evicted, spilled)
         for medium, seconds in took.items():
             self.promotions.setdefault(medium, Histogram()).observe(seconds)
         return plan.num_hit, [(medium, len(pages)) for medium, pages, _, _ in fetched]
 
-    def _write_back(self, chunk: int = 256) -> None:
-        """Host entries, then the pool's cached pages (most recent last), to the disk
-        tier, ``chunk`` pages per copy; bounded by the disk tier's own size."""
+    def _write_back(self, chunk: int = 256, *, pool_pages: bool = True) -> None:
+        """Host entries, then (if ``pool_pages``) the pool's cached pages (most recent
+        last), to the disk tier, ``chunk`` pages per copy; bounded by the disk tier's size."""
         disk, host = self.tiers.disk, self.tiers.host
         if disk is None:
             return
@@ -471,11 +490,18 @@ class TieredManager:
             keys = host.keys()
             for at in range(0, len(keys), chunk):
                 disk.put_many(keys[at : at + chunk], host.get_many(keys[at : at + chunk]))
-        entries = self.manager.prefix_snapshot()
+        entries = self.manager.prefix_snapshot() if pool_pages else []
         for at in range(0, len(entries), chunk):
             part = entries[at : at + chunk]
             pages = gather_pages(self._pool, [e.page for e in part], device="cpu")
             disk.put_many(tier_keys(self._fingerprint, [e.key for e in part]), pages)
+
+    def _mark_placed(self, pages: list[int]) -> None:
+        """The promotion's copy into ``pages`` is done: ``placed`` (a kept pool's
+        IndexTable.placed, PENDING -> STORED). No Manager call since their adopt could
+        evict them: a later adopt of the same request pins the pages adopted before it."""
+        if self._placed is not None and pages:
+            self._placed([PageId(page) for page in pages])
 
     def _spill(self) -> None:
         """Copy what the last Manager operation evicted into the tiers (before the reply),
