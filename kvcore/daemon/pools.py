@@ -12,8 +12,9 @@ continuing), so the bytes buffered for a slow subscriber are bounded by its
 high-water mark in messages.
 
 A pool whose configuration declares lower tiers (kvcore.config.TierConfig) is served
-by a :class:`~.tiering.TieredManager` over its memory: the handler calls it like
-any Manager; :meth:`Pool.tier_stats` gives its counters per medium.
+by a :class:`~.tiering.TieredManager` over its memory (a kept pool's too:
+:meth:`PoolTable.adopt`): the handler calls it like any Manager;
+:meth:`Pool.tier_stats` gives its counters per medium.
 
 A pool of ``shards`` > 1 (tensor parallelism: one shard a rank) has that many regions
 of its layout and still one Manager: page p is page p of every shard, so one prefix
@@ -215,9 +216,10 @@ class PoolTable:
         self.pools[name] = pool
         return pool
 
-    def adopt(self, name: str, regions: list[HostRegion], manager: Manager, kept: Kept) -> Pool:
+    def adopt(self, name: str, regions: list[HostRegion], manager: PageManager, kept: Kept) -> Pool:
         """Serve a host pool kvcore.daemon.restart made or re-adopted (its regions and
-        Manager, kept across restarts). BadRequest if the name is taken."""
+        Manager, or TieredManager over one, kept across restarts). BadRequest if the
+        name is taken."""
         if name in self.pools:
             raise BadRequest(f"pool {name!r} exists")
         pool = Pool(name, "cpu", manager, list(regions), kept=kept)
@@ -239,8 +241,11 @@ class PoolTable:
         for pool in self.pools.values():
             kept = pool.kept
             if kept is not None and kept.release_due(pool.host_regions(), mappers(pool.name), now):
-                assert isinstance(pool.manager, Manager), "a kept pool has no tiers"
-                freed = pool.manager.release_withheld()
+                manager = pool.manager
+                if isinstance(manager, TieredManager):
+                    manager = manager.manager
+                assert isinstance(manager, Manager), "a kept pool's Manager"
+                freed = manager.release_withheld()
                 kept.withheld_until = 0.0
                 log.info("pool %r: %d withheld pages released", pool.name, freed)
 
@@ -271,8 +276,8 @@ class PoolTable:
         pool = self.pools.pop(name)
         removed = [PageRemoved(entry.key, entry.page) for entry in pool.manager.prefix_snapshot()]
         self._send(name, [*pool.manager.take_events(), *removed])
-        if isinstance(pool.manager, TieredManager):
-            pool.manager.close()
+        if isinstance(pool.manager, TieredManager):  # a kept pool keeps its own pages
+            pool.manager.close(pool_pages=pool.kept is None)
         pool.close_regions()
 
     def close_all(self) -> None:

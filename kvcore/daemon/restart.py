@@ -1,11 +1,12 @@
 """A host pool kept across daemon restarts: re-adopted at start, kept at stop.
 
 With ``restore`` on (the default; ``--no-restore``, ``restore = false``,
-``KVCORE_RESTORE=0`` turn it off), a configured host pool without lower tiers lives in
-segments that outlive the daemon (untracked: ``HostRegion.create(tracked=False)``),
-beside an index table (kvcore.daemon.index_table) in one more segment that only the
-daemon maps, recorded in the pool's manifest (kvcore.daemon.restore). A daemon
-started on the same endpoint then re-adopts them, however the last one ended:
+``KVCORE_RESTORE=0`` turn it off), a configured host pool (with lower tiers or
+without) lives in segments that outlive the daemon (untracked:
+``HostRegion.create(tracked=False)``), beside an index table
+(kvcore.daemon.index_table) in one more segment that only the daemon maps, recorded in
+the pool's manifest (kvcore.daemon.restore). A daemon started on the same endpoint
+then re-adopts them, however the last one ended:
 
 1. :func:`reopen_pool` checks the manifest and reopens the segments (or decides a cold
    start, with a reason naming the object and the setting);
@@ -23,8 +24,14 @@ started on the same endpoint then re-adopts them, however the last one ended:
 
 At a clean stop the daemon marks the table clean and keeps the segments and the
 manifest (:meth:`Kept.close`); a cold start or ``restore`` off unlinks them.
-Ephemeral, CUDA and tiered pools are not kept (a CUDA allocation dies with its
-process; a tiered pool's host tier is private memory): they start empty.
+Ephemeral and CUDA pools are not kept (a CUDA allocation dies with its process):
+they start empty.
+
+A tiered pool (kvcore.daemon.tiering) keeps its pool the same way; a page it
+promotes from a tier is PENDING in the table until its bytes are copied in. Its host
+tier is the daemon's private memory: a clean stop writes its entries down to the
+disk tier (the pool's own pages stay in the kept pool), and after a SIGKILL or an OOM
+kill they are lost. The disk tier keeps its entries across restarts on its own.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from kvcore_ipc.shm import HostRegion
 
 from kvcore.config import PoolConfig
 from kvcore.errors import RestoreRefused
-from kvcore.manager import Manager
+from kvcore.manager import Manager, PageManager
 
 from .index_table import IndexTable, MirroredIndex
 from .mappings import segment_mappings, stale_mappers
@@ -55,13 +62,14 @@ from .restore import (
     settings_of,
     write_manifest,
 )
+from .tiering import TieredManager, open_stack
 
 log = logging.getLogger(__name__)
 
 
 def keeps(pool: PoolConfig) -> bool:
-    """Whether ``pool`` (a configured one) can outlive the daemon: host memory, no tiers."""
-    return pool.device == "cpu" and not (pool.tiers is not None and pool.tiers.enabled)
+    """Whether ``pool`` (a configured one) can outlive the daemon: host memory."""
+    return pool.device == "cpu"
 
 
 def settings_digest(pool: PoolConfig) -> bytes:
@@ -115,10 +123,36 @@ def forget(pool: PoolConfig, prefix: str) -> None:
 
 def open_kept(
     pool: PoolConfig, prefix: str, epoch: int, fence_s: float
+) -> tuple[list[HostRegion], PageManager, Kept]:
+    """``pool``'s regions (one per shard) and its Manager (a TieredManager over it if
+    the pool has tiers): re-adopted from what the last daemon of the endpoint with
+    segment prefix ``prefix`` left, or created empty; the manifest written for this
+    daemon (``epoch``). Logs which, and why. If the tiers cannot open, the regions and
+    the table are closed, kept, and the error raised."""
+    regions, manager, kept = _open_pool(pool, prefix, epoch, fence_s)
+    if not _tiered(pool):
+        return regions, manager, kept
+    try:
+        stack = open_stack(manager.layout, pool.tiers, pool.name, pool.eviction)
+    except BaseException:
+        kept.close(regions)
+        raise
+    memory = regions[0].as_tensor()  # one shard: PoolConfig.validate
+    tiered = TieredManager(
+        manager.layout,
+        memory,
+        stack,
+        eviction=pool.eviction,
+        manager=manager,
+        placed=kept.table.placed,
+    )
+    return regions, tiered, kept
+
+
+def _open_pool(
+    pool: PoolConfig, prefix: str, epoch: int, fence_s: float
 ) -> tuple[list[HostRegion], Manager, Kept]:
-    """``pool``'s regions (one per shard) and its Manager: re-adopted from what the last
-    daemon of the endpoint with segment prefix ``prefix`` left, or created empty; the
-    manifest written for this daemon (``epoch``). Logs which, and why."""
+    """:func:`open_kept` up to the Manager (re-adopted or empty)."""
     layout = pool.layout()
     digest = settings_digest(pool)
     path = manifest_path(prefix, pool.name)
@@ -142,7 +176,7 @@ def open_kept(
                 remove_manifest(path)
                 decision = ColdStart(f"pool {pool.name!r}: {exc}: starting empty", names)
             else:
-                manager = Manager(layout, eviction=pool.eviction, index=MirroredIndex(table))
+                manager = _manager(pool, table)
                 manager.restore(table.opened.entries)
                 withheld = manager.withhold_free()
                 kept = Kept(table, index, path, pool.group)
@@ -192,5 +226,15 @@ def _create(
         for region in made:
             region.close(unlink=True)
         raise
-    manager = Manager(layout, eviction=pool.eviction, index=MirroredIndex(table))
-    return regions, manager, Kept(table, index, path, pool.group)
+    return regions, _manager(pool, table), Kept(table, index, path, pool.group)
+
+
+def _manager(pool: PoolConfig, table: IndexTable) -> Manager:
+    """An empty Manager of ``pool`` over ``table``; recording its evictions if the pool
+    has tiers (the TieredManager that serves it spills them)."""
+    index, tiered = MirroredIndex(table), _tiered(pool)
+    return Manager(pool.layout(), eviction=pool.eviction, record_evictions=tiered, index=index)
+
+
+def _tiered(pool: PoolConfig) -> bool:
+    return pool.tiers.enabled
