@@ -9,10 +9,12 @@ rebuilt from the error code of the reply.
 
 A background thread heartbeats on its own socket every third of the lease, so
 an idle but live engine keeps its sequences; a dead one loses them when the
-lease runs out. After a daemon restart every call raises StaleEpoch, and the
-first one (or the heartbeat's) fences a host mapping (see below): the restarted
-daemon may have re-adopted the pool's segment, whose pages nobody committed are
-then another session's to write. :meth:`Client.reconnect` attaches again (old
+lease runs out. After a daemon restart every call raises StaleEpoch (the new
+daemon's answer; the stopping daemon's to a request it read but did not serve;
+or, for a request the stopped daemon took with it, the channel finding another
+listener on the endpoint), and the first one (or the heartbeat's) fences a host
+mapping (see below): the restarted daemon may have re-adopted the pool's
+segment, whose pages nobody committed are then another session's to write. :meth:`Client.reconnect` attaches again (old
 sequences are gone; the pool holds what the daemon re-adopted, or nothing). A
 Client is not thread-safe: one engine thread drives it.
 
@@ -57,7 +59,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from kvcore_ipc import messages as msg
-from kvcore_ipc.channel import ChannelTimeout, DealerChannel, NoListener
+from kvcore_ipc.channel import ChannelTimeout, DealerChannel, NoListener, Replaced
 from kvcore_ipc.codec import ClientCodec
 from kvcore_ipc.memory import CudaRegion, HostRegion
 
@@ -194,6 +196,7 @@ class Client:
             shards=self._expected_shards,
             maps=self._map_memory,
         )
+        self._channel.relearn()  # an attach is for whichever daemon listens now
         ok = self._call(body, msg.AttachOk)
         self.session, self.epoch = ok.session, ok.epoch
         self.shards = ok.shards
@@ -422,6 +425,11 @@ class Client:
         while True:  # replies with other ids answer earlier requests that timed out
             try:
                 frame = self._channel.recv(timeout_ms)
+            except Replaced as exc:  # the daemon that had the request stopped: a new epoch
+                self.fence()
+                raise StaleEpoch(
+                    f"{type(body).__name__}: {exc}; reconnect() to attach again"
+                ) from None
             except NoListener:
                 raise Timeout(f"{type(body).__name__}: {no_daemon(self.endpoint)}") from None
             except ChannelTimeout as exc:

@@ -33,6 +33,12 @@ class FrameError(Exception):
         self.request_id = request_id
 
 
+class _IdOnly(msgspec.Struct):
+    """Only the id of a request or reply (the other fields are skipped)."""
+
+    id: int = 0
+
+
 class _Probe(msgspec.Struct):
     """What can be salvaged from an undecodable request: its id and its op name."""
 
@@ -43,7 +49,7 @@ class _Probe(msgspec.Struct):
 class ServerCodec:
     """Daemon side: bytes -> Request, result -> bytes."""
 
-    __slots__ = ("_decoder", "_encoder", "_probe", "max_batch", "max_frame_bytes")
+    __slots__ = ("_decoder", "_encoder", "_id", "_probe", "max_batch", "max_frame_bytes")
 
     def __init__(
         self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, max_batch: int = DEFAULT_MAX_BATCH
@@ -52,6 +58,7 @@ class ServerCodec:
         self.max_batch = max_batch
         self._decoder = msgspec.msgpack.Decoder(Request)
         self._probe = msgspec.msgpack.Decoder(_Probe)
+        self._id = msgspec.msgpack.Decoder(_IdOnly)
         self._encoder = msgspec.msgpack.Encoder()
 
     def decode_request(self, frame: bytes) -> Request:
@@ -89,11 +96,13 @@ class ServerCodec:
     def encode_error(self, request_id: int, code: str, message: str) -> bytes:
         return self._encoder.encode(Reply(request_id, error=ErrorBody(code, message)))
 
-
-class _ReplyId(msgspec.Struct):
-    """Only the id of a reply (the other fields are skipped)."""
-
-    id: int = 0
+    def refusal(self, frame: bytes, code: str, message: str) -> bytes:
+        """An error reply to ``frame`` without serving it: its id if it has one, else 0."""
+        try:
+            request_id = max(0, self._id.decode(frame).id)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            request_id = 0
+        return self.encode_error(request_id, code, message)
 
 
 class ClientCodec:
@@ -105,7 +114,7 @@ class ClientCodec:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
         self._replies: dict[Any, msgspec.msgpack.Decoder[Any]] = {}  # by result type
-        self._reply_id = msgspec.msgpack.Decoder(_ReplyId)
+        self._reply_id = msgspec.msgpack.Decoder(_IdOnly)
 
     def encode(self, request: Request) -> bytes:
         return self._encoder.encode(request)

@@ -85,7 +85,8 @@ class EndpointLock:
     and the kernel drops the lock when its holder dies, so whoever takes the
     lock removes the socket file a crashed daemon left. Other endpoints need no
     lock (a TCP bind fails by itself; see :func:`endpoint_in_use`). The lock
-    file is removed on :meth:`release`.
+    file holds its holder's pid (:meth:`holder`: whom a takeover asks to stop)
+    and is removed on :meth:`release`.
     """
 
     __slots__ = ("_fd", "_path")
@@ -111,8 +112,35 @@ class EndpointLock:
             os.close(fd)
             raise EndpointBusy(f"a daemon already serves {endpoint} (it holds {path})") from None
         self._path, self._fd = path, fd
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)  # the lock was free: a dead daemon's socket
+
+    @staticmethod
+    def holder(endpoint: str) -> int | None:
+        """The pid of the live daemon that holds ``endpoint``'s lock, or None: no lock, a
+        free one (its holder died), or one whose file is not this user's alone. A held
+        lock's file names its holder (written right after the lock was taken)."""
+        socket_path = ipc_path(endpoint)
+        if socket_path is None:
+            return None
+        try:
+            fd = os.open(socket_path + ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: read whose
+                text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                return int(text) if text.isdigit() and int(text) > 0 else None
+            return None  # free
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         if self._fd is None or self._path is None:
@@ -179,16 +207,36 @@ class RouterServer:
                 continue
             except InterruptedError:
                 continue
-            body = sock.recv(copy=False)  # a Frame: it knows the peer (peer_of)
-            if not body.more:
-                sock.send_multipart((identity, handler(body.bytes, body)))
-            elif not body.bytes and not (body := sock.recv(copy=False)).more:
-                sock.send_multipart((identity, b"", handler(body.bytes, body)))
-            else:
-                while body.more:  # any other shape: drop the rest of the message
-                    body = sock.recv(copy=False)
-                self.dropped_frames += 1
+            self._answer(identity, handler)
             tick()
+
+    def drain(self, handler: Handler) -> int:
+        """Answer with ``handler`` every request already queued, waiting for none (a
+        stopping daemon refuses them, so that no client waits out its timeout for a reply
+        that would never come); how many."""
+        answered = 0
+        while True:
+            try:
+                identity = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            except InterruptedError:
+                continue
+            self._answer(identity, handler)
+            answered += 1
+
+    def _answer(self, identity: bytes, handler: Handler) -> None:
+        """Read the rest of the message from ``identity`` and send ``handler``'s reply."""
+        sock = self._socket
+        body = sock.recv(copy=False)  # a Frame: it knows the peer (peer_of)
+        if not body.more:
+            sock.send_multipart((identity, handler(body.bytes, body)))
+        elif not body.bytes and not (body := sock.recv(copy=False)).more:
+            sock.send_multipart((identity, b"", handler(body.bytes, body)))
+        else:
+            while body.more:  # any other shape: drop the rest of the message
+                body = sock.recv(copy=False)
+            self.dropped_frames += 1
 
     def close(self) -> None:
         """Close the socket and remove an ipc:// socket file."""

@@ -272,10 +272,10 @@ def _gid_of(group: str) -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user counts: it cannot be signalled,
-    but it lives). A number no process can have (<= 0, over 2**31 - 1) is no process: a
-    name in /dev/shm, which anyone may create, must not make kill() signal our group or
-    overflow."""
+    """Whether a process ``pid`` lives (one of another user counts: it cannot be signalled,
+    but it lives); a zombie, which maps nothing any more, does not. A number no process
+    can have (<= 0, over 2**31 - 1) is no process: a name in /dev/shm, which anyone may
+    create, must not make kill() signal our group or overflow."""
     if not 0 < pid < 1 << 31:
         return False
     try:
@@ -284,7 +284,12 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]  # after "(comm)": the state
+    except OSError:
+        return True  # no /proc: it exists
+    return state != [b"Z"]
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from kvcore_ipc.server import RouterServer
 from kvcore_ipc.vllm_events import VllmEventPublisher
 
 from kvcore.config import ServiceConfig
-from kvcore.errors import BadRequest
+from kvcore.errors import BadRequest, StaleEpoch
 from kvcore.paths import check_socket_path, default_endpoint, runtime_dir
 
 from . import metrics, restart
@@ -225,7 +225,18 @@ class Daemon:
             self.handler.reap(REAP_BUDGET)
 
     def serve(self) -> None:
+        """Answer requests until :meth:`stop`; then refuse those already read with
+        ``stale_epoch`` (their sessions end with this daemon: their clients attach again,
+        to the next one, instead of waiting out their timeout)."""
         self.server.serve(self.handler.handle, self.tick)
+        refused = self.server.drain(self._refuse)
+        if refused:
+            log.info("stopping: refused %d request(s) read but not served", refused)
+
+    def _refuse(self, frame: bytes, _raw: object) -> bytes:
+        return self.handler.codec.refusal(
+            frame, StaleEpoch.code, "the daemon is stopping (a restart or a takeover): attach again"
+        )
 
     def stop(self) -> None:
         """Return from :meth:`serve` after the current request (signal-handler safe)."""
