@@ -8,6 +8,9 @@ prompts of 64 pages (bytes untouched: a restart reads the index, not the pages):
   equal ``committed_pages``); ``start_s``: the whole start, as its launcher sees it;
 * ``pause_s``: from a SIGTERM to the first hit a new client gets from the next daemon
   (median of ``--restarts``);
+* ``takeover_pause_s``: across a ``kvcore serve --takeover``, the longest time a client
+  looking a prompt up in a loop goes without a hit (its StaleEpoch and its one re-attach
+  included; median of ``--restarts``);
 * ``mirror_ops_ratio``: in process, a Manager's allocate/commit/free cycles per second
   with the durable index (kvcore.daemon.index_table.MirroredIndex) over the same with a
   plain PrefixIndex, interleaved in this run (each cycle evicts: the table's cost is on
@@ -19,11 +22,13 @@ The pool is unlinked at the end (a ``--no-restore`` start sweeps what the runs k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import re
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -39,6 +44,7 @@ HEADLINE = (
     Figure("readopt_s", "re-adopt time the daemon logs, s"),
     Figure("start_s", "daemon start after a SIGKILL, s"),
     Figure("pause_s", "SIGTERM to a new client's first hit, median s"),
+    Figure("takeover_pause_s", "longest time without a hit across a takeover, median s"),
     Figure("mirror_ops_ratio", "Manager cycles/s, durable index / plain"),
 )
 FULL_POOL = "num_layers=2,num_kv_heads=2,head_dim=64,page_size=64,dtype=bfloat16,size=16GiB"
@@ -92,6 +98,10 @@ def _daemon_figures(pool: str, restarts: int) -> dict[str, Any]:
             daemon = DaemonProcess(*flags, timeout_s=600).start()
             _first_hit(endpoint, first)
             pauses.append(time.perf_counter() - began)
+        takeovers = []
+        for _ in range(restarts):
+            daemon, gap = _takeover(daemon, flags, first)
+            takeovers.append(gap)
     finally:
         daemon.stop()
         DaemonProcess(*flags[:4], "--no-restore").start().stop()  # unlinks what was kept
@@ -103,6 +113,8 @@ def _daemon_figures(pool: str, restarts: int) -> dict[str, Any]:
         "start_s": start_s,
         "pause_s": statistics.median(pauses) if pauses else float("nan"),
         "pause_samples_s": pauses,
+        "takeover_pause_s": statistics.median(takeovers) if takeovers else float("nan"),
+        "takeover_samples_s": takeovers,
     }
 
 
@@ -135,6 +147,45 @@ def _first_hit(endpoint: str, tokens: list[int], deadline_s: float = 60.0) -> No
         except KVCoreError:
             time.sleep(0.01)
     raise TimeoutError(f"no hit on {endpoint} within {deadline_s} s")
+
+
+def _takeover(old: Any, flags: tuple[str, ...], tokens: list[int]) -> tuple[Any, float]:
+    """Start a daemon with ``--takeover`` of ``old`` while a client looks ``tokens`` up in a
+    loop (and attaches again at its StaleEpoch): the new daemon, and the longest time the
+    client went without a hit, seconds."""
+    from kvcore.client import Client
+    from kvcore.daemon_process import DaemonProcess
+    from kvcore.errors import KVCoreError, StaleEpoch
+
+    endpoint, stop, gaps = flags[1], threading.Event(), []
+
+    def probe(client: Client) -> None:
+        last = longest = 0.0
+        while not stop.is_set():
+            try:
+                hit = client.lookup(tokens, compute_last=False).num_cached_tokens
+            except StaleEpoch:
+                with contextlib.suppress(KVCoreError):
+                    client.reconnect()
+                continue
+            now = time.perf_counter()
+            if hit:
+                longest, last = max(longest, now - last) if last else longest, now
+        gaps.append(longest)
+
+    client = Client.connect(endpoint, map_memory=False, heartbeat=False)
+    thread = threading.Thread(target=probe, args=(client,))
+    thread.start()
+    try:
+        daemon = DaemonProcess(*flags, "--takeover", timeout_s=600).start()
+        old.stop()  # it exits by itself: this reaps it
+        _first_hit(endpoint, tokens)
+        time.sleep(0.2)  # the probe's own hits resumed
+    finally:
+        stop.set()
+        thread.join()
+        client.close()
+    return daemon, gaps[0]
 
 
 def _cycles_per_s(rounds: int) -> tuple[float, float]:

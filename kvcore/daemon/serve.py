@@ -6,7 +6,9 @@ over ``KVCORE_*`` variables over TOML), the trust checks of its ipc:// paths
 request socket and the event socket: a second daemon on the same paths is
 refused, and a dead daemon's socket files are swept), signals (SIGINT, SIGTERM,
 SIGHUP: a clean stop), the banner and logging (text or one JSON object per
-line). Exit status: 0 after a clean stop, 1 if the endpoint is taken, 2 for
+line), a takeover of the running daemon (``--takeover``: kvcore.daemon.takeover)
+and the service manager's notifications (kvcore.daemon.notify). Exit status: 0
+after a clean stop, 1 if the endpoint is taken (or a takeover timed out), 2 for
 any other failure to start (the message on stderr).
 """
 
@@ -33,6 +35,8 @@ from kvcore.paths import check_socket_path, default_endpoint
 
 from . import fdlimit, flags
 from .daemon import Daemon, events_endpoint, ipc_paths
+from .notify import notify
+from .takeover import Takeover, take_over
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -56,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a pool, e.g. name=default,device=cpu,num_layers=16,size=256MiB "
         "(repeatable; replaces the configured pools); shards=N: one region per "
         "pipeline stage, num_layers being one stage's (num_kv_heads: every head)",
+    )
+    where.add_argument(
+        "--takeover",
+        action="store_true",
+        help="start in place of the daemon that serves the endpoint: stop it (SIGTERM) once "
+        "this one is ready, take its socket and re-adopt its kept pools (an upgrade with "
+        "one re-attach; docs/deploy.md)",
     )
     flags.add_setting_flags(groups)
 
@@ -121,10 +132,15 @@ def main(args: argparse.Namespace) -> int:
         # every ipc:// socket path is checked before a lock file is made there
         for path in ipc_paths(endpoint, config.events, config.events_replay):
             check_socket_path(path, {os.getuid()}, creating=True)
-        locks.append(_lock(endpoint))
-        for events in (events_endpoint(config.events, endpoint), config.events_replay):
-            if events.startswith("ipc://"):
-                locks.append(EndpointLock(events))
+        events = [events_endpoint(config.events, endpoint), config.events_replay]
+        events = [e for e in events if e.startswith("ipc://")]
+        if args.takeover:
+            took = take_over([endpoint, *events])
+            locks = took.locks
+        else:
+            took = None
+            locks.append(_lock(endpoint))
+            locks.extend(EndpointLock(e) for e in events)
         daemon = Daemon(config)
     except (KVCoreError, OSError, ValueError, zmq.ZMQError) as exc:
         for lock in locks:
@@ -133,12 +149,14 @@ def main(args: argparse.Namespace) -> int:
         return 1 if isinstance(exc, EndpointBusy) else 2
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: daemon.stop())
-    _banner(daemon)
+    _banner(daemon, took)
+    notify("READY=1")
     gc.freeze()  # the pools' bookkeeping is long-lived: keep it out of every collection
     kept = [p.name for p in daemon.pools.pools.values() if p.kept is not None]
     try:
         daemon.serve()
     finally:
+        notify("STOPPING=1")
         daemon.close()
         for lock in locks:
             lock.release()
@@ -151,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _banner(daemon: Daemon) -> None:
+def _banner(daemon: Daemon, took: Takeover | None) -> None:
     config = daemon.config
     print(
         f"kvcore serve: listening on {daemon.server.endpoint} "
@@ -173,6 +191,12 @@ def _banner(daemon: Daemon) -> None:
         print(
             "kvcore serve: WARNING: --insecure: no CURVE on tcp://; anyone who reaches "
             "this port can attach, read and write every pool"
+        )
+    if took is not None:
+        print(
+            f"  took over from pid {took.pid}: it let go in {took.stopped_s:.3f} s"
+            if took.pid
+            else "  --takeover: no daemon held the endpoint"
         )
     for name in daemon.swept:
         print(f"  removed {name}, left by a killed daemon of this endpoint")
