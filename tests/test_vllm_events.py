@@ -79,28 +79,54 @@ def msgspec_decode(kind: type, payload: bytes) -> object:
     return msgspec.msgpack.decode(payload, type=kind)
 
 
-def test_the_replay_socket_resends_from_a_sequence_number() -> None:
-    pub = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", page_size=4)
+def replayed(pub: VllmEventPublisher, start: int) -> list[int]:
+    """The numbers of the messages the replay socket resends from ``start`` on."""
     assert pub.replay_endpoint is not None
     req: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(pub.replay_endpoint)
     try:
-        stored = chain(list(range(40)), 4)
-        for event in stored:  # ten batches, numbered 0..9
-            pub.publish(batch([event]))
-        req.send_multipart((b"", (7).to_bytes(8, "big")))
+        req.send_multipart((b"", start.to_bytes(8, "big")))
         got = []
         while True:
             assert req.poll(5000)
             _, _topic, seq, _payload = req.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
-                break
+                return got
             got.append(int.from_bytes(seq, "big"))
-        assert got == [7, 8, 9]
     finally:
         req.close(linger=0)
+
+
+def test_the_replay_socket_resends_from_a_sequence_number() -> None:
+    pub = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", page_size=4)
+    try:
+        stored = chain(list(range(40)), 4)
+        for event in stored:  # ten batches, numbered on from the first
+            pub.publish(batch([event]))
+        every = replayed(pub, 0)
+        assert every == list(range(every[0], every[0] + 10))
+        assert replayed(pub, every[7]) == every[7:]
+    finally:
         pub.close()
+
+
+def test_a_restarted_publisher_numbers_on_above_the_last_one() -> None:
+    """Its subscribers drop numbers they have seen as stale (Dynamo's indexer does): a
+    restarted daemon that counted from 0 again went unheard, its AllBlocksCleared too."""
+    first = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", page_size=4)
+    try:
+        for event in chain(list(range(40)), 4):
+            first.publish(batch([event]))
+        last = replayed(first, 0)[-1]
+    finally:
+        first.close()
+    second = VllmEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", page_size=4)
+    try:
+        second.cleared()  # a daemon's start
+        assert replayed(second, 0)[0] > last
+    finally:
+        second.close()
 
 
 def test_vllm_decodes_an_adapters_salted_chain_as_it_publishes_one() -> None:

@@ -2,7 +2,8 @@
 
 What vLLM's ``ZmqEventPublisher`` publishes, frame for frame (spec/vllm-events.md):
 each message is three frames ``[topic, seq, payload]``: ``topic`` (UTF-8, default
-empty), ``seq`` an 8-byte big-endian batch number counting from 0 per publisher,
+empty), ``seq`` an 8-byte big-endian batch number, +1 per message, counting from the
+publisher's start time in nanoseconds (vLLM counts from 0; see :class:`VllmEventPublisher`),
 and ``payload`` a msgpack ``EventBatch`` ``[ts, events]`` whose events are tagged
 maps (``"type"``): ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
 ``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, and
@@ -196,6 +197,13 @@ class VllmEventPublisher:
     (where the pools live), ``mediums`` overrides it per pool name.
     A batch of a new epoch is preceded by ``AllBlocksCleared``; :meth:`cleared`
     sends one explicitly (a daemon start).
+
+    Messages are numbered from the publisher's start time in nanoseconds, not from 0 as
+    vLLM's are: a subscriber that followed the last daemon on this endpoint drops every
+    number up to the last it saw as already seen (Dynamo's indexer does), so a restarted
+    daemon that counted from 0 again went unheard, its AllBlocksCleared and re-adopted
+    pages included. Numbered above the last daemon's, its first message is a gap to such
+    a subscriber, which replays the new daemon's messages from the replay socket.
     """
 
     def __init__(
@@ -218,7 +226,7 @@ class VllmEventPublisher:
         self.mediums = dict(mediums or {})
         self._topic = topic.encode("utf-8")
         self._encoder = msgspec.msgpack.Encoder()
-        self._seq = 0
+        self._seq = time.time_ns()  # above any number an earlier publisher reached
         self._epoch: int | None = None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._lock = threading.Lock()
