@@ -18,8 +18,11 @@ once (15 to 50 s), each restart waits ~3 s for the engine to fence its old mappi
 
 from __future__ import annotations
 
+import re
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 from test_vllm_recovery import Restartable
@@ -32,6 +35,7 @@ from vllm_helpers import (
     hits,
     overwrite_page,
     running,
+    same_tokens,
     settle,
     vllm_available,
     write_model,
@@ -138,6 +142,50 @@ def test_a_prefix_warmed_before_a_restart_is_a_hit_after_it(
     loaded = kvcore.stats()["loaded_pages"]
     decodes_as_plain(kvcore, plain, prefix + MODEL.prompt(20, salt + 2), PREFIX_PAGES * PAGE_SIZE)
     assert kvcore.stats()["loaded_pages"] - loaded == PREFIX_PAGES  # the worker ran the load
+
+
+def test_a_takeover_under_load_fails_no_request_and_the_prefix_hits_after_it(
+    engines: dict[str, Engine], daemon: Restartable
+) -> None:
+    """Requests run one after another while ``kvcore serve --takeover`` replaces the
+    daemon, each the warmed prefix and a new page: every one completes with plain vLLM's
+    tokens (those during the hand-over are misses), each of the engine's sessions
+    attaches once to the new daemon, and the prefix is a hit after it, loaded, with
+    plain vLLM's tokens."""
+    kvcore, plain = engines["kvcore"], engines["plain"]
+    prefix = warm(kvcore, daemon.endpoint, 1300)
+    done: list[tuple[list[int], list[int]]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            prompt = prefix + MODEL.prompt(PAGE_SIZE + 5, 1400 + len(done))  # hits, saves 1
+            done.append((prompt, kvcore.generate([prompt], max_tokens=4)["tokens"][0]))
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        wait_for(lambda: len(done) >= 2)
+        before, old = len(done), daemon.daemon
+        new = daemon.take_over()
+        wait_for(lambda: len(done) >= before + 4)  # across the hand-over and after it
+    finally:
+        stop.set()
+        thread.join()
+    for prompt, tokens in done:
+        same_tokens([tokens], plain.generate([prompt], max_tokens=4)["tokens"])
+    assert daemon.readopted() >= PREFIX_PAGES and "(clean stop;" in new.output
+    resume(kvcore, daemon, 1500)
+    attached = rf"attached to pool .* \(pid {kvcore.proc.pid}, "  # its scheduler's and worker's
+    assert len(re.findall(attached, new.output)) == len(re.findall(attached, old.output)) == 2
+    decodes_as_plain(kvcore, plain, prefix + MODEL.prompt(20, 1302), PREFIX_PAGES * PAGE_SIZE)
+
+
+def wait_for(done: Callable[[], bool], within_s: float = 120.0) -> None:
+    end = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < end, "the engine's requests stopped"
+        time.sleep(0.05)
 
 
 def test_a_wrong_readopted_page_fails_that_check(

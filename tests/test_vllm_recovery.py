@@ -93,9 +93,17 @@ class Restartable:
         self.restore = restore
         self.daemon = self._start(restore)
 
-    def _start(self, restore: bool) -> DaemonProcess:
+    def _start(self, restore: bool, *flags: str) -> DaemonProcess:
         flag = "--restore" if restore else "--no-restore"
-        return DaemonProcess("--endpoint", self.endpoint, "--pool", pool_flag(64), flag).start()
+        pool = pool_flag(64)
+        return DaemonProcess("--endpoint", self.endpoint, "--pool", pool, flag, *flags).start()
+
+    def take_over(self) -> DaemonProcess:
+        """Start another daemon with ``--takeover`` (the running one stops, the new one takes
+        its socket and pools); the new one, once the old one has exited."""
+        old, self.daemon = self.daemon, self._start(self.restore, "--takeover")
+        assert old.stop() == 0 and "took over from pid" in self.daemon.output
+        return self.daemon
 
     def restart(self, sig: int = signal.SIGKILL, restore: bool | None = None) -> DaemonProcess:
         """End the daemon with ``sig``, start another (``restore``: as at first); the new one."""
