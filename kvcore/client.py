@@ -378,6 +378,7 @@ class Client:
                     p.query_tokens,
                     p.hit_tokens,
                     p.evictions,
+                    p.withheld_pages,
                 )
         raise UnknownPool(f"the daemon no longer serves {self.pool!r}")
 

@@ -514,6 +514,7 @@ class Manager:
             query_tokens=self.hits.query_tokens,
             hit_tokens=self.hits.hit_tokens,
             evictions=self._evictions,
+            withheld_pages=self._pages.num_withheld,
         )
 
     def check_integrity(self) -> None:

@@ -99,6 +99,7 @@ class Stats:
     query_tokens: int  # prompt tokens of successful allocate calls
     hit_tokens: int  # of those, tokens served from the prefix cache
     evictions: int  # cached pages reclaimed for new allocations
+    withheld_pages: int = 0  # after a restart, pages nobody committed, out of use until released
 
     @property
     def hit_rate(self) -> float:

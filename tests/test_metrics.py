@@ -95,6 +95,7 @@ def test_scrape_matches_stats(daemon: DaemonProcess) -> None:
         ("free", pool.free_pages),
         ("evictable", pool.evictable_pages),
         ("held", pool.held_pages),
+        ("withheld", pool.withheld_pages),
     ):
         assert m["kvcore_pool_pages", (*lab, ("state", state))] == want
     assert m["kvcore_pool_capacity_pages", lab] == pool.total_pages == 64

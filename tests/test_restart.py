@@ -94,7 +94,9 @@ def test_committed_pages_come_back_after_the_daemon_ends(endpoint: str, sig: int
     try:
         assert "re-adopted 24 committed pages" in daemon.output, daemon.output
         with Client.connect(endpoint) as new:
-            assert new.stats().free_pages == 0  # withheld: the old client still maps them
+            stats = new.stats()
+            assert stats.free_pages == 0  # withheld: the old client still maps them
+            assert stats.withheld_pages == 64 - 24, stats
             snapshot = new.snapshot()  # what a router that subscribes now rebuilds from
             assert len(snapshot.pages) == 24 and snapshot.seq_no >= 24  # their stored events
             for n in range(4):
@@ -112,6 +114,7 @@ def test_committed_pages_come_back_after_the_daemon_ends(endpoint: str, sig: int
                 time.sleep(0.2)
             stats = new.stats()
             assert stats.free_pages == 64 - 24, "the withheld pages were not released"
+            assert stats.withheld_pages == 0
             assert "withheld pages released" in daemon.output
             got = new.allocate(20, prompt(0), compute_last=False)
             assert holds(new, got.pages, 0)  # the old client's late writes reached nothing

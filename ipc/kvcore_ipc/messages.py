@@ -235,6 +235,7 @@ class PoolStats(_Message):
     shards: int = 1  # regions of ``layout`` (one per pipeline stage), pages shared
     namespaces: list[NamespaceHits] = []  # those the requester's grant sees
     busiest: list[PrefixHeat] = []  # of those namespaces, hit tokens first
+    withheld_pages: int = 0  # after a restart, until the last daemon's clients let go
 
 
 class NamespaceHits(_Message):

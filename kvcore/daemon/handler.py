@@ -417,6 +417,7 @@ class Handler:
                     query_tokens=s.query_tokens,
                     hit_tokens=s.hit_tokens,
                     evictions=s.evictions,
+                    withheld_pages=s.withheld_pages,
                     num_sessions=self.sessions.on_pool(pool.name),
                     ephemeral=pool.ephemeral,
                     event_seq_no=self.pools.last_seq_no(pool.name),

@@ -100,7 +100,8 @@ def _pool_families(pools: list[msg.PoolStats], eviction: dict[str, str]) -> Iter
     pages = GaugeMetricFamily(
         "kvcore_pool_pages",
         "Pages of a pool by state: free, evictable "
-        "(cached, unreferenced), held (referenced by sequences)",
+        "(cached, unreferenced), held (referenced by sequences), withheld (after a "
+        "restart, until the last daemon's clients let go)",
         labels=["pool", "state"],
     )
     capacity = GaugeMetricFamily("kvcore_pool_capacity_pages", "Pages in the pool", labels=labels)
@@ -133,6 +134,7 @@ def _pool_families(pools: list[msg.PoolStats], eviction: dict[str, str]) -> Iter
             ("free", p.free_pages),
             ("evictable", p.evictable_pages),
             ("held", p.held_pages),
+            ("withheld", p.withheld_pages),
         ):
             pages.add_metric([p.name, state], count)
         capacity.add_metric([p.name], p.total_pages)
