@@ -61,6 +61,8 @@ from kvcore_ipc.sockets import bind_private, close_unlinking
 
 DEFAULT_NAMESPACE = "default"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REMIND_FOR_S = 30.0  # after a start, the last message is repeated while nothing else goes out
+REMIND_EVERY_S = 1.0  # ... at most this often (see VllmEventPublisher.remind)
 MEDIUMS = ("GPU", "CPU")
 
 
@@ -227,6 +229,8 @@ class VllmEventPublisher:
         self._topic = topic.encode("utf-8")
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = time.time_ns()  # above any number an earlier publisher reached
+        self._started = self._sent_at = time.monotonic()
+        self._last: tuple[bytes, bytes] | None = None  # (seq frame, payload) last sent
         self._epoch: int | None = None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self._lock = threading.Lock()
@@ -256,6 +260,25 @@ class VllmEventPublisher:
         """Publish ``AllBlocksCleared``: subscribers drop what this publisher stored."""
         self._send([AllBlocksCleared()])
 
+    def remind(self, now: float) -> None:
+        """For REMIND_FOR_S seconds (``time.monotonic()``) after the start, send the last
+        message again, with its number, once a REMIND_EVERY_S in which nothing else
+        went out. A PUB socket sends nothing to a subscriber before it has (re)joined,
+        and a subscriber asks for a replay only at a message whose number shows a gap:
+        so a router that rejoins a restarted daemon, or joins it late, learns its start
+        (AllBlocksCleared, re-adopted pages) from the replay socket even if the daemon
+        then publishes nothing. A subscriber that had the message drops it as seen."""
+        last = self._last
+        if (
+            last is None
+            or now - self._started > REMIND_FOR_S
+            or now - self._sent_at < REMIND_EVERY_S
+        ):
+            return
+        self._sent_at = now
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart((self._topic, *last), zmq.NOBLOCK)
+
     def close(self) -> None:
         """Stop the replay thread, close both sockets, remove ipc:// socket files."""
         self._stop.set()
@@ -272,8 +295,9 @@ class VllmEventPublisher:
             seq = self._seq
             self._seq += 1
             self._buffer.append((seq, payload))
+        self._last, self._sent_at = (seq.to_bytes(8, "big"), payload), time.monotonic()
         with contextlib.suppress(zmq.Again):  # dropped: the subscriber sees a seq gap
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+            self._pub.send_multipart((self._topic, *self._last), zmq.NOBLOCK)
 
     def _serve_replay(self) -> None:
         sock = self._replay

@@ -50,7 +50,8 @@ from .sessions import SessionTable
 DEAF_S = 0.25  # a gap between ticks longer than this was time the daemon could not listen
 REAP_BUDGET = 16384  # page references of ended sessions freed per reap call (~1 ms)
 REAP_SLICE_S = 0.1  # at most this long reaping in one loop turn (seconds; < DEAF_S - tick_ms)
-RELEASE_CHECK_S = 0.5  # how often withheld pages are checked for release (reads /proc)
+RELEASE_CHECK_S = 0.5  # how often withheld pages are checked for release (reads /proc), and
+# vLLM-format subscribers reminded of the start (VllmEventPublisher.remind)
 
 log = logging.getLogger("kvcore.daemon")
 
@@ -191,7 +192,8 @@ class Daemon:
         reply went out); give back to every lease the time the daemon was deaf (a gap
         since the last tick over DEAF_S); expire sessions whose lease is over, but only
         once nothing is queued (a heartbeat may be waiting) or half a lease has passed;
-        free what ended sessions held (:meth:`_reap`)."""
+        free what ended sessions held (:meth:`_reap`); a few times a second, release
+        withheld pages and remind vLLM-format subscribers of the start."""
         self.pools.publish()
         now = time.monotonic()
         if self.metrics is not None:
@@ -210,6 +212,8 @@ class Daemon:
         if now >= self._next_release:
             self._next_release = now + RELEASE_CHECK_S
             self.pools.release_withheld(self.sessions.mappers, now)
+            if isinstance(self.publisher, VllmEventPublisher):
+                self.publisher.remind(now)  # routers that (re)join after the start learn of it
 
     def _reap(self) -> None:
         """Free what ended sessions held, REAP_BUDGET page references at a time: at least
