@@ -16,10 +16,20 @@ Invariants (:meth:`HostTier.check_integrity`):
 
 Inclusive caching: a get leaves the entry in place (a page promoted to the
 pool and evicted again costs no second copy: its put only refreshes it).
+
+Kept across restarts (``segment``: kvcore.daemon.restart gives an untracked shm
+segment only the daemon maps): the slots live in the segment beside a slot table
+(kvcore.tiers.host_table) that says which slot holds which key, written in the order
+that makes any crash image safe: a slot is set FREE when its entry is evicted or
+discarded (before its bytes can be overwritten), and STORED, with its key, only after
+its page is copied in. ``restore=True`` takes back the entries the table vouches for.
+The copies are unchanged (one memmove per page); the table costs a few bytes per
+entry stored or dropped.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +46,7 @@ from kvcore.tiers.base import (
     check_pages,
     layout_fingerprint,
 )
+from kvcore.tiers.host_table import STORED, SlotTable, data_offset
 from kvcore.tiers.transfer import copy_rows, promote_rows, spill_rows, take_rows
 
 if TYPE_CHECKING:
@@ -54,9 +65,16 @@ class Spilled:
 
 class HostTier(LocalKeys):
     """Pages in preallocated host memory, evicted by the policy ``eviction`` names
-    (kvcore.eviction). Not thread-safe (the daemon's thread)."""
+    (kvcore.eviction). Not thread-safe (the daemon's thread).
+
+    ``segment``: a flat uint8 CPU tensor of ``host_table.segment_bytes(capacity_pages,
+    layout.page_bytes)`` bytes to keep the slots and their slot table in (a kept tier,
+    module docstring): a new table is written over it, or, with ``restore``, the one it
+    holds is opened (RestoreRefused if its header is not this tier's) and its verified
+    entries held again, oldest first (``restored``; ``dropped``: the rest by cause)."""
 
     medium = "host"
+    slot_table: type[SlotTable] = SlotTable  # a kept tier's table (a test records its stores)
 
     def __init__(
         self,
@@ -65,6 +83,8 @@ class HostTier(LocalKeys):
         *,
         pin_memory: bool = False,
         eviction: str = DEFAULT_EVICTION,
+        segment: torch.Tensor | None = None,
+        restore: bool = False,
     ) -> None:
         import torch
 
@@ -78,15 +98,62 @@ class HostTier(LocalKeys):
         self.fingerprint = layout_fingerprint(layout)
         self.capacity_pages = capacity_pages
         self._page_bytes = layout.page_bytes
-        self._slots = torch.empty(
-            (capacity_pages, *layout.stored_page_shape),
-            dtype=layout.torch_dtype(),
-            pin_memory=pin_memory,
-        )
+        self._table: SlotTable | None = None  # a kept tier's slot table
+        if segment is None:
+            self._slots = torch.empty(
+                (capacity_pages, *layout.stored_page_shape),
+                dtype=layout.torch_dtype(),
+                pin_memory=pin_memory,
+            )
+        else:
+            self._slots = self._over(segment, restore)
         self._where: dict[TierKey, int] = {}  # key -> its slot
         self._order = make_policy(eviction, capacity_pages)
         self._free: list[int] = list(range(capacity_pages - 1, -1, -1))  # pop() takes slot 0 first
         self._stats = TierStats()
+        self.restored, self.dropped = 0, Counter[str]()  # a kept tier's restore
+        if self._table is not None and restore:
+            self._restore(self._table)
+
+    def _over(self, segment: torch.Tensor, restore: bool) -> torch.Tensor:
+        """The slots inside a kept tier's ``segment``, its slot table made or opened."""
+        import torch
+
+        capacity, page_bytes = self.capacity_pages, self._page_bytes
+        at, size = data_offset(capacity), capacity * page_bytes
+        if segment.dtype != torch.uint8 or segment.dim() != 1 or len(segment) < at + size:
+            raise BadRequest(f"a kept host tier needs a flat uint8 segment of {at + size} bytes")
+        view = segment.numpy().data.cast("B")  # CPU, zero-copy
+        make = self.slot_table.open if restore else self.slot_table.create
+        self._table = make(
+            view, capacity=capacity, page_bytes=page_bytes, fingerprint=self.fingerprint
+        )
+        data = segment[at : at + size].view(self.layout.torch_dtype())
+        return data.view(capacity, *self.layout.stored_page_shape)
+
+    def _restore(self, table: SlotTable) -> None:
+        """Hold again what ``table`` vouched for at open, oldest first."""
+        for slot, key in table.opened.entries:
+            self._store(key, slot)
+        used = set(self._where.values())
+        self._free = [slot for slot in self._free if slot not in used]
+        self.restored, self.dropped = len(self._where), table.opened.dropped
+        self._stats.pages = len(self._where)
+        self._stats.bytes_used = len(self._where) * self._page_bytes
+
+    @property
+    def kept(self) -> bool:
+        """Whether the tier lives in a segment that outlives the daemon."""
+        return self._table is not None
+
+    def settle(self) -> None:
+        """A kept tier at a clean stop: its entries renumbered in eviction order (the
+        recency a restart restores), the table let go. The tier is unusable after."""
+        table, self._table = self._table, None
+        if table is not None:
+            where = self._where
+            table.renumber([where[key] for key in self._order])
+            table.close()
 
     def match(self, keys: Sequence[TierKey]) -> int:
         where = self._where
@@ -187,14 +254,16 @@ class HostTier(LocalKeys):
         store_keys, store_rows = list(new)[overflow:], new_rows[overflow:]
         evict = max(len(store_keys) - len(self._free), 0)
         evicted = [self._evict() for _ in range(evict)]
+        table = self._table
+        if table is not None:  # FREE before anything is written into them
+            for _, slot in evicted:
+                table.free(slot)
         self._free.extend(slot for _, slot in reversed(evicted))
         spilled = torch.empty((overflow + evict, *self._slots.shape[1:]), dtype=self._slots.dtype)
         copy_rows(spilled, range(overflow), source, passed_rows)
         take_rows(self._slots, [slot for _, slot in evicted], spilled[overflow:])
         targets = [self._free.pop() for _ in store_keys]
-        spill_rows(source, store_rows, self._slots, targets)
-        for key, slot in zip(store_keys, targets, strict=True):
-            self._store(key, slot)
+        self._place(store_keys, source, store_rows, targets)
         stats = self._stats
         stats.stored += len(store_keys)
         stats.evicted += evict
@@ -203,12 +272,31 @@ class HostTier(LocalKeys):
         stats.bytes_used = len(where) * self._page_bytes
         return Spilled(passed_keys + [key for key, _ in evicted], spilled)
 
+    def _place(
+        self,
+        keys: Sequence[TierKey],
+        source: torch.Tensor,
+        rows: Sequence[int],
+        slots: Sequence[int],
+    ) -> None:
+        """Copy ``source[rows[i]]`` into free slot ``slots[i]`` (one memmove per page),
+        then hold ``keys[i]`` there: a kept tier's slot is STORED only after its copy."""
+        spill_rows(source, rows, self._slots, slots)
+        table = self._table
+        for key, slot in zip(keys, slots, strict=True):
+            self._store(key, slot)
+            if table is not None:
+                table.store(slot, key)
+
     def discard(self, keys: Sequence[TierKey]) -> int:
         """Drop the entries of ``keys`` that are held; returns how many."""
         dropped = 0
         for key in keys:
             if key in self._where:
-                self._free.append(self._forget(key))
+                slot = self._forget(key)
+                if self._table is not None:
+                    self._table.free(slot)
+                self._free.append(slot)
                 dropped += 1
         self._stats.pages = len(self._where)
         self._stats.bytes_used = len(self._where) * self._page_bytes
@@ -223,3 +311,9 @@ class HostTier(LocalKeys):
         assert len(set(self._free)) == len(self._free), "a free slot is listed twice"
         assert self._stats.pages == len(used), "stats.pages drifted"
         assert self._stats.bytes_used == len(used) * self._page_bytes, "stats.bytes_used drifted"
+        if self._table is not None:
+            key_of = {slot: key for key, slot in self._where.items()}
+            for slot, (state, key) in enumerate(self._table.states()):
+                held = key_of.get(slot)
+                assert (state == STORED) == (held is not None), f"slot {slot}: table, tier differ"
+                assert held is None or key == held, f"slot {slot}: another key in the table"
