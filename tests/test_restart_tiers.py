@@ -6,19 +6,25 @@ to the host tier and on to the disk; it brings prompt 0 back up (a promotion: pa
 indexed before their bytes are copied in) and leaves a 9th prompt written but
 uncommitted. After a SIGKILL or a SIGTERM and a start with the same flags, the pool's
 committed pages come back (the promoted ones too), hit with their markers, and the
-uncommitted pages are withheld until the old client fences its mapping. After a SIGTERM
-every prompt hits whole (the host tier was written down to the disk tier); after a
-SIGKILL the host tier's entries are gone, and what hits still holds its markers.
+uncommitted pages are withheld until the old client fences its mapping; the host tier
+comes back too (kvcore.tiers.host_table), so every prompt hits whole after either end.
+A pool with a host tier alone (no disk below it) shows the host tier's part: after a
+SIGKILL the prompts only the host tier held are promoted from it with their markers;
+a changed host tier capacity starts the host tier alone empty, named in the log.
 
 In process: a TieredManager over a Manager whose index is mirrored into an index table,
 with a crash image (the table's bytes, the pool's) taken at every store of the table and
 after every page a promotion copies in. A restart from any image restores only pages
 holding their key's marker; a table that stores adopted pages at once (not PENDING
 until placed) is caught restoring a wrong page.
+
+Over 400 lines on purpose: the daemon tests and the in-process crash images share one
+set of marker-filled prompts and their helpers.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +66,14 @@ def pool_flag(disk: Path) -> str:
     )
 
 
+def host_only_flag(host_pages: int) -> str:
+    """The pool of :func:`pool_flag` with a host tier of ``host_pages`` pages, no disk."""
+    return (
+        f"name=default,num_layers=2,num_kv_heads=1,head_dim=8,page_size={PAGE},dtype=float32,"
+        f"num_pages={POOL_PAGES},host_tier={host_pages * PAGE_BYTES}"
+    )
+
+
 def prompt(n: int) -> list[int]:
     return [1000 * n + t for t in range(PAGES * PAGE)]
 
@@ -98,9 +112,15 @@ def endpoint(tmp_path: Path) -> Iterator[str]:
     assert not sweep(segment_prefix(endpoint))
 
 
-def serve(endpoint: str, disk: Path) -> DaemonProcess:
-    flags = ("--pool", pool_flag(disk), "--lease-timeout-s", "30", "--restore")
+def serve(endpoint: str, disk: Path, pool: str = "") -> DaemonProcess:
+    flags = ("--pool", pool or pool_flag(disk), "--lease-timeout-s", "30", "--restore")
     return DaemonProcess("--endpoint", endpoint, *flags).start()
+
+
+def host_pages(client: Client) -> int:
+    """Entries the pool's host tier holds now."""
+    (pool,) = client.daemon_stats().pools
+    return next(t.pages for t in pool.tiers if t.medium == "host")
 
 
 def warm(endpoint: str) -> tuple[Client, list[int]]:
@@ -154,8 +174,7 @@ def test_a_tiered_pool_comes_back_after_the_daemon_ends(
                 got = new.allocate(seq, prompt(n), compute_last=False)
                 cached = got.num_cached_tokens // PAGE
                 assert holds(new, got.pages[:cached], n), f"prompt {n}: not its bytes"
-                if n in whole or sig == signal.SIGTERM:  # SIGTERM: host entries on disk
-                    assert cached == PAGES, (n, got.sources)
+                assert cached == PAGES, (n, got.sources)  # the pool, host or disk tier
                 new.free(seq)
             assert new.lookup(prompt(8), compute_last=False).num_cached_tokens == 0
             new.check_integrity()
@@ -371,3 +390,59 @@ def test_no_crash_image_of_tiered_traffic_restores_a_wrong_page(
                 rig.settled()
     finally:
         rig.stack.close()
+
+
+# -- the host tier alone, after a SIGKILL -------------------------------------------------
+
+
+def test_a_host_tier_comes_back_after_a_sigkill(endpoint: str, tmp_path: Path) -> None:
+    """Its entries are promoted with their markers: none was written down anywhere."""
+    pool = host_only_flag(64)  # room for every page spilled: no host tier eviction
+    daemon = serve(endpoint, tmp_path, pool)
+    old, _ = warm(endpoint)
+    held = host_pages(old)
+    assert held >= 2 * PAGES, held
+    daemon.stop(signal.SIGKILL)
+    daemon = serve(endpoint, tmp_path, pool)
+    try:
+        assert f"host tier re-adopted {held} entries" in daemon.output, daemon.output
+        assert "(0 dropped: none)" in daemon.output, daemon.output
+        with Client.connect(endpoint) as new:
+            assert host_pages(new) == held
+            in_pool = {page.key for page in new.snapshot().pages}
+            below = [n for n in range(8) if not set(keys_of(n)) & in_pool]
+            assert below, "no prompt was held by the host tier alone"
+            for seq, n in enumerate(range(8), start=100):
+                got = new.allocate(seq, prompt(n), compute_last=False)
+                assert got.num_cached_tokens == PAGES * PAGE, (n, got.sources)
+                assert holds(new, got.pages, n), f"prompt {n}: not its bytes"
+                if n in below:
+                    assert [tuple(s) for s in got.sources] == [("pool", 0), ("host", PAGES * PAGE)]
+                new.free(seq)
+            new.check_integrity()
+    finally:
+        old.close()
+        daemon.stop()
+
+
+def test_a_changed_host_tier_capacity_starts_the_host_tier_alone_empty(
+    endpoint: str, tmp_path: Path
+) -> None:
+    daemon = serve(endpoint, tmp_path, host_only_flag(64))
+    old, _ = warm(endpoint)
+    old.close()
+    daemon.stop(signal.SIGKILL)
+    daemon = serve(endpoint, tmp_path, host_only_flag(48))
+    try:
+        out = daemon.output
+        assert "host tier settings changed (capacity_pages 64 -> 48)" in out, out
+        assert "starting the host tier empty" in out and "re-adopted 26 committed pages" in out
+        with Client.connect(endpoint) as new:
+            assert host_pages(new) == 0
+            got = new.allocate(1, prompt(7), compute_last=False)  # the pool's own, kept
+            assert got.num_cached_tokens == PAGES * PAGE and holds(new, got.pages, 7)
+            new.free(1)
+        ours = [n for n in os.listdir("/dev/shm") if n.startswith(segment_prefix(endpoint))]
+        assert len(ours) == 3, ours  # pool, index table, the new host tier: the old one went
+    finally:
+        daemon.stop()

@@ -4,6 +4,9 @@ decision to re-adopt them or start a pool empty (kvcore.daemon.restore).
 Real segments in /dev/shm and real files, no mocks. Every segment a test makes is
 named with the test's own prefix and unlinked at teardown (the ``prefix`` fixture),
 whatever the test did. Tests that give a file or segment to another uid need root.
+
+Over 400 lines on purpose: every check of the manifest layer (segments, manifests, the
+re-adopt decision, the host tier's segment) against real files, with one set of fixtures.
 """
 
 from __future__ import annotations
@@ -559,3 +562,84 @@ def test_a_cold_start_removes_only_our_own_segments(prefix: str, pools: Path) ->
     assert result.removed == [ours] and not _exists(ours)
     assert _exists(theirs) and _exists(stray.name)
     assert not manifest_path(prefix, "p", pools).exists()
+
+
+# --- a tiered pool's host tier segment (kvcore.tiers.host_table) -------------------------
+
+
+def _tiered(host_pages: int, **changes: object) -> PoolConfig:
+    """:func:`_pool` with a host tier of ``host_pages`` pages (256 bytes a page)."""
+    return _pool(tiers={"host": host_pages * 256}, **changes)
+
+
+def _serve_tiered(pool: PoolConfig, prefix: str, pools: Path) -> tuple[list[str], str]:
+    """:func:`_serve`, and a host tier segment named in the manifest: (shards, host tier)."""
+    from kvcore.tiers.host_table import segment_bytes
+
+    names = _serve(pool, prefix, pools)
+    settings = restore.host_tier_settings(pool)
+    assert settings is not None
+    size = segment_bytes(int(settings["capacity_pages"]), int(settings["page_bytes"]))
+    host = HostRegion.create(size, prefix, tracked=False)
+    regions = [HostRegion.reopen(n, pool.layout().total_bytes) for n in names]
+    write_manifest(manifest_path(prefix, "p", pools), manifest_for(pool, regions, 8, None, host))
+    for region in [*regions, host]:
+        region.close(unlink=False)
+    return names, host.name
+
+
+def test_a_host_tier_segment_is_readopted_with_its_pool(prefix: str, pools: Path) -> None:
+    pool = _tiered(4)
+    names, host = _serve_tiered(pool, prefix, pools)
+    manifest = read_manifest(manifest_path(prefix, "p", pools))
+    assert manifest.host_tier is not None and manifest.host_tier.settings["capacity_pages"] == 4
+    result = reopen_pool(pool, prefix, pools)
+    assert isinstance(result, Readopted), result
+    try:
+        assert result.host_tier is not None and result.host_tier.name == host
+        assert result.host_note == "" and result.names == [*names, host]
+    finally:
+        result.close(unlink=False)
+
+
+def test_a_changed_host_tier_capacity_starts_the_tier_alone_empty(prefix: str, pools: Path) -> None:
+    names, host = _serve_tiered(_tiered(4), prefix, pools)
+    result = reopen_pool(_tiered(8), prefix, pools)  # the pool's own settings are equal
+    assert isinstance(result, Readopted), result
+    try:
+        assert result.host_tier is None and not _exists(host)
+        assert result.host_note == "host tier settings changed (capacity_pages 4 -> 8)"
+        assert all(map(_exists, names))
+    finally:
+        result.close(unlink=False)
+
+
+def test_a_manifest_without_a_host_tier_is_read_and_names_why(prefix: str, pools: Path) -> None:
+    """A manifest of the shape before host tiers were kept: read, the pool re-adopted,
+    the host tier started empty with the reason."""
+    _serve(_pool(), prefix, pools)
+    path = manifest_path(prefix, "p", pools)
+    raw = msgspec.json.decode(path.read_bytes())
+    raw.pop("host_tier", None)
+    path.write_bytes(msgspec.json.encode(raw))
+    result = reopen_pool(_tiered(4), prefix, pools)
+    assert isinstance(result, Readopted), result
+    try:
+        assert result.host_tier is None and "names no host tier segment" in result.host_note
+    finally:
+        result.close(unlink=False)
+
+
+def test_a_refused_manifest_unlinks_the_host_tier_too(prefix: str, pools: Path) -> None:
+    names, host = _serve_tiered(_tiered(4), prefix, pools)
+    _cold(reopen_pool(_tiered(4, num_pages=8), prefix, pools))
+    assert not any(map(_exists, [*names, host]))
+
+
+def test_a_host_tier_entry_of_the_wrong_type_is_refused_cleanly(prefix: str, pools: Path) -> None:
+    _serve_tiered(_tiered(4), prefix, pools)
+    path = manifest_path(prefix, "p", pools)
+    raw = msgspec.json.decode(path.read_bytes())
+    raw["host_tier"] = "kvcore-x"
+    path.write_bytes(msgspec.json.encode(raw))
+    assert "is not a manifest" in _cold(reopen_pool(_tiered(4), prefix, pools)).reason

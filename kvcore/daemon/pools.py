@@ -227,12 +227,12 @@ class PoolTable:
         return pool
 
     def kept_segments(self) -> list[str]:
-        """The segments of every kept pool (its regions and its index table)."""
+        """The segments of every kept pool (its regions, its index table, its host tier's)."""
         names: list[str] = []
         for pool in self.pools.values():
             if pool.kept is not None:
                 names += [region.name for region in pool.host_regions()]
-                names.append(pool.kept.index.name)
+                names += pool.kept.segments
         return names
 
     def release_withheld(self, mappers: Callable[[str], Counter[int]], now: float) -> None:

@@ -29,9 +29,15 @@ they start empty.
 
 A tiered pool (kvcore.daemon.tiering) keeps its pool the same way; a page it
 promotes from a tier is PENDING in the table until its bytes are copied in. Its host
-tier is the daemon's private memory: a clean stop writes its entries down to the
-disk tier (the pool's own pages stay in the kept pool), and after a SIGKILL or an OOM
-kill they are lost. The disk tier keeps its entries across restarts on its own.
+tier is kept too, however the daemon ended: its slots and their slot table
+(kvcore.tiers.host_table) live in one more untracked segment only the daemon maps,
+named in the manifest with the settings that fix its bytes (capacity, page bytes,
+layout fingerprint); a change there, or a table the tier does not recognise, starts
+the host tier alone empty (logged, the old segment unlinked). A host tier that does
+not fit /dev/shm's free space is the daemon's private memory instead (logged: lost at
+a kill). Neither the kept host tier nor the pool's pages are written down to the disk
+tier at a clean stop: they come back themselves, and copies would only push out disk
+entries held nowhere else. The disk tier keeps its entries across restarts on its own.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -49,12 +56,15 @@ from kvcore_ipc.shm import HostRegion
 from kvcore.config import PoolConfig
 from kvcore.errors import RestoreRefused
 from kvcore.manager import Manager, PageManager
+from kvcore.tiers import HostTier
+from kvcore.tiers.host_table import segment_bytes
 
 from .index_table import IndexTable, MirroredIndex
 from .mappings import segment_mappings, stale_mappers
 from .restore import (
     ColdStart,
     Readopted,
+    host_tier_settings,
     manifest_for,
     manifest_path,
     remove_manifest,
@@ -87,6 +97,14 @@ class Kept:
     manifest: Path
     group: str  # the pool's group ("" for none): others' mappings cannot be read
     withheld_until: float = 0.0  # time.monotonic(); 0: nothing withheld
+    host: HostTier | None = None  # the pool's host tier, if kept (lives in host_region)
+    host_region: HostRegion | None = None  # its segment: the daemon's alone (0600)
+
+    @property
+    def segments(self) -> list[str]:
+        """The segments besides the pool's shards: the index table, the host tier's."""
+        extra = [] if self.host_region is None else [self.host_region.name]
+        return [self.index.name, *extra]
 
     def release_due(self, regions: list[HostRegion], mappers: Counter[int], now: float) -> bool:
         """Whether the withheld pages may be freed now: no process maps ``regions``
@@ -110,6 +128,10 @@ class Kept:
         self.table.mark_clean()
         self.table.close()
         self.index.close(unlink=False)
+        if self.host is not None:
+            self.host.settle()
+        if self.host_region is not None:
+            self.host_region.close(unlink=False)
         for region in regions:
             region.close(unlink=False)
 
@@ -133,7 +155,7 @@ def open_kept(
     if not _tiered(pool):
         return regions, manager, kept
     try:
-        stack = open_stack(manager.layout, pool.tiers, pool.name, pool.eviction)
+        stack = open_stack(manager.layout, pool.tiers, pool.name, pool.eviction, host=kept.host)
     except BaseException:
         kept.close(regions)
         raise
@@ -181,7 +203,17 @@ def _open_pool(
                 withheld = manager.withhold_free()
                 kept = Kept(table, index, path, pool.group)
                 kept.withheld_until = time.monotonic() + fence_s if withheld else 0.0
-                write_manifest(path, manifest_for(pool, decision.regions, epoch, index))
+                try:
+                    kept.host_region, kept.host = _host_tier(
+                        pool, prefix, decision.host_tier, decision.host_note
+                    )
+                    write_manifest(
+                        path,
+                        manifest_for(pool, decision.regions, epoch, index, kept.host_region),
+                    )
+                except BaseException:
+                    kept.close(list(decision.regions))
+                    raise
                 dropped = sum(table.opened.dropped.values())
                 log.info(
                     "pool %r: re-adopted %d committed pages of %s in %.3f s (%s stop; %d "
@@ -220,13 +252,82 @@ def _create(
             page_size=layout.page_size,
             settings_digest=digest,
         )
-        regions = made[:-1]
-        write_manifest(path, manifest_for(pool, regions, epoch, index))
+        regions = made[: pool.shards]
+        host_region, host = _host_tier(pool, prefix, None, "", reserve=pool.total_bytes())
+        if host_region is not None:
+            made.append(host_region)
+        write_manifest(path, manifest_for(pool, regions, epoch, index, host_region))
     except BaseException:
         for region in made:
             region.close(unlink=True)
         raise
-    return regions, _manager(pool, table), Kept(table, index, path, pool.group)
+    kept = Kept(table, index, path, pool.group, host=host, host_region=host_region)
+    return regions, _manager(pool, table), kept
+
+
+def _host_tier(
+    pool: PoolConfig, prefix: str, old: HostRegion | None, note: str, *, reserve: int = 0
+) -> tuple[HostRegion | None, HostTier | None]:
+    """The pool's host tier and the segment it lives in: ``old`` (a re-adopted segment)
+    with the entries its slot table vouches for, or a new, empty one (``note``: why,
+    logged); (None, None) if the pool declares no host tier, or if /dev/shm has no
+    room for a new segment besides ``reserve`` bytes (segments just made, not yet
+    touched): then open_stack makes the tier in private memory (logged)."""
+    settings = host_tier_settings(pool)
+    if settings is None:
+        if old is not None:
+            old.close(unlink=True)
+        return None, None
+    layout, capacity = pool.layout(), int(settings["capacity_pages"])
+    if old is not None:
+        started = time.monotonic()
+        try:
+            tier = HostTier(
+                layout, capacity, eviction=pool.eviction, segment=old.as_tensor(), restore=True
+            )
+        except RestoreRefused as exc:
+            old.close(unlink=True)
+            note = str(exc)
+        else:
+            log.info(
+                "pool %r: host tier re-adopted %d entries of %s in %.3f s (%d dropped: %s)",
+                pool.name,
+                tier.restored,
+                old.name,
+                time.monotonic() - started,
+                sum(tier.dropped.values()),
+                dict(tier.dropped) or "none",
+            )
+            return old, tier
+    if note:
+        log.info("pool %r: %s: starting the host tier empty", pool.name, note)
+    size = segment_bytes(capacity, layout.page_bytes)
+    room = _shm_free()
+    if room is not None and size > room - reserve:
+        log.warning(
+            "pool %r: the host tier needs %d bytes of /dev/shm, %d free: it is kept in the "
+            "daemon's private memory instead, and lost at a kill",
+            pool.name,
+            size,
+            room - reserve,
+        )
+        return None, None
+    region = HostRegion.create(size, prefix, tracked=False)
+    try:
+        tier = HostTier(layout, capacity, eviction=pool.eviction, segment=region.as_tensor())
+    except BaseException:
+        region.close(unlink=True)
+        raise
+    return region, tier
+
+
+def _shm_free(shm: str = "/dev/shm") -> int | None:
+    """Bytes free in ``shm`` (None if there is no such filesystem)."""
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _manager(pool: PoolConfig, table: IndexTable) -> Manager:

@@ -11,7 +11,10 @@ daemon of the same endpoint finds it. At start, :func:`reopen_pool` reads it and
 re-adopts the segments it names (:class:`Readopted`: each reopened and mapped) or
 decides a cold start (:class:`ColdStart`: why, in one line naming the object and the
 setting, and which of our old segments it unlinked). What the pages held (the index
-segment named in the manifest) is opaque here.
+segment named in the manifest) is opaque here. A tiered pool's manifest also names its
+host tier's segment (kvcore.tiers.host_table) with the settings that fix its bytes
+(:func:`host_tier_settings`); a difference there is a cold start of the host tier
+alone (``Readopted.host_note`` says why), its old segment unlinked.
 
 Invariants:
 
@@ -33,6 +36,10 @@ Invariants:
   Anything else of the prefix is left to ``sweep`` (a dead creator's, of this user).
 * A manifest is replaced whole (a temporary file, then ``os.replace``): a reader sees
   the old one or the new one, never a torn one; a torn temporary file is never read.
+
+The file is over 400 lines on purpose: the manifest's trust checks and the re-adopt
+decision they guard (shards, index table, host tier) are one set of invariants, read
+together.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from kvcore.errors import RestoreRefused, UntrustedEndpoint
 from kvcore.paths import runtime_dir
 from kvcore.prefix import DOMAIN
 from kvcore.tiers.base import layout_fingerprint
+from kvcore.tiers.host_table import segment_bytes
 
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 1 << 16  # a manifest is a few hundred bytes; more is not ours
@@ -78,6 +86,14 @@ class Segment(msgspec.Struct, frozen=True):
     size: _Count
 
 
+class TierSegment(msgspec.Struct, frozen=True, kw_only=True):
+    """A tier's segment and the settings that fix its bytes (:func:`host_tier_settings`)."""
+
+    name: str
+    size: _Count
+    settings: Settings
+
+
 class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     """One host pool's record, written by the daemon that made (or re-adopted) its
     segments; read only by the next daemon of the same endpoint. Fields are fixed at
@@ -90,6 +106,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     settings: Settings  # settings_of(pool) at write: re-adopted only if equal
     segments: tuple[Segment, ...]  # one per shard, in shard order
     index: Segment | None = None  # the pool's index segment (its format is not ours)
+    host_tier: TierSegment | None = None  # its host tier's (none in a manifest before it)
     epoch: _Count  # the writing daemon's epoch
     pid: _Pid  # the writing daemon's pid: a running one's segments are not taken
 
@@ -119,6 +136,22 @@ def settings_of(pool: PoolConfig) -> Settings:
     settings["hash_domain"] = DOMAIN.decode()
     settings["byte_order"] = sys.byteorder
     return settings
+
+
+def host_tier_settings(pool: PoolConfig) -> Settings | None:
+    """What must be equal for a kept host tier's entries to mean the same thing now (its
+    capacity in pages, its page bytes, the layout fingerprint, the byte order); None if
+    the pool declares no host tier."""
+    layout = pool.layout()
+    capacity = pool.tiers.host_bytes() // layout.page_bytes
+    if capacity < 1:
+        return None
+    return {
+        "capacity_pages": capacity,
+        "page_bytes": layout.page_bytes,
+        "layout_fingerprint": layout_fingerprint(layout).hex(),
+        "byte_order": sys.byteorder,
+    }
 
 
 def differences(old: Mapping[str, Setting], new: Mapping[str, Setting]) -> list[str]:
@@ -161,8 +194,14 @@ def manifest_for(
     regions: Sequence[HostRegion],
     epoch: int,
     index: HostRegion | None = None,
+    host_tier: HostRegion | None = None,
 ) -> Manifest:
-    """The manifest of ``pool`` served from ``regions`` (one per shard) by this process."""
+    """The manifest of ``pool`` served from ``regions`` (one per shard) by this process,
+    its index table in ``index``, its host tier in ``host_tier``."""
+    tier_settings = host_tier_settings(pool)
+    tier = None
+    if host_tier is not None and tier_settings is not None:
+        tier = TierSegment(name=host_tier.name, size=host_tier.size, settings=tier_settings)
     return Manifest(
         boot_id=boot_id(),
         uid=os.getuid(),
@@ -170,6 +209,7 @@ def manifest_for(
         settings=settings_of(pool),
         segments=tuple(Segment(r.name, r.size) for r in regions),
         index=None if index is None else Segment(index.name, index.size),
+        host_tier=tier,
         epoch=epoch,
         pid=os.getpid(),
     )
@@ -281,16 +321,21 @@ class Readopted:
     manifest: Manifest
     regions: list[HostRegion]  # one per shard, in shard order; owners, untracked
     index: HostRegion | None  # the index segment the manifest names, or None
+    host_tier: HostRegion | None = None  # the host tier's segment, if re-adopted
+    host_note: str = ""  # why the host tier starts empty ("": re-adopted, or none)
 
     @property
     def names(self) -> list[str]:
         """Every segment re-adopted (``sweep(prefix, keep=names)`` leaves them)."""
-        extra = [] if self.index is None else [self.index.name]
-        return [r.name for r in self.regions] + extra
+        return [r.name for r in self._all()]
 
     def close(self, *, unlink: bool) -> None:
-        for region in [*self.regions, *([] if self.index is None else [self.index])]:
+        for region in self._all():
             region.close(unlink=unlink)
+
+    def _all(self) -> list[HostRegion]:
+        extra = [region for region in (self.index, self.host_tier) if region is not None]
+        return [*self.regions, *extra]
 
 
 @dataclass(slots=True, frozen=True)
@@ -333,7 +378,7 @@ def _readopt(pool: PoolConfig, prefix: str, m: Manifest, path: Path) -> Readopte
     shard_bytes = pool.layout().total_bytes
     if len(m.segments) != pool.shards:
         raise RestoreRefused(f"manifest {path} names {len(m.segments)} segments, not {pool.shards}")
-    for seg in [*m.segments, *([] if m.index is None else [m.index])]:
+    for seg in _named(m):
         if not _of_prefix(prefix, seg.name):
             raise RestoreRefused(f"manifest {path} names segment {seg.name!r}, not of {prefix}")
     for seg in m.segments:
@@ -348,7 +393,33 @@ def _readopt(pool: PoolConfig, prefix: str, m: Manifest, path: Path) -> Readopte
         for region in regions:
             region.close(unlink=False)
         raise
-    return Readopted(m, regions, index)
+    host_tier, note = _reopen_host_tier(pool, m, path)
+    return Readopted(m, regions, index, host_tier, note)
+
+
+def _reopen_host_tier(pool: PoolConfig, m: Manifest, path: Path) -> tuple[HostRegion | None, str]:
+    """The host tier's segment a trusted manifest names (of this prefix: checked), reopened,
+    or None and why it starts empty ("" if the pool has none and the manifest names
+    none); a segment refused is unlinked (ours only: ``unlink_own``)."""
+    wanted, seg = host_tier_settings(pool), m.host_tier
+    if seg is None:
+        why = f"manifest {path} names no host tier segment" if wanted is not None else ""
+        return None, why
+    if wanted is None:
+        why = f"host tier segment {seg.name}: the pool has no host tier now"
+    elif changed := differences(seg.settings, wanted):
+        why = f"host tier settings changed ({', '.join(changed)})"
+    elif seg.size != (
+        size := segment_bytes(int(wanted["capacity_pages"]), int(wanted["page_bytes"]))
+    ):
+        why = f"host tier segment {seg.name} has {seg.size} bytes, not {size}"
+    else:
+        try:
+            return _reopen(Segment(seg.name, seg.size), ""), ""  # the daemon's alone: 0600
+        except RestoreRefused as exc:
+            why = f"host tier {exc}"
+    unlink_own(seg.name)
+    return None, why
 
 
 def _check_record(pool: PoolConfig, m: Manifest, path: Path) -> None:
@@ -389,8 +460,12 @@ def _reopen(seg: Segment, group: str) -> HostRegion:
 
 def _unlink_named(prefix: str, m: Manifest) -> list[str]:
     """Unlink the segments a trusted manifest names: only names of ``prefix``, only ours."""
-    named = [*m.segments, *([] if m.index is None else [m.index])]
-    return [seg.name for seg in named if _of_prefix(prefix, seg.name) and unlink_own(seg.name)]
+    return [seg.name for seg in _named(m) if _of_prefix(prefix, seg.name) and unlink_own(seg.name)]
+
+
+def _named(m: Manifest) -> list[Segment | TierSegment]:
+    """Every segment a manifest names: shards, index table, host tier."""
+    return [*m.segments, *(seg for seg in (m.index, m.host_tier) if seg is not None)]
 
 
 def _of_prefix(prefix: str, name: str) -> bool:

@@ -24,9 +24,10 @@ public calls (``plan``, ``adopt``, ``take_evicted``, ``take_events``)::
     commit, commit_pages   the Manager's commit, then a copy of the pages it indexed (its
                            PageStored events) queued for the remote store (published by
                            the store's thread)
-    close                  the host tier's entries and (unless the pool is kept across
-                           restarts) the pool's cached pages written down to the disk
-                           tier (a new daemon on it serves them)
+    close                  unless the pool is kept across restarts, the host tier's
+                           entries and the pool's cached pages written down to the disk
+                           tier (a new daemon on it serves them); a kept pool's pool and
+                           host tier come back themselves
 
 So an engine only ever sees ordinary pool pages, written and committed, and a
 page evicted by a reply is in a lower tier before the engine can overwrite it.
@@ -90,15 +91,28 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 
+def host_pages(layout: KVLayout, config: TierConfig) -> int:
+    """Pages of the host tier ``config`` declares for a pool of ``layout`` (0: none)."""
+    return config.host_bytes() // layout.page_bytes
+
+
 def open_stack(
-    layout: KVLayout, config: TierConfig, pool: str, eviction: str = DEFAULT_EVICTION
+    layout: KVLayout,
+    config: TierConfig,
+    pool: str,
+    eviction: str = DEFAULT_EVICTION,
+    *,
+    host: HostTier | None = None,
 ) -> TierStack:
     """The tiers ``config`` declares for a pool of ``layout``, the host and disk tiers
-    evicting by the pool's policy ``eviction``. BadRequest if misdeclared."""
+    evicting by the pool's policy ``eviction``; ``host``: the host tier to use (a kept
+    one, of the declared capacity) instead of a new one. BadRequest if misdeclared."""
     config.validate(pool, layout.page_bytes)
     keyring = keyring_of(config)  # None: no secret (entries checksummed, names unkeyed)
-    host_pages = config.host_bytes() // layout.page_bytes
-    host = HostTier(layout, host_pages, eviction=eviction) if host_pages else None
+    pages = host_pages(layout, config)
+    if host is None:
+        host = HostTier(layout, pages, eviction=eviction) if pages else None
+    assert (0 if host is None else host.capacity_pages) == pages, "a host tier of another size"
     disk = (
         DiskTier(layout, config.disk, config.disk_bytes(), keyring=keyring, eviction=eviction)
         if config.disk
@@ -404,7 +418,8 @@ class TieredManager:
         """Write what the host tier and (if ``pool_pages``) the pool cache down to the
         disk tier (so a new daemon on the same directory serves it), then close the
         tiers. A pool kept across restarts passes False: its pages stay in it, and
-        copies of them would push out disk entries it does not hold."""
+        copies of them would push out disk entries it does not hold. A kept host tier
+        is not written down either, for the same reason: it comes back itself."""
         try:
             self._write_back(pool_pages=pool_pages)
         finally:
@@ -481,12 +496,13 @@ class TieredManager:
         return plan.num_hit, [(medium, len(pages)) for medium, pages, _, _ in fetched]
 
     def _write_back(self, chunk: int = 256, *, pool_pages: bool = True) -> None:
-        """Host entries, then (if ``pool_pages``) the pool's cached pages (most recent
-        last), to the disk tier, ``chunk`` pages per copy; bounded by the disk tier's size."""
+        """Host entries (unless the host tier is kept), then (if ``pool_pages``) the
+        pool's cached pages (most recent last), to the disk tier, ``chunk`` pages per
+        copy; bounded by the disk tier's size."""
         disk, host = self.tiers.disk, self.tiers.host
         if disk is None:
             return
-        if host is not None:
+        if host is not None and not host.kept:
             keys = host.keys()
             for at in range(0, len(keys), chunk):
                 disk.put_many(keys[at : at + chunk], host.get_many(keys[at : at + chunk]))
