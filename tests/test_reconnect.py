@@ -23,6 +23,7 @@ from kvcore.errors import (
 )
 from kvcore.integrations.reconnect import (
     MAX_RETRY_S,
+    SOON_S,
     Attachment,
     Backoff,
     Reconnector,
@@ -120,7 +121,7 @@ def test_nothing_is_sent_while_quiet_then_one_attach_and_calls_go_on() -> None:
 
 def test_a_failed_attach_is_one_more_failure_in_a_row() -> None:
     rec, daemon, clock = reconnector(retry_s=1.0)
-    rec.gone(StaleEpoch("restarted"), "commit")
+    rec.gone(Timeout("no answer"), "commit")
     daemon.down = Timeout("still down")
     clock.now += 1.0
     assert not rec.ready()  # tried, failed: quiet for 2 s now
@@ -132,6 +133,28 @@ def test_a_failed_attach_is_one_more_failure_in_a_row() -> None:
     rec.gone(Timeout("again"), "free")  # a new row: retry_s again
     clock.now += 1.0
     assert rec.ready() and daemon.attaches == [1, 1]
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["call", "batch"])
+def test_a_row_that_starts_with_stale_epoch_attaches_soon_then_backs_off(wrap: bool) -> None:
+    """A daemon answered StaleEpoch (a restarted one, or one stopping for a takeover):
+    attach after SOON_S, not retry_s; attaches that fail double from there."""
+    rec, daemon, clock = reconnector(retry_s=5.0)
+    stale = StaleEpoch("restarted")
+    rec.gone(batch_failed(stale, 0, []) if wrap else stale, "allocate")
+    assert rec.quiet()
+    daemon.down = Timeout("the successor is not bound yet")
+    clock.now += SOON_S
+    assert not rec.ready()  # tried: quiet 2 * SOON_S now
+    clock.now += 2 * SOON_S - 0.001
+    assert not rec.ready() and daemon.attaches == []
+    daemon.down = None
+    daemon.epoch = 3
+    clock.now += 0.001
+    assert rec.ready() and daemon.attaches == [3]
+    rec.gone(Timeout("gone"), "free")  # a new row, not of StaleEpoch: retry_s
+    clock.now += 5.0 - 0.001
+    assert not rec.ready()
 
 
 def test_a_session_known_over_attaches_again_at_once() -> None:

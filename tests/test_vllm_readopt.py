@@ -70,7 +70,6 @@ def engines(
         "endpoint": daemon.endpoint,
         "namespace": NAMESPACE,
         "timeout_s": 2.0,
-        "retry_s": 0.0,  # attach again at the first call after the daemon is found gone
         "ask_wait_ms": 2000,
     }
     # vLLM's own prefix cache off in the kvcore engine: every hit it reports is kvcore's

@@ -13,7 +13,10 @@ the SGLang storage backend. It says, once:
   the daemon is fine.
 * **how long to stay quiet** (:class:`Backoff`): ``retry_s`` seconds after the first
   failure, doubled per failure in a row, at most :data:`MAX_RETRY_S`; nothing is
-  sent meanwhile. The first call that succeeds resets it.
+  sent meanwhile. The first call that succeeds resets it. A row that starts with
+  ``StaleEpoch`` (a daemon answered: a restarted one, or one stopping for a
+  takeover whose successor binds within moments) starts at :data:`SOON_S`
+  instead, doubling from there: an engine attaches to the new daemon at once.
 * **how to re-attach** (:class:`Reconnector`): once the quiet period is over, the next
   call first attaches again (``Client.reconnect``: a new session, the pool mapped
   afresh); an attach that fails (any :class:`~kvcore.errors.KVCoreError`, or an
@@ -59,6 +62,8 @@ is the one call's."""
 MAX_RETRY_S = 60.0
 """Seconds: the longest quiet period, however many failures in a row."""
 MAX_DOUBLINGS = 32  # 2**32 * any retry_s is past MAX_RETRY_S: no float overflow
+SOON_S = 0.05
+"""Seconds: the first quiet period of a row that starts with StaleEpoch (at most retry_s)."""
 
 
 def daemon_gone(exc: BaseException) -> bool:
@@ -78,6 +83,7 @@ class Backoff:
     clock: Callable[[], float] = time.monotonic
     failures: int = 0  # failures in a row; 0: the daemon answers
     quiet_until: float = 0.0  # clock time before which nothing is sent
+    first_s: float = 0.0  # this row's first quiet period: retry_s, or SOON_S (see failed)
 
     def __post_init__(self) -> None:
         if not 0 <= self.retry_s <= self.max_retry_s:
@@ -92,10 +98,13 @@ class Backoff:
         """Whether nothing may be sent now (within a quiet period)."""
         return self.clock() < self.quiet_until
 
-    def failed(self) -> float:
-        """One more failure in a row; the quiet period (seconds) it starts: ``retry_s``
-        doubled per earlier failure in the row, at most ``max_retry_s``."""
-        period = min(self.retry_s * 2.0 ** min(self.failures, MAX_DOUBLINGS), self.max_retry_s)
+    def failed(self, soon: bool = False) -> float:
+        """One more failure in a row; the quiet period (seconds) it starts: the row's
+        first period (``retry_s``; ``soon``, for the first failure of a row: at most
+        SOON_S) doubled per earlier failure in the row, at most ``max_retry_s``."""
+        if not self.failures:
+            self.first_s = min(self.retry_s, SOON_S) if soon else self.retry_s
+        period = min(self.first_s * 2.0 ** min(self.failures, MAX_DOUBLINGS), self.max_retry_s)
         self.failures += 1
         self.quiet_until = self.clock() + period
         return period
@@ -195,7 +204,7 @@ class Reconnector:
     def gone(self, exc: Exception, call: str) -> None:
         """``call`` failed with ``exc`` (one of :data:`DAEMON_GONE`, or an attach that
         failed): quiet for the next period, then attach again."""
-        period = self.backoff.failed()
+        period = self.backoff.failed(soon=isinstance(exc, StaleEpoch))  # a batch's too
         log.warning(
             "kvcore: %s: %s failed (%s: %s); calls are misses for %.3g s, then it attaches again",
             self.what,
