@@ -41,9 +41,10 @@ def marker(n: int, i: int) -> float:
     return float(100 * n + i + 1)
 
 
-def fill(client: Client, pages: list[int], n: int) -> None:
+def fill(client: Client, pages: list[int], n: int, first: int = 0) -> None:
+    """Write prompt ``n``'s markers into ``pages`` from its page ``first`` on."""
     for layer in client.kv_caches:
-        for i, page in enumerate(pages):
+        for i, page in enumerate(pages[first:], start=first):
             layer[page].fill_(marker(n, i))
 
 

@@ -37,6 +37,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcore_ipc.shm import sweep
+from test_restart import fill, holds
 from tiered_helpers import LAYOUT
 
 from kvcore import Client
@@ -80,25 +81,6 @@ def prompt(n: int) -> list[int]:
 
 def keys_of(n: int) -> list[PrefixKey]:
     return list(chain_keys(ROOT, encode_tokens(prompt(n)), PAGE))
-
-
-def marker(n: int, i: int) -> float:
-    """What page ``i`` of prompt ``n`` holds, every element of every layer."""
-    return float(100 * n + i + 1)
-
-
-def fill(client: Client, pages: list[int], n: int, first: int = 0) -> None:
-    for layer in client.kv_caches:
-        for i, page in enumerate(pages[first:], start=first):
-            layer[page].fill_(marker(n, i))
-
-
-def holds(client: Client, pages: list[int], n: int) -> bool:
-    return all(
-        bool(torch.all(layer[page] == marker(n, i)))
-        for layer in client.kv_caches
-        for i, page in enumerate(pages)
-    )
 
 
 @pytest.fixture
