@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -28,6 +28,7 @@ from kvcore.daemon.index_table import (
     FREE,
     HEADER_BYTES,
     STORED,
+    TAIL_AT,
     Header,
     IndexTable,
     MirroredIndex,
@@ -482,6 +483,7 @@ GOOD_BUF, GOOD = committed_table()
     at=st.integers(0, slot_bytes(2) - 1),
     garbage=st.binary(min_size=1, max_size=slot_bytes(2)),
 )
+@example(page=3, at=4, garbage=b"\x00")  # space_ref 0: another valid record
 def test_garbage_in_a_slot_is_dropped_never_restored_wrong(
     page: int, at: int, garbage: bytes
 ) -> None:
@@ -516,6 +518,114 @@ def test_a_slot_copied_over_another_restores_neither(src: int, dst: int) -> None
     assert set(found.entries) <= set(GOOD)
     copied = slot[0] == STORED and src != dst
     assert not copied or not {src, dst} & {e.page for e in found.entries}
+
+
+def orphans_table() -> tuple[bytearray, list[PageStored], list[list[int]]]:
+    """A table of 12 pages of 1 token, 10 of them STORED: a chain in each of three key
+    spaces, two from their roots, one an orphan chain of three pages (the pages of
+    its head went first: evicted while sequence 2 held the pages below them); the
+    entries, and the pages of each chain, head first. One record per space."""
+    buf, table = new_table(12, 1, arena=256)
+    m = Manager(KVLayout(1, 1, 1, 1, "float16", 12), eviction="lru", index=MirroredIndex(table))
+    m.allocate(1, [1, 2], SPACES[1])
+    m.allocate(2, [1, 2, 3, 4, 5], SPACES[1])  # computes [1, 2] too, before 1 commits it
+    m.commit(1, [1, 2])  # pages 0, 1
+    m.commit(2, [1, 2, 3, 4, 5])  # 2's pages for [1, 2] stay private; 4, 5, 6 indexed
+    m.free(1)
+    m.allocate(3, [7, 8, 9, 7, 8, 9, 7], SPACES[2])  # 5 free pages, then evicts 1, 0
+    m.commit(3, [7, 8, 9, 7, 8])  # its last 2 pages go free
+    m.free(2)  # its private pages 2, 3 go free
+    m.free(3)
+    m.allocate(4, [9, 9], SPACES[0])
+    m.commit(4, [9, 9])
+    m.check_integrity()
+    entries = table.scan().entries
+    table.close()
+    by_page = {entry.page: entry for entry in entries}
+    assert sorted(by_page) == list(range(2, 12))  # 0, 1 are free
+    chains = [[4, 5, 6], [7, 8, 9, 10, 11], [3, 2]]  # the pages of each, head first
+    keys = {entry.key for entry in entries}
+    orphan_parent = list(chain_keys(root_key(SPACES[1]), encode_tokens([1, 2]), 1))[-1]
+    assert by_page[4].parent_key == orphan_parent and orphan_parent not in keys
+    for pages, space in zip(chains, SPACES[1:] + SPACES[:1], strict=True):
+        assert pages[0] == 4 or by_page[pages[0]].parent_key == root_key(space)
+        assert [by_page[page].space for page in pages] == [space] * len(pages)
+        assert [by_page[a].key for a in pages[:-1]] == [by_page[b].parent_key for b in pages[1:]]
+    return buf, entries, chains
+
+
+ORPHANS_BUF, ORPHANS, CHAINS = orphans_table()
+
+
+def record_refs(buf: bytes | bytearray, num_pages: int, page_size: int) -> list[int]:
+    """The offset of each key-space record in ``buf``'s arena, before the tail."""
+    arena = HEADER_BYTES + num_pages * slot_bytes(page_size)
+    (tail,) = struct.unpack_from("<Q", buf, TAIL_AT)
+    refs, at = [], 0
+    while at < tail:
+        refs.append(at)
+        at += 6 + struct.unpack_from("<IH", buf, arena + at)[1]
+    return refs
+
+
+def test_an_orphan_chain_is_restored_and_hits_once_its_head_is_back() -> None:
+    table = reopen(ORPHANS_BUF, 12, 1)
+    assert table.opened.entries == ORPHANS and not table.opened.dropped
+    m = Manager(KVLayout(1, 1, 1, 1, "float16", 12), index=MirroredIndex(table))
+    m.restore(table.opened.entries)
+    m.check_integrity()
+    assert m.lookup([1, 2, 3, 4, 5, 6], SPACES[1]).num_cached_tokens == 0  # no head
+    m.allocate(1, [1, 2], SPACES[1])  # the free pages 0, 1
+    m.commit(1, [1, 2])
+    m.free(1)
+    assert m.lookup([1, 2, 3, 4, 5, 6], SPACES[1]).num_cached_tokens == 5
+    m.check_integrity()
+
+
+@given(page=st.integers(0, 11), to=st.integers(0, 2), seqs=st.permutations(range(1, 11)))
+@example(page=4, to=1, seqs=list(range(1, 11)))  # an orphan: the chain below it says SPACES[1]
+@example(page=6, to=1, seqs=list(range(1, 11)))  # the last of an orphan chain
+@example(page=7, to=0, seqs=list(range(10, 0, -1)))  # a head; every child before its parent
+def test_a_space_ref_rewritten_never_restores_a_page_under_another_space(
+    page: int, to: int, seqs: list[int]
+) -> None:
+    """Any slot's space_ref rewritten to another valid record: the page is dropped, or
+    restored under its own space; in a chain from a root only it is dropped, in an
+    orphan's chain all of it (which of its slots is wrong, nothing tells). The slots'
+    seqs in any order (a child's before its parent's, say) change nothing but the
+    restore order."""
+    buf = bytearray(ORPHANS_BUF)
+    for slot, seq in zip(range(2, 12), seqs, strict=True):  # pages 2-11 hold the entries
+        struct.pack_into("<Q", buf, HEADER_BYTES + slot * slot_bytes(1) + 8, seq)
+    refs = record_refs(buf, 12, 1)
+    assert len(refs) == 3
+    at = HEADER_BYTES + page * slot_bytes(1) + 4
+    (was,) = struct.unpack_from("<I", buf, at)
+    struct.pack_into("<I", buf, at, refs[to])
+    found = reopen(buf, 12, 1).opened
+    assert [seqs[entry.page - 2] for entry in found.entries] == sorted(
+        seqs[entry.page - 2] for entry in found.entries
+    )
+    assert set(found.entries) <= set(ORPHANS)
+    chain = next((pages for pages in CHAINS if page in pages), [])
+    if refs[to] == was or not chain:  # the same record, or a FREE slot
+        assert set(found.entries) == set(ORPHANS) and not found.dropped
+        return
+    lost = {entry.page for entry in ORPHANS} - {entry.page for entry in found.entries}
+    if chain[0] == 4:  # the orphan chain
+        assert lost == set(chain) and found.dropped == {"mixed_space": len(chain)}
+    else:  # its children still come back: their space is proven from the root
+        assert lost == {page} and found.dropped == {"wrong_space": 1}
+
+
+def test_a_record_of_a_space_no_root_takes_drops_its_pages() -> None:
+    buf, table = new_table(2, 1, arena=512)
+    huge = KeySpace("x" * 300)  # root_key refuses parts over 256 bytes
+    for page, space in enumerate((huge, SPACES[0])):
+        root, tokens = root_key(SPACES[0]), encode_tokens([page])
+        table.store(PageStored(page_key(root, tokens), root, PageId(page), tokens, space))
+    found = reopen(buf, 2, 1).opened
+    assert [e.page for e in found.entries] == [1] and found.dropped == {"bad_space": 1}
 
 
 @given(at=st.integers(0, 255), garbage=st.binary(min_size=1, max_size=64))

@@ -36,11 +36,28 @@ So a slot is STORED or PENDING iff its page is indexed under its key, but for pa
 the arena had no room for (:meth:`MirroredIndex.check_integrity`). Opening trusts
 nothing: the header must be what this process writes (RestoreRefused names each
 difference); a STORED slot must hold ``page_key(parent, tokens) == key``, a record
-(CRC'd) at ``space_ref`` and a key no other slot holds, or be dropped and set FREE.
+(CRC'd, of a key space ``root_key`` takes) at ``space_ref``, a key no other slot
+holds and the key space its chain proves, or be dropped and set FREE.
+
+The key binds the tokens to the parent, not to ``space_ref``: a ref rewritten to
+another record would restore the page under another tenant, model, adapter or salt.
+So a slot whose parent is a root (``root_key`` of a record's space, as
+kvcore.prefix derives a chain's first parent) must name that space, and one whose
+parent is another kept slot's key the space that slot's chain proves, resolved from
+the root down (so a slot dropped for its space still passes the right one on);
+else it is dropped ("wrong_space"). An orphan, a slot whose parent is neither, is a
+page whose chain's head left first, which the index does hold: eviction is not leaf
+first across sequences (two that computed one prefix: the second's later pages hang
+off the first's pages, which can be evicted before them), and an orphan hits again
+once its parent is committed again. So orphans are kept, but nothing can prove an
+orphan's space: its chain (it and the kept slots below it) must name one space, or
+all of it is dropped ("mixed_space"); a lone orphan's ``space_ref`` is the one field
+a restart takes on trust.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 import sys
@@ -53,7 +70,15 @@ import msgspec
 
 from kvcore.allocator import PageId
 from kvcore.errors import BadRequest, RestoreRefused
-from kvcore.prefix import DOMAIN, KeySpace, PageStored, PrefixIndex, PrefixKey, page_key
+from kvcore.prefix import (
+    DOMAIN,
+    KeySpace,
+    PageStored,
+    PrefixIndex,
+    PrefixKey,
+    page_key,
+    root_key,
+)
 
 FREE, PENDING, STORED = 0, 1, 2
 MAGIC = b"KVCIDXT\0"
@@ -120,7 +145,8 @@ class Scan:
     """What a scan of the slots found: the entries to restore, the rest by cause."""
 
     entries: list[PageStored]  # STORED and verified, oldest seq first; medium ""
-    dropped: Counter[str]  # cause -> slots set FREE: pending, bad_{state,space,key}, duplicate_key
+    dropped: Counter[str]  # cause -> slots set FREE: pending, bad_{state,space,key},
+    # duplicate_key, {wrong,mixed}_space
 
 
 class IndexTable:
@@ -237,10 +263,17 @@ class IndexTable:
 
     def scan(self) -> Scan:
         """Every STORED slot that verifies (the module docstring), oldest seq first; the
-        others are counted by cause and set FREE. O(pages), one SHA-256 per STORED slot."""
+        others are counted by cause and set FREE. O(pages), one SHA-256 per STORED slot
+        and one per key-space record (:func:`_misplaced`)."""
         page_size, stride = self.header.page_size, self._stride
         slot = struct.Struct(f"<B3xIQ32s32s{4 * page_size}s{stride - SLOT_HEAD - 4 * page_size}x")
-        region, spaces = self._view[HEADER_BYTES : self._arena], self._spaces
+        region = self._view[HEADER_BYTES : self._arena]
+        spaces: dict[int, KeySpace] = {}  # ref -> space, of each record with a root
+        roots: dict[bytes, KeySpace] = {}  # root_key(space) -> space, of each record
+        for ref, record in self._spaces.items():
+            with contextlib.suppress(BadRequest):  # a part over 256 bytes: no index has it
+                roots.setdefault(root_key(record), record)
+                spaces[ref] = record
         dropped: Counter[str] = Counter()
         kept: dict[bytes, tuple[int, PageStored]] = {}  # key -> (seq, entry)
         bad: list[int] = []
@@ -269,11 +302,15 @@ class IndexTable:
             dropped[cause] += 1
             bad.append(page)
         region.release()
+        ordered = [entry for _, entry in sorted(kept.values(), key=lambda p: (p[0], p[1].page))]
+        if causes := _misplaced(ordered, kept, roots):
+            ordered = [entry for entry in ordered if entry.key not in causes]
+            dropped.update(causes.values())
+            bad += [kept[key][1].page for key in causes]
         for page in bad:
             self._store_byte(HEADER_BYTES + page * stride, FREE)
         self._seq = min(last_seq, 1 << 63)  # a garbage seq must not overflow the next ones
-        ordered = sorted(kept.values(), key=lambda pair: (pair[0], pair[1].page))
-        return Scan([entry for _, entry in ordered], dropped)
+        return Scan(ordered, dropped)
 
     def mark_clean(self, order: Iterable[PageId] = ()) -> None:
         """At a clean stop: new seqs for the STORED pages of ``order``, in that order,
@@ -345,6 +382,52 @@ def _parse_arena(arena: memoryview, tail: int) -> tuple[dict[int, KeySpace], int
             break
         at += _RECORD.size + size
     return spaces, at
+
+
+def _misplaced(
+    entries: list[PageStored],
+    kept: dict[bytes, tuple[int, PageStored]],
+    roots: dict[bytes, KeySpace],
+) -> dict[bytes, str]:
+    """key -> cause, of each of ``entries`` (verified keys; ``kept``: key -> (seq,
+    entry) of each) whose key space its chain contradicts. A chain starts at a root
+    (``roots``: root_key(space) -> space) or at an orphan, an entry whose parent key
+    is neither a root nor a key of ``kept``; every entry below a root must have that
+    root's space ("wrong_space"), and every entry of an orphan's chain one space,
+    whichever it is ("mixed_space": the whole chain goes, as nothing tells which
+    entry is wrong). O(entries), in any order: an entry's parent is resolved first
+    (walking up to one resolved before); in seq order (a parent is stored before its
+    children, but for an orphan's parent committed again) it is at once."""
+    chain: dict[bytes, KeySpace | bytes] = dict(roots)  # key -> its root's space or orphan
+    get, limit = chain.get, len(kept)
+    causes: dict[bytes, str] = {}
+    orphans: dict[bytes, KeySpace] = {}  # orphan -> the space of its chain's first entry
+    mixed: set[bytes] = set()  # orphans whose chain holds two spaces
+    for entry in entries:  # an entry met again (an ancestor walked up to) is judged again
+        proof = get(entry.parent_key)
+        if proof is entry.space:  # the common case: spaces are the arena's objects
+            chain[entry.key] = proof
+            continue
+        path = [entry]
+        while proof is None:
+            above = kept.get(path[-1].parent_key)
+            if above is None or len(path) > limit:  # limit: a cycle, which SHA-256 rules out
+                proof = path[-1].key  # an orphan: its chain is named by its key
+                break
+            path.append(above[1])
+            proof = get(above[1].parent_key)
+        for step in path:
+            chain[step.key], space = proof, step.space
+            if proof is space:
+                continue
+            if isinstance(proof, bytes):
+                if orphans.setdefault(proof, space) != space:
+                    mixed.add(proof)
+            elif proof != space:
+                causes[step.key] = "wrong_space"
+    if mixed:
+        causes.update((e.key, "mixed_space") for e in entries if chain[e.key] in mixed)
+    return causes
 
 
 class MirroredIndex(PrefixIndex):
