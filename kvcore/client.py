@@ -564,20 +564,27 @@ class _Heartbeat:
 
     def _loop(self) -> None:
         """Beat every third of the lease. An answer ``lease_lost`` (or ``not_attached``
-        while the client thinks it is attached) fences the client at once."""
+        while the client thinks it is attached) fences the client at once. Each beat has
+        its own request id: a beat sent while the daemon was down is answered late, by
+        the next daemon (``stale_epoch``, for the session of then), and that answer must
+        not pass for a later beat's (it fenced a reconnected session's valid mapping:
+        writes went to scratch while commits succeeded)."""
         client = self._client
         channel = client.open_channel()
         encoder = msgspec.msgpack.Encoder()
         decoder = msgspec.msgpack.Decoder(msg.TypedReply[msg.Empty])
+        beat = 0
         try:
             while not self._stopped.wait(max(client.lease_s / 3, 0.01)):
                 session = client.session
                 if not session or client._lost:
                     continue
-                request = msg.Request(1, msg.Heartbeat(), session, client.epoch)
+                beat += 1
+                request = msg.Request(beat, msg.Heartbeat(), session, client.epoch)
                 channel.send(encoder.encode(request))
                 try:
-                    reply = decoder.decode(channel.recv())
+                    while (reply := decoder.decode(channel.recv())).id != beat:
+                        pass  # an earlier beat's late answer
                 except ChannelTimeout:
                     continue  # the daemon is busy or gone; the next beat tries again
                 except (msgspec.DecodeError, msgspec.ValidationError):

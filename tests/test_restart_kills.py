@@ -572,3 +572,39 @@ def test_an_old_clients_hit_is_not_rewritten_before_it_is_fenced() -> None:
         finally:
             old.close()
             daemons[-1].stop(signal.SIGKILL)
+
+
+def test_a_late_answer_to_an_old_sessions_beat_does_not_fence_the_new_session() -> None:
+    """What the kills found (a SIGTERM round re-adopted pages that held a never-committed
+    prompt's bytes): a heartbeat sent while the daemon is down is answered by the next
+    one, ``stale_epoch`` for the session of then; read as the answer to a later beat of
+    the reconnected session, it fenced that session's valid mapping, so the client's
+    writes went to scratch while its commits succeeded, and the pool indexed pages
+    holding an earlier occupant's bytes. Any restart does it, cold or not."""
+    pool = POOL.replace("num_pages=32", "num_pages=8")
+    with Endpoint(pool) as endpoint:
+        flags = ("--endpoint", endpoint, "--pool", pool, "--lease-timeout-s", "0.9")
+        daemons = [DaemonProcess(*flags).start()]
+        client = Client.connect(endpoint)  # beats every 0.3 s
+        try:
+            daemons[0].stop(signal.SIGKILL)
+            time.sleep(1.0)  # beats go out to nobody, queued in the heartbeat's socket
+            daemons.append(DaemonProcess(*flags).start())
+            deadline = time.monotonic() + 10
+            while not client._fenced:  # the first late answer: the old mapping, rightly
+                assert time.monotonic() < deadline, "the old session's mapping never fenced"
+                time.sleep(0.05)
+            client.reconnect()
+            time.sleep(1.0)  # three beats of the new session, and the late answers
+            assert not client._fenced, "a late answer fenced the new session's mapping"
+            prompt = PROMPTS[0][: 2 * PAGE]
+            seq = os.getpid() << 32
+            fill(client, client.allocate(seq, prompt, compute_last=False).pages, prompt)
+            client.commit(seq, prompt)
+            client.free(seq)
+            with Client.connect(endpoint, heartbeat=False) as fresh:
+                indexed, problems = check(fresh)
+            assert indexed == 2 and not problems, problems
+        finally:
+            client.close()
+            daemons[-1].stop(signal.SIGKILL)
