@@ -9,9 +9,10 @@ prompts that share stems (60 distinct pages on a pool of 32: allocations evict a
 time), and holding sequences it never commits, written torn or with the marker of a
 prompt nobody commits. Hypothesis draws rounds: the workload's seed, how long after
 every client's first commit the daemon gets its signal (SIGKILL, SIGTERM or SIGINT),
-which clients die with it (a machine-wide ``kill -9``), and how long the others go on
+which clients die with it (a machine-wide ``kill -9``), how long the others go on
 writing the pages they never committed through their old mapping, calling nothing (an
-engine whose kernels still run). The daemon comes back with the same flags, and:
+engine whose kernels still run), and how long the daemon stays down. It comes back with
+the same flags, and:
 
 1. a fresh client checks what it re-adopted, while the old clients may still write:
    the log's count, no slot dropped, the snapshot lists exactly those pages, each once;
@@ -31,6 +32,9 @@ pool, with the clients attached again. The control (the check detects wrong page
 re-adopted page corrupted by one element, and two re-adopted pages swapped, through a
 client's mapping, fail it.
 
+What the kills found: a heartbeat sent while the daemon was down, answered late by the
+next one, fenced a reconnected client's valid mapping, so its writes went to scratch
+while its commits succeeded (fixed in kvcore/client.py; its own test is the last here).
 One known gap is tolerated, counted (``--hypothesis-show-statistics``) and shown by a
 strict xfail test: an old client that reads a hit the killed daemon granted, after the
 newcomer started, may find another prompt's bytes there (the restarted daemon evicts
@@ -296,6 +300,7 @@ class Round:
     sig: signal.Signals
     dying: frozenset[int]  # clients killed with the daemon
     stall_s: float  # how long the others write their uncommitted pages, calling nothing
+    down_s: float = 0.0  # from the daemon's exit to its restart (clients beat into the void)
 
 
 ROUNDS = st.builds(
@@ -307,6 +312,7 @@ ROUNDS = st.builds(
         st.just(frozenset[int]()), st.frozensets(st.integers(0, CLIENTS - 1), min_size=1)
     ),
     stall_s=st.floats(0.0, 2.0),
+    down_s=st.one_of(st.just(0.0), st.floats(0.0, 2.5)),
 )
 
 
@@ -338,7 +344,8 @@ class Timeline:
 def kill_and_restart(endpoint: str, daemons: list[DaemonProcess], fleet: Fleet, r: Round) -> int:
     """One round: the clients run on ``daemon``; it gets ``r.sig`` ``r.delay_s`` after
     their first commits, the ``r.dying`` clients die with it, the others write their
-    uncommitted pages for ``r.stall_s`` more. It comes back with the same flags:
+    uncommitted pages for ``r.stall_s`` more. It comes back with the same flags,
+    ``r.down_s`` after it exited:
 
     1. what it re-adopted passes the check at once (the old clients may still write);
     2. the newcomer runs beside the old clients' late writes, until these are fenced;
@@ -363,6 +370,7 @@ def kill_and_restart(endpoint: str, daemons: list[DaemonProcess], fleet: Fleet, 
     where = log.where(r, daemon)
     assert r.sig == signal.SIGKILL or status == 0, f"a clean stop exited {status}: {where()}"
     assert not (bad := fleet.take_bad()), f"the clients saw wrong pages: {bad}; {where()}"
+    time.sleep(r.down_s)
     restarted = serve(endpoint)
     daemons.append(restarted)
     log(f"daemon {restarted.proc.pid} serves")  # type: ignore[union-attr]
