@@ -51,6 +51,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -453,8 +454,7 @@ class Endpoint:
         with DaemonProcess("--endpoint", self.endpoint, "--pool", self.pool, "--no-restore"):
             pass  # cold: the manifest goes, the sweep unlinks what this example's daemons kept
         left = sweep(segment_prefix(self.endpoint))
-        Path(self.dir, "kvcore.sock").unlink(missing_ok=True)
-        Path(self.dir).rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)
         assert exc[0] is not None or not left, f"segments left: {left}"
 
 
