@@ -42,7 +42,7 @@ re-adopted pages while the old clients still map them).
 
 A failure is timing-dependent: Hypothesis reports it with the example that found it and
 a timeline of the round (replaying it may pass: a FlakyFailure carries the original
-error). The long variant (``-m slow``) kills the daemon hundreds of times.
+error). The long variant (``-m long``, left out of the suite) kills the daemon hundreds of times.
 """
 
 from __future__ import annotations
@@ -480,7 +480,7 @@ def test_readopted_pages_hold_their_keys_bytes_after_random_kills(
     run_rounds(fleet, rounds)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(2700)
 @settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(rounds=st.lists(ROUNDS, min_size=5, max_size=9))  # ~240 kills: 8 min on 2 quiet cores

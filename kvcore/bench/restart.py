@@ -151,11 +151,12 @@ def _first_hit(endpoint: str, tokens: list[int], deadline_s: float = 60.0) -> No
 
 def _takeover(old: Any, flags: tuple[str, ...], tokens: list[int]) -> tuple[Any, float]:
     """Start a daemon with ``--takeover`` of ``old`` while a client looks ``tokens`` up in a
-    loop (and attaches again at its StaleEpoch): the new daemon, and the longest time the
-    client went without a hit, seconds."""
+    loop (and attaches again when its daemon is gone: StaleEpoch, or Timeout while none
+    listens): the new daemon, and the longest time the client went without a hit, seconds.
+    The new daemon is stopped if anything fails."""
     from kvcore.client import Client
     from kvcore.daemon_process import DaemonProcess
-    from kvcore.errors import KVCoreError, StaleEpoch
+    from kvcore.errors import KVCoreError
 
     endpoint, stop, gaps = flags[1], threading.Event(), []
 
@@ -164,7 +165,7 @@ def _takeover(old: Any, flags: tuple[str, ...], tokens: list[int]) -> tuple[Any,
         while not stop.is_set():
             try:
                 hit = client.lookup(tokens, compute_last=False).num_cached_tokens
-            except StaleEpoch:
+            except KVCoreError:
                 with contextlib.suppress(KVCoreError):
                     client.reconnect()
                 continue
@@ -176,11 +177,16 @@ def _takeover(old: Any, flags: tuple[str, ...], tokens: list[int]) -> tuple[Any,
     client = Client.connect(endpoint, map_memory=False, heartbeat=False)
     thread = threading.Thread(target=probe, args=(client,))
     thread.start()
+    daemon = DaemonProcess(*flags, "--takeover", timeout_s=600)
     try:
-        daemon = DaemonProcess(*flags, "--takeover", timeout_s=600).start()
+        daemon.start()
         old.stop()  # it exits by itself: this reaps it
         _first_hit(endpoint, tokens)
         time.sleep(0.2)  # the probe's own hits resumed
+    except BaseException:
+        if daemon.proc is not None:
+            daemon.stop()
+        raise
     finally:
         stop.set()
         thread.join()
