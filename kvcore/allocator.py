@@ -11,7 +11,10 @@ Every page of a pool is in exactly one of four states::
     free + evictable + held + withheld == num_pages       (the conservation law)
 
 :meth:`take` serves free pages first and evicts evictable pages, in the order of
-the pool's eviction policy (kvcore.eviction), only when the free queue is empty.
+the pool's eviction policy (kvcore.eviction), only when the free queue is empty, and
+never while pages are withheld: after a restart a process of the last daemon's time
+may still write the pages nobody committed and read the cached ones (its hits), so
+until :meth:`release_withheld` no page of either kind is handed to a writer.
 Every operation is O(1) per page; nothing scans the pool (``check_integrity``
 does, and is for tests).
 """
@@ -35,7 +38,15 @@ class PageAllocator:
     copy-on-write test); only this class writes it.
     """
 
-    __slots__ = ("_evictable", "_free", "_withheld", "num_held", "num_pages", "refcounts")
+    __slots__ = (
+        "_evictable",
+        "_free",
+        "_withheld",
+        "num_held",
+        "num_pages",
+        "refcounts",
+        "withholding",
+    )
 
     def __init__(self, num_pages: int, evictable: EvictionPolicy[PageId]) -> None:
         self.num_pages = num_pages
@@ -44,6 +55,7 @@ class PageAllocator:
         self._free: deque[PageId] = deque(PageId(p) for p in range(num_pages))
         self._evictable = evictable  # empty; only this class adds to it or takes from it
         self._withheld: list[PageId] = []  # out of use until release_withheld()
+        self.withholding = False  # between withhold_free() and release_withheld(): no eviction
 
     @property
     def num_free(self) -> int:
@@ -54,16 +66,20 @@ class PageAllocator:
         return len(self._withheld)
 
     def withhold_free(self) -> int:
-        """Take every free page out of use (neither free nor evictable, refcount 0) until
-        :meth:`release_withheld`: after a restart, the pages nobody committed, which a
-        process of the last daemon's time may still write (kvcore.daemon.restart).
-        Returns how many."""
+        """Take every free page out of use (neither free nor evictable, refcount 0), and
+        evict nothing, until :meth:`release_withheld`: after a restart, the pages nobody
+        committed, which a process of the last daemon's time may still write, and the
+        cached ones, which it may still read as its hits (kvcore.daemon.restart).
+        Returns how many pages were withheld."""
         self._withheld.extend(self._free)
         self._free.clear()
+        self.withholding = True
         return len(self._withheld)
 
     def release_withheld(self) -> int:
-        """Free every withheld page (after the free ones); returns how many."""
+        """Free every withheld page (after the free ones) and allow evictions again;
+        returns how many pages were freed."""
+        self.withholding = False
         released, self._withheld = self._withheld, []
         self._free.extend(released)
         return len(released)
@@ -74,8 +90,9 @@ class PageAllocator:
 
     @property
     def num_available(self) -> int:
-        """Pages :meth:`take` can hand out now: free + evictable."""
-        return len(self._free) + len(self._evictable)
+        """Pages :meth:`take` can hand out now: free + evictable (free only while
+        withholding)."""
+        return len(self._free) + (0 if self.withholding else len(self._evictable))
 
     def take(self, num: int, evict: Callable[[PageId], None]) -> list[PageId]:
         """``num`` pages at refcount 1: free pages first (FIFO), then evictions.
@@ -88,7 +105,7 @@ class PageAllocator:
         if num <= len(free):
             pages = [free.popleft() for _ in range(num)]
         else:
-            assert num <= len(free) + len(self._evictable), "take() beyond capacity"
+            assert num <= self.num_available, "take() beyond capacity (or evicting while withheld)"
             pages = list(free)
             free.clear()
             for page in self._evictable.evict(num - len(pages)):

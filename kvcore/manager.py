@@ -457,15 +457,18 @@ class Manager:
         self._pages.restore([(entry.page, entry.key) for entry in order])
 
     def withhold_free(self) -> int:
-        """Take every free page out of use until :meth:`release_withheld` (neither free
-        nor evictable: stats count it in none of the three): after :meth:`restore`, the
-        pages nobody committed, which a process of the last daemon's time may still
-        write (kvcore.daemon.restart). Allocations meanwhile evict restored pages, or
-        are OutOfPages. Returns how many."""
+        """Take every free page out of use, and evict nothing, until
+        :meth:`release_withheld` (a withheld page is neither free nor evictable: stats
+        count it in ``withheld_pages``): after :meth:`restore`, the pages nobody
+        committed, which a process of the last daemon's time may still write, and the
+        restored ones, which it may still read as the hits that daemon granted
+        (kvcore.daemon.restart). Meanwhile restored pages are hits as usual, and an
+        allocation that needs a page no sequence has freed since is OutOfPages.
+        Returns how many pages were withheld."""
         return self._pages.withhold_free()
 
     def release_withheld(self) -> int:
-        """Free every withheld page; returns how many."""
+        """Free every withheld page and allow evictions again; returns how many pages."""
         return self._pages.release_withheld()
 
     @property
@@ -584,9 +587,11 @@ class Manager:
 
     def _room(self, hit_pages: list[PageId]) -> int:
         """Pages take() may hand out beside ``hit_pages``, which the caller pins first:
-        free + evictable, less the evictable hit pages."""
-        refcounts = self._refcounts
-        return self._pages.num_available - [refcounts[page] for page in hit_pages].count(0)
+        free + evictable, less the evictable hit pages (free only while withholding)."""
+        pages, refcounts = self._pages, self._refcounts
+        if pages.withholding:
+            return pages.num_free
+        return pages.num_available - [refcounts[page] for page in hit_pages].count(0)
 
     @staticmethod
     def _check_room(num_pages: int, room: int) -> None:

@@ -187,16 +187,21 @@ def test_withheld_pages_are_never_handed_out_until_released(
     steps: list[tuple[str, int, int]],
 ) -> None:
     """Whatever runs around ``withhold_free`` and ``release_withheld``: the Manager's
-    invariants hold (free + evictable + held + withheld == total) and no allocation is
-    handed a withheld page; a refused allocation changes nothing."""
+    invariants hold (free + evictable + held + withheld == total); no allocation is handed
+    a withheld page, and none a page that was cached when withholding began, but as its
+    hit (an old client may be reading it: nothing evicts it); a refused allocation
+    changes nothing."""
     m = Manager(KVLayout(1, 1, 8, PAGE, "float32", num_pages=8))
     withheld: set[int] = set()
+    cached: set[int] = set()  # cached at withhold_free(), while withholding
     for op, seq, length in steps:
         tokens = [seq * 100 + t for t in range(length)]
         try:
             if op == "allocate":
-                pages = m.allocate(seq, tokens, compute_last=False).pages
-                assert not withheld & set(pages), "a withheld page was handed out"
+                got = m.allocate(seq, tokens, compute_last=False)
+                fresh = set(got.pages[got.num_cached_tokens // PAGE :])
+                assert not withheld & fresh, "a withheld page was handed out"
+                assert not cached & fresh, "a page cached at the restart was evicted"
             elif op == "commit" and seq in m:
                 m.commit(seq, tokens[: m.num_tokens(seq)])
             elif op == "free" and seq in m:
@@ -205,13 +210,15 @@ def test_withheld_pages_are_never_handed_out_until_released(
                 free_before = m.stats().free_pages
                 assert m.withhold_free() == len(withheld) + free_before
                 withheld = set(range(8)) - _in_use(m)
+                cached |= {e.page for e in m.prefix_snapshot()}
             elif op == "release":
                 assert m.release_withheld() == len(withheld)
-                withheld = set()
+                withheld, cached = set(), set()
         except KVCoreError:
             pass
         m.check_integrity()
         stats = m.stats()
+        assert stats.withheld_pages == len(withheld)
         assert stats.free_pages + stats.evictable_pages + stats.held_pages + len(withheld) == 8
 
 

@@ -394,6 +394,12 @@ def test_a_host_tier_comes_back_after_a_sigkill(endpoint: str, tmp_path: Path) -
             in_pool = {page.key for page in new.snapshot().pages}
             below = [n for n in range(8) if not set(keys_of(n)) & in_pool]
             assert below, "no prompt was held by the host tier alone"
+            with pytest.raises(StaleEpoch):
+                old.heartbeat()  # fenced: promotions may take pool pages once released
+            deadline = time.monotonic() + 10
+            while "withheld pages released" not in daemon.output:
+                assert time.monotonic() < deadline, daemon.output
+                time.sleep(0.1)
             for seq, n in enumerate(range(8), start=100):
                 got = new.allocate(seq, prompt(n), compute_last=False)
                 assert got.num_cached_tokens == PAGES * PAGE, (n, got.sources)

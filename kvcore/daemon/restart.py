@@ -14,8 +14,10 @@ then re-adopts them, however the last one ended:
    scans it: only committed pages whose key is their tokens' come back, as cached
    (evictable) pages, oldest first (``Manager.restore``, which queues their
    ``stored`` events: routers learn them at the first tick);
-3. every other page is withheld (``Manager.withhold_free``): a process that attached
-   to the last daemon may still write pages nobody committed through its old mapping.
+3. every other page is withheld, and no page is evicted (``Manager.withhold_free``): a
+   process that attached to the last daemon may still write pages nobody committed
+   through its old mapping, and read the re-adopted ones as the hits that daemon
+   granted (so none may go to a writer; they are hits as usual meanwhile).
    :meth:`Kept.release_due` frees them once every process's mappings of the segments
    are its current sessions' (kvcore.daemon.mappings: a client fences its old mapping
    at the first StaleEpoch), or ``fence_timeout_s`` after the start, whichever comes
@@ -200,9 +202,9 @@ def _open_pool(
             else:
                 manager = _manager(pool, table)
                 manager.restore(table.opened.entries)
-                withheld = manager.withhold_free()
+                withheld = manager.withhold_free()  # and no eviction, until released
                 kept = Kept(table, index, path, pool.group)
-                kept.withheld_until = time.monotonic() + fence_s if withheld else 0.0
+                kept.withheld_until = time.monotonic() + fence_s
                 try:
                     kept.host_region, kept.host = _host_tier(
                         pool, prefix, decision.host_tier, decision.host_note
@@ -217,7 +219,8 @@ def _open_pool(
                 dropped = sum(table.opened.dropped.values())
                 log.info(
                     "pool %r: re-adopted %d committed pages of %s in %.3f s (%s stop; %d "
-                    "dropped: %s); %d pages withheld until the last daemon's clients let go",
+                    "dropped: %s); %d pages withheld, and none evicted, until the last "
+                    "daemon's clients let go",
                     pool.name,
                     len(table.opened.entries),
                     decision.regions[0].name,
