@@ -12,7 +12,7 @@ an idle but live engine keeps its sequences; a dead one loses them when the
 lease runs out. After a daemon restart every call raises StaleEpoch (the new
 daemon's answer; the stopping daemon's to a request it read but did not serve;
 or, for a request the stopped daemon took with it, the channel finding another
-listener on the endpoint), and the first one (or the heartbeat's) fences a host
+listener on the endpoint at its next probe, 100 ms into the wait), and the first one (or the heartbeat's) fences a host
 mapping (see below): the restarted daemon may have re-adopted the pool's
 segment, whose pages nobody committed are then another session's to write. :meth:`Client.reconnect` attaches again (old
 sequences are gone; the pool holds what the daemon re-adopted, or nothing). A

@@ -24,7 +24,7 @@ import zmq
 
 from kvcore_ipc.sockets import curve_client
 
-PROBE_MS = 500  # a reply not here after this long: check that the endpoint still listens
+PROBE_MS = 100  # a reply not here after this long: check that the endpoint still listens
 RECONNECT_MS = 10  # a lost connection is tried again after this long, doubling per failure
 RECONNECT_MAX_MS = 100  # ... up to this (ZeroMQ's default: 100 ms, always)
 

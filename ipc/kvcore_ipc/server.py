@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -210,20 +211,23 @@ class RouterServer:
             self._answer(identity, handler)
             tick()
 
-    def drain(self, handler: Handler) -> int:
-        """Answer with ``handler`` every request already queued, waiting for none (a
-        stopping daemon refuses them, so that no client waits out its timeout for a reply
-        that would never come); how many."""
-        answered = 0
-        while True:
+    def drain(self, handler: Handler, quiet_ms: int = 5, most_ms: int = 25) -> int:
+        """Answer with ``handler`` every request queued, and every one that arrives until
+        none has for ``quiet_ms`` (at most ``most_ms`` in all): a stopping daemon refuses
+        them, so that no client waits for a reply that would never come (a request in
+        flight as the daemon stops is still reaching its queue). How many."""
+        answered, sock = 0, self._socket
+        end = time.monotonic() + most_ms / 1000
+        while (left := end - time.monotonic()) > 0:
+            if not sock.poll(min(quiet_ms, max(1, int(left * 1000)))):
+                break
             try:
-                identity = self._socket.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return answered
-            except InterruptedError:
+                identity = sock.recv(zmq.NOBLOCK)
+            except (zmq.Again, InterruptedError):
                 continue
             self._answer(identity, handler)
             answered += 1
+        return answered
 
     def _answer(self, identity: bytes, handler: Handler) -> None:
         """Read the rest of the message from ``identity`` and send ``handler``'s reply."""
