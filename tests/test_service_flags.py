@@ -30,7 +30,8 @@ from kvcore.daemon.serve import add_arguments, build_config
 from kvcore.errors import BadRequest
 
 TABLES = ("pools", "tenants")  # the settings that are tables, not flags
-OWN_FLAGS = {"config": "--config", "pool": "--pool"}  # serve's flags that are no setting
+# serve's flags that are no setting: where the settings come from, and an action of one start
+OWN_FLAGS = {"config": "--config", "pool": "--pool", "takeover": "--takeover"}
 
 # Every spelling `kvcore serve` accepted before its flags were derived from the fields.
 EARLIER_FLAGS = frozenset(
@@ -123,7 +124,7 @@ def test_a_setting_is_one_field_with_a_flag_a_variable_and_a_toml_key() -> None:
 
 def test_the_parser_has_no_flag_that_is_not_a_setting() -> None:
     """Each flag is a setting's derived flag, one of its declared aliases, or the ``--no-``
-    form of a switch on by default; --config and --pool aside."""
+    form of a switch on by default; --config, --pool and --takeover aside."""
     settings = {s.name: s for s in SETTINGS}
     for dest, action in _actions().items():
         if dest in OWN_FLAGS:

@@ -13,6 +13,7 @@ STOPPING (systemd's notify protocol, on a real datagram socket).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -138,6 +139,21 @@ def test_a_takeover_with_no_daemon_starts_as_usual(endpoint: str) -> None:
         assert "--takeover: no daemon held the endpoint" in daemon.output
     finally:
         daemon.stop()
+
+
+def test_a_lock_that_names_no_pid_is_not_taken_over(tmp_path: Path) -> None:
+    """An older daemon's lock (held, no pid in it): nothing to signal, so a clear refusal."""
+    lock = os.open(tmp_path / "kvcore.sock.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        daemon = DaemonProcess(
+            "--endpoint", f"ipc://{tmp_path / 'kvcore.sock'}", "--pool", POOL, "--takeover"
+        )
+        with pytest.raises(RuntimeError, match="names no pid"):
+            daemon.start()
+        assert daemon.stop() == 1  # the endpoint is taken
+    finally:
+        os.close(lock)
 
 
 def test_a_takeover_of_a_tcp_endpoint_is_refused_saying_why() -> None:

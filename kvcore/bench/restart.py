@@ -163,18 +163,23 @@ def _takeover(old: Any, flags: tuple[str, ...], tokens: list[int]) -> tuple[Any,
 
     def probe(client: Client) -> None:
         last = longest = 0.0
-        while not stop.is_set():
-            try:
-                hit = client.lookup(tokens, compute_last=False).num_cached_tokens
-            except KVCoreError:
-                time.sleep(SOON_S)  # as an engine's Reconnector waits, then attaches again
-                with contextlib.suppress(KVCoreError):
-                    client.reconnect()
-                continue
-            now = time.perf_counter()
-            if hit:
-                longest, last = max(longest, now - last) if last else longest, now
-        gaps.append(longest)
+        try:
+            while not stop.is_set():
+                try:
+                    hit = client.lookup(tokens, compute_last=False).num_cached_tokens
+                except KVCoreError:
+                    time.sleep(SOON_S)  # as an engine's Reconnector waits, then attaches again
+                    with contextlib.suppress(KVCoreError):
+                        client.reconnect()
+                    continue
+                now = time.perf_counter()
+                if hit:
+                    longest, last = max(longest, now - last) if last else longest, now
+        except BaseException:
+            longest = float("nan")  # the probe failed: no figure
+            raise
+        finally:
+            gaps.append(longest)
 
     client = Client.connect(endpoint, map_memory=False, heartbeat=False)
     thread = threading.Thread(target=probe, args=(client,))

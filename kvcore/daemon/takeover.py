@@ -58,14 +58,22 @@ def take_over(endpoints: list[str], timeout_s: float = TAKEOVER_TIMEOUT_S) -> Ta
         )
     pid = EndpointLock.holder(endpoints[0]) or 0
     start = time.monotonic()
-    if pid:
+    locks: list[EndpointLock] = []
+    if not pid:  # free, or held by a daemon whose lock names no pid (an older kvcore)
+        try:
+            locks.append(EndpointLock(endpoints[0]))
+        except EndpointBusy:
+            raise EndpointBusy(
+                f"a daemon holds {endpoints[0]}, but its lock file names no pid to ask "
+                "to stop (an older kvcore?): stop it, then start this one"
+            ) from None
+    else:
         _check_ours(pid)
         notify(f"MAINPID={os.getpid()}")  # the service's main process from now on
         os.kill(pid, signal.SIGTERM)
         log.info("takeover: asked the daemon of %s (pid %d) to stop", endpoints[0], pid)
-    locks: list[EndpointLock] = []
     try:
-        for endpoint in endpoints:
+        for endpoint in endpoints[len(locks) :]:
             locks.append(_wait_for(endpoint, start + timeout_s, pid))
         while pid and pid_alive(pid):  # its pools' manifests name it until it is gone
             if time.monotonic() >= start + timeout_s:
